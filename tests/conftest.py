@@ -1,0 +1,30 @@
+"""Shared fixtures and markers. GPU tests skip with a visible reason where CUDA is absent."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import tilelang_ops  # noqa: F401  (registers torch.ops.tileops.*)
+
+# Hypothesis: deterministic in CI so a red run reproduces; fewer examples where no GPU speeds things up.
+try:
+    from hypothesis import settings
+
+    settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True)
+    settings.register_profile("dev", max_examples=50, deadline=None)
+    settings.load_profile("ci" if os.environ.get("CI") else "dev")
+except ImportError:  # pragma: no cover
+    pass
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped with a reason elsewhere")
+    config.addinivalue_line("markers", "slow: compiles kernels or runs long")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_seed(request):
+    # A different seed per test (but reproducible from the test id): fresh inputs, never zeros.
+    torch.manual_seed(hash(request.node.nodeid) % (2**31))

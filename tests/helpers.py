@@ -1,0 +1,32 @@
+"""Test helpers: poisoned outputs and error measures shared by every op's tests."""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (none here: GPU tests run on the H200 host)")
+DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
+
+
+@contextlib.contextmanager
+def poisoned_cuda_allocation(nbytes: int):
+    """Make the next CUDA allocation of `nbytes` reuse a block filled with NaN bytes (0xFF).
+
+    The caching allocator hands a freed block back to the next request of the same size, so an
+    op output that the kernel fails to write keeps NaNs and fails the comparison. Yields the
+    poisoned pointer so a test can assert the poison actually reached the output.
+    """
+    torch.cuda.synchronize()
+    buf = torch.empty(nbytes, dtype=torch.uint8, device="cuda").fill_(0xFF)  # 0xFF.. is NaN in every float type
+    ptr = buf.data_ptr()
+    del buf
+    yield ptr
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖out − ref‖ / ‖ref‖ in float64 (NaN propagates, so NaN never passes)."""
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()

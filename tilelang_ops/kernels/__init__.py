@@ -1,0 +1,1 @@
+"""TileLang kernels, one file per family. Nothing here knows torch.library or validates input."""

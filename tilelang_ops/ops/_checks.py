@@ -1,0 +1,29 @@
+"""Argument validation shared by every op: clear Python exceptions before anything launches."""
+from __future__ import annotations
+
+import torch
+
+
+def check_tensor(name: str, t, dtypes=None, ndim=None, contiguous: bool = True) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None and t.dtype not in dtypes:
+        supported = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name}: dtype {str(t.dtype).replace('torch.', '')} is not supported; supported: {supported}")
+    if ndim is not None and t.dim() not in ((ndim,) if isinstance(ndim, int) else ndim):
+        raise ValueError(f"{name}: expected {ndim}-D tensor, got {t.dim()}-D with shape {tuple(t.shape)}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(
+            f"{name}: non-contiguous tensor (shape {tuple(t.shape)}, stride {t.stride()}) is not supported; "
+            f"call .contiguous() first"
+        )
+
+
+def check_same(names: tuple[str, str], a: torch.Tensor, b: torch.Tensor, *, device=True, dtype=True, shape=False) -> None:
+    n1, n2 = names
+    if device and a.device != b.device:
+        raise ValueError(f"{n2}: on device {b.device} but {n1} is on {a.device}; all inputs must be on one device")
+    if dtype and a.dtype != b.dtype:
+        raise TypeError(f"{n2}: dtype {b.dtype} differs from {n1}'s {a.dtype}; pass both in one dtype")
+    if shape and a.shape != b.shape:
+        raise ValueError(f"{n2}: shape {tuple(b.shape)} differs from {n1}'s {tuple(a.shape)}; broadcasting is not supported")

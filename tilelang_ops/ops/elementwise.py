@@ -1,0 +1,77 @@
+"""torch.ops.tileops.add: the smallest real op, carried through every layer of the library.
+
+Reading order: validation → kernel resolution → op (CPU reference) → CUDA impl → fake → autograd →
+public function.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import reference, runtime
+from .._library import custom_op
+from ._checks import check_same, check_tensor
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_TL_DTYPE = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_INT32_MAX = 2**31 - 1
+
+
+def _check_add(a, b) -> None:
+    check_tensor("a", a, DTYPES)
+    check_tensor("b", b, DTYPES)
+    check_same(("a", "b"), a, b, shape=True)
+    if a.numel() > _INT32_MAX:
+        raise ValueError(f"a: {a.numel()} elements exceed the kernel's int32 index range ({_INT32_MAX})")
+
+
+# (dtype, device index) -> compiled kernel. Resolved once, so a call is a dict lookup and a launch.
+_kernels: dict[tuple, object] = {}
+
+
+def _add_kernel(dtype: torch.dtype, device: torch.device):
+    key = (dtype, device.index)
+    k = _kernels.get(key)
+    if k is None:
+        from ..kernels import elementwise as K
+
+        tl_dtype = _TL_DTYPE[dtype]
+        k = _kernels[key] = K.add_kernel.compile(K.default_config(tl_dtype), runtime.arch_for_device(device), dtype=tl_dtype)
+    return k
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    # The kernel issues 16-byte vector loads; a view with an odd storage offset would fault.
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+@custom_op("add")
+def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    _check_add(a, b)
+    return reference.add(a, b)
+
+
+@add.register_kernel("cuda")
+def _(a, b):
+    _check_add(a, b)
+    out = torch.empty_like(a)
+    if a.numel() == 0:
+        return out
+    _add_kernel(a.dtype, a.device)(_aligned(a).view(-1), _aligned(b).view(-1), out.view(-1))
+    return out
+
+
+@add.register_fake
+def _(a, b):
+    _check_add(a, b)
+    return torch.empty_like(a)
+
+
+def _add_setup(ctx, inputs, output):
+    pass
+
+
+def _add_backward(ctx, grad):
+    return grad, grad
+
+
+add.register_autograd(_add_backward, setup_context=_add_setup)

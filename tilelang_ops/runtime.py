@@ -1,0 +1,104 @@
+"""Targets, compilation and kernel caches. Knows TileLang, not torch.library.
+
+A kernel is identified by (family, config, static args, target). Compiled kernels live in a
+thread-safe in-memory dict for the life of the process; TileLang's own disk cache
+(`TILELANG_CACHE_DIR`, default `~/.tilelang/cache`) keys on the printed TIR, target and flags, so
+a second process loads the cubin and host wrapper instead of running nvcc again.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any, Callable
+
+_LOCK = threading.Lock()
+_COMPILED: dict[tuple, Any] = {}
+_ARCH_BY_DEVICE: dict[int, str] = {}
+
+
+def _tilelang():
+    # Imported lazily: it costs ~2 s and is not needed on the CPU path or for fake tensors.
+    import tilelang
+
+    return tilelang
+
+
+def arch_for_capability(major: int, minor: int) -> str:
+    """CUDA arch string TileLang should target. Hopper needs the `a` suffix for wgmma/setmaxnreg."""
+    return f"sm_{major}{minor}" + ("a" if major == 9 else "")
+
+
+def arch_for_device(device) -> str:
+    """Arch of a CUDA device (index or torch.device), cached per device index."""
+    import torch
+
+    index = device if isinstance(device, int) else (device.index if device.index is not None else torch.cuda.current_device())
+    arch = _ARCH_BY_DEVICE.get(index)
+    if arch is None:
+        arch = _ARCH_BY_DEVICE[index] = arch_for_capability(*torch.cuda.get_device_capability(index))
+    return arch
+
+
+def config_str(config) -> str:
+    """Canonical name of a config dataclass: `block1024_threads256`. Names kernels in every cache."""
+    return "_".join(f"{f.name.replace('_', '')}{getattr(config, f.name)}" for f in dataclasses.fields(config))
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelDef:
+    """A TileLang kernel family member: `build(config, **static) -> PrimFunc`."""
+
+    family: str
+    name: str
+    build: Callable[..., Any]
+    out_idx: tuple[int, ...] | None = None
+    pass_configs: tuple[tuple[str, Any], ...] = ()
+
+    def prim_func(self, config, **static):
+        return self.build(config, **static)
+
+    def compile(self, config, arch: str, **static):
+        """Compiled kernel for (config, static, arch); compiles at most once per process."""
+        key = (self.family, self.name, config, tuple(sorted(static.items())), arch)
+        kernel = _COMPILED.get(key)
+        if kernel is not None:
+            return kernel
+        with _LOCK:  # one compile per key even when threads race
+            kernel = _COMPILED.get(key)
+            if kernel is None:
+                kernel = _tilelang().compile(
+                    self.build(config, **static),
+                    out_idx=list(self.out_idx) if self.out_idx is not None else None,
+                    target={"kind": "cuda", "arch": arch},
+                    pass_configs=dict(self.pass_configs) or None,
+                )
+                _COMPILED[key] = kernel
+        return kernel
+
+    def source(self, config, arch: str, **static) -> str:
+        return self.compile(config, arch, **static).get_kernel_source()
+
+
+def kernel(family: str, name: str | None = None, out_idx=None, pass_configs=None):
+    """Decorator turning a PrimFunc builder into a KernelDef."""
+
+    def wrap(build):
+        return KernelDef(
+            family,
+            name or build.__name__,
+            build,
+            tuple(out_idx) if out_idx is not None else None,
+            tuple(sorted((pass_configs or {}).items())),
+        )
+
+    return wrap
+
+
+def compiled_count() -> int:
+    return len(_COMPILED)
+
+
+def tilelang_version() -> str:
+    from importlib.metadata import version
+
+    return version("tilelang")
