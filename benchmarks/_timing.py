@@ -1,0 +1,84 @@
+"""One timing helper for every benchmark: CUDA events, warm-up, median of many runs.
+
+`bench(fn)` returns the median milliseconds of `fn()` over `rep` timed runs after `warmup` runs,
+each run bracketed by its own pair of CUDA events on the current stream. Inputs that fit in L2
+(60 MB on H200) are measured from cache: benchmarks size problems well past that.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+
+def bench(fn, warmup: int = 10, rep: int = 50, flush_l2: bool = False) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    scratch = torch.empty(256 << 20, dtype=torch.uint8, device="cuda") if flush_l2 else None
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
+    for s, e in zip(starts, ends):
+        if scratch is not None:
+            scratch.zero_()
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def host_us(fn, n: int = 2000, warmup: int = 200) -> float:
+    """Median host wall time per call in microseconds (launch path, not GPU time)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(n):
+        t0 = time.perf_counter_ns()
+        fn()
+        samples.append((time.perf_counter_ns() - t0) / 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
+def environment() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        tl = version("tilelang")
+    except PackageNotFoundError:
+        tl = "absent"
+    return {
+        "date": time.strftime("%Y-%m-%d"),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "tilelang": tl,
+        "python": platform.python_version(),
+    }
+
+
+def write_json(name: str, rows: list, extra: dict | None = None) -> str:
+    """Write results to $OUT (device runs) or ./bench_results/ and return the path."""
+    out_dir = os.environ.get("OUT") or "bench_results"
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump({"env": environment(), **(extra or {}), "rows": rows}, f, indent=1)
+    return path
+
+
+def table(rows: list[dict], cols: list[str]) -> str:
+    widths = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in cols}
+    lines = ["  ".join(c.ljust(widths[c]) for c in cols), "  ".join("-" * widths[c] for c in cols)]
+    lines += ["  ".join(_fmt(r.get(c)).ljust(widths[c]) for c in cols) for r in rows]
+    return "\n".join(lines)
+
+
+def _fmt(v) -> str:
+    return f"{v:.3g}" if isinstance(v, float) else str(v)
