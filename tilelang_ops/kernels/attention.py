@@ -1,0 +1,406 @@
+"""FlashAttention forward (+ log-sum-exp) and backward, in flash-attn's (B, S, H, D) layout.
+
+Static (one compiled kernel each): head dim, dtype, causal, GQA ratio `groups`, softmax scale,
+config. Symbolic: batch, query/key lengths and head counts, so one kernel serves every B, S, H.
+
+Semantics shared by every kernel here:
+- query i (0-based) may see key j iff j < Sk and, when causal, j <= i + (Sk - Sq): the causal
+  diagonal is aligned to the bottom-right corner, as flash-attn >= 2.1.
+- a query row that sees no key gets output 0 and lse = -inf (never NaN).
+- LSE is the natural log: lse = log(sum_j exp(scale * q.k_j)), fp32, layout (B, H, Sq).
+- kv head of query head h is h // groups (no repeated K/V in memory).
+
+Tails: with symbolic lengths the last tile reads past the end; TMA fills those rows with zeros, so
+the scores of key index >= Sk are set to -inf explicitly (a zero K row would score 0, not -inf),
+and stores are clipped to the tensor.
+"""
+
+
+import math
+from dataclasses import dataclass
+
+import tilelang
+import tilelang.language as T
+
+from ..runtime import kernel
+
+DTYPES = ("float16", "bfloat16")
+HEADDIMS = (64, 128, 256)
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+# Fast math: exp2/log2 become single ex2.approx/lg2.approx instructions (ex2.approx(-inf) = +0).
+_PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
+
+
+def _is_hopper(arch: str) -> bool:
+    return arch.startswith("sm_90")
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class FwdConfig:
+    block_m: int = 128  # query rows per CTA
+    block_n: int = 128  # keys per pipeline step
+    num_stages: int = 2
+    threads: int = 256  # consumer threads; on Hopper TileLang adds a 128-thread TMA producer
+
+
+def fwd_default_config(headdim: int, causal: bool, arch: str = "sm_90a") -> FwdConfig:
+    if _is_hopper(arch):
+        if headdim <= 128:
+            return FwdConfig(128, 128, 2, 256)
+        # D=256: Q, O and two K/V stages of 128 keys would exceed 227 KB of shared memory.
+        return FwdConfig(128, 64, 2, 256)
+    # Ampere: 164 KB shared memory, no TMA/wgmma; smaller key tiles keep two stages resident.
+    if headdim <= 64:
+        return FwdConfig(128, 128, 2, 256)
+    if headdim <= 128:
+        return FwdConfig(128, 64, 2, 256)
+    return FwdConfig(64, 64, 1, 128)
+
+
+FWD_SEARCH_SPACE = [
+    FwdConfig(bm, bn, st, th)
+    for bm in (64, 128)
+    for bn in (64, 128, 176)
+    for st in (1, 2)
+    for th in (128, 256)
+    if not (bm == 64 and th == 256)
+]
+
+
+@kernel("attention", "flash_fwd", pass_configs=_PASS_CONFIGS)
+def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, groups: int, scale: float):
+    B = T.dynamic("B")
+    Sq = T.dynamic("Sq")
+    Sk = T.dynamic("Sk")
+    H = T.dynamic("H")
+    HK = T.dynamic("HK")
+    D = headdim
+    bm, bn = config.block_m, config.block_n
+    acc = "float32"
+    scale_log2 = scale * LOG2E  # softmax in base 2: exp(x * scale) == exp2(x * scale * log2(e))
+    neg_inf = -T.infinity(acc)
+
+    @T.prim_func
+    def flash_fwd(
+        Q: T.Tensor((B, Sq, H, D), dtype),
+        K: T.Tensor((B, Sk, HK, D), dtype),
+        V: T.Tensor((B, Sk, HK, D), dtype),
+        O: T.Tensor((B, Sq, H, D), dtype),
+        LSE: T.Tensor((B, H, Sq), acc),
+    ):
+        with T.Kernel(T.ceildiv(Sq, bm), H, B, threads=config.threads) as (bx, by, bz):
+            q_s = T.alloc_shared((bm, D), dtype)
+            k_s = T.alloc_shared((bn, D), dtype)
+            v_s = T.alloc_shared((bn, D), dtype)
+            o_s = T.alloc_shared((bm, D), dtype)
+            s = T.alloc_fragment((bm, bn), acc)  # scores, then probabilities
+            p = T.alloc_fragment((bm, bn), dtype)
+            o = T.alloc_fragment((bm, D), acc)
+            m = T.alloc_fragment((bm,), acc)  # running row max of raw scores
+            m_prev = T.alloc_fragment((bm,), acc)
+            m_scaled = T.alloc_fragment((bm,), acc)
+            alpha = T.alloc_fragment((bm,), acc)  # rescale of the running sums
+            row_sum = T.alloc_fragment((bm,), acc)
+            l = T.alloc_fragment((bm,), acc)  # running sum of exp
+            lse = T.alloc_fragment((bm,), acc)
+
+            kvh = by // groups
+            offset = Sk - Sq  # bottom-right causal alignment
+            T.copy(Q[bz, bx * bm : (bx + 1) * bm, by, :], q_s)
+            T.fill(o, 0)
+            T.fill(l, 0)
+            T.fill(m, neg_inf)
+
+            if causal:
+                # Last key any row of this tile may see is (bx+1)*bm - 1 + offset. At least one step
+                # even for a tile that sees nothing (Sq > Sk): the step is fully masked and gives
+                # 0 / -inf, and it waits on the Q load, whose shared buffer the output tile reuses.
+                n_blocks = T.max(T.min(T.ceildiv(Sk, bn), T.ceildiv((bx + 1) * bm + offset, bn)), 1)
+            else:
+                n_blocks = T.ceildiv(Sk, bn)
+
+            for kb in T.Pipelined(n_blocks, num_stages=config.num_stages):
+                T.copy(K[bz, kb * bn : (kb + 1) * bn, kvh, :], k_s)
+                # The mask is the GEMM's initial accumulator: 0 where visible, -inf elsewhere.
+                for i, j in T.Parallel(bm, bn):
+                    if causal:
+                        s[i, j] = T.if_then_else(
+                            (kb * bn + j >= Sk) | (kb * bn + j > bx * bm + i + offset), neg_inf, 0
+                        )
+                    else:
+                        s[i, j] = T.if_then_else(kb * bn + j >= Sk, neg_inf, 0)
+                T.gemm(q_s, k_s, s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+
+                T.copy(m, m_prev)
+                T.reduce_max(s, m, dim=1, clear=False)
+                for i in T.Parallel(bm):
+                    # A row with no visible key yet keeps max -inf; shift by 0 so exp2 gives 0, not NaN.
+                    m_scaled[i] = T.if_then_else(m[i] == neg_inf, 0, m[i] * scale_log2)
+                    alpha[i] = T.exp2(m_prev[i] * scale_log2 - m_scaled[i])
+                for i, j in T.Parallel(bm, bn):
+                    s[i, j] = T.exp2(s[i, j] * scale_log2 - m_scaled[i])
+                T.reduce_sum(s, row_sum, dim=1)
+                for i in T.Parallel(bm):
+                    l[i] = l[i] * alpha[i] + row_sum[i]
+                T.copy(s, p)
+                for i, j in T.Parallel(bm, D):
+                    o[i, j] *= alpha[i]
+
+                T.copy(V[bz, kb * bn : (kb + 1) * bn, kvh, :], v_s)
+                T.gemm(p, v_s, o, policy=T.GemmWarpPolicy.FullRow)
+
+            for i in T.Parallel(bm):
+                # l == 0 only for rows that saw no key: output 0, lse -inf.
+                lse[i] = T.if_then_else(l[i] > 0, (T.log2(l[i]) + m_scaled[i]) * LN2, neg_inf)
+                l[i] = T.if_then_else(l[i] > 0, 1.0 / l[i], 0)
+            for i, j in T.Parallel(bm, D):
+                o[i, j] *= l[i]
+            T.copy(o, o_s)
+            T.copy(o_s, O[bz, bx * bm : (bx + 1) * bm, by, :])
+            T.copy(lse, LSE[bz, by, bx * bm : (bx + 1) * bm])
+
+    return flash_fwd
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward: preprocess (Delta, base-2 LSE) -> dK/dV/dQ main kernel -> dQ conversion
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PrepConfig:
+    block: int = 64  # query rows per CTA
+    threads: int = 128
+
+
+@kernel("attention", "flash_bwd_prep", pass_configs=_PASS_CONFIGS)
+def flash_bwd_prep_kernel(config: PrepConfig, headdim: int, dtype: str):
+    """Delta = rowsum(dO * O) and lse2 = lse * log2(e), as (B, H, SqP) fp32 with SqP = Sq rounded
+    up to a multiple of 4: the backward loads them by TMA, whose global strides must be 16-byte
+    multiples. Entries past Sq are written as 0 (never left uninitialized: 0 * NaN is NaN)."""
+    B = T.dynamic("B")
+    Sq = T.dynamic("Sq")
+    SqP = T.dynamic("SqP")
+    H = T.dynamic("H")
+    D = headdim
+    blk = config.block
+    acc = "float32"
+
+    @T.prim_func
+    def flash_bwd_prep(
+        O: T.Tensor((B, Sq, H, D), dtype),
+        dO: T.Tensor((B, Sq, H, D), dtype),
+        LSE: T.Tensor((B, H, Sq), acc),
+        Delta: T.Tensor((B, H, SqP), acc),
+        LSE2: T.Tensor((B, H, SqP), acc),
+    ):
+        with T.Kernel(T.ceildiv(SqP, blk), H, B, threads=config.threads) as (bx, by, bz):
+            o = T.alloc_fragment((blk, D), dtype)
+            do = T.alloc_fragment((blk, D), dtype)
+            prod = T.alloc_fragment((blk, D), acc)
+            delta = T.alloc_fragment((blk,), acc)
+            for i, j in T.Parallel(blk, D):  # reads blk*D twice
+                o[i, j] = T.if_then_else(bx * blk + i < Sq, O[bz, bx * blk + i, by, j], T.Cast(dtype, 0))
+                do[i, j] = T.if_then_else(bx * blk + i < Sq, dO[bz, bx * blk + i, by, j], T.Cast(dtype, 0))
+            for i, j in T.Parallel(blk, D):
+                prod[i, j] = T.Cast(acc, o[i, j]) * T.Cast(acc, do[i, j])
+            T.reduce_sum(prod, delta, dim=1)
+            for i in T.Parallel(blk):
+                if bx * blk + i < SqP:
+                    Delta[bz, by, bx * blk + i] = delta[i]
+                    LSE2[bz, by, bx * blk + i] = T.if_then_else(
+                        bx * blk + i < Sq, LSE[bz, by, T.min(bx * blk + i, Sq - 1)] * LOG2E, 0
+                    )
+
+    return flash_bwd_prep
+
+
+@dataclass(frozen=True)
+class BwdConfig:
+    block_m: int = 128  # keys per CTA (dK, dV rows held in registers)
+    block_n: int = 64  # queries per pipeline step
+    num_stages: int = 2
+    threads: int = 256
+    tma_dq: bool = True  # dQ via TMA cp.reduce.async.bulk (sm90+); else per-element atomicAdd
+    # P^T and dS^T as register operands of the dV/dK GEMMs (saves shared traffic); False stages
+    # them in shared memory, needed when the dK/dV GEMMs split N over warps (D=256, 8 warps).
+    rs_gemm: bool = True
+
+
+def bwd_default_config(headdim: int, causal: bool, arch: str = "sm_90a") -> BwdConfig:
+    hopper = _is_hopper(arch)
+    if headdim <= 64:
+        return BwdConfig(128, 128 if hopper else 64, 2, 256, hopper)
+    if headdim <= 128:
+        return BwdConfig(128, 64, 2, 256, hopper) if hopper else BwdConfig(64, 64, 2, 256, False)
+    # D=256: two stages of Q/dO plus an fp32 dQ tile would not fit in shared memory, and 64x256
+    # fp32 dK plus dV need 8 warps to stay in registers.
+    return BwdConfig(64, 64, 1, 256, hopper, False) if hopper else BwdConfig(64, 32, 1, 256, False, False)
+
+
+BWD_SEARCH_SPACE = [
+    BwdConfig(bm, bn, st, th, True, rs)
+    for rs in (True, False)
+    for bm in (64, 128)
+    for bn in (32, 64, 128)
+    for st in (1, 2)
+    for th in (128, 256)
+    if not (bm == 64 and th == 256 and bn == 32)
+]
+
+
+@kernel("attention", "flash_bwd", pass_configs=_PASS_CONFIGS)
+def flash_bwd_kernel(config: BwdConfig, headdim: int, dtype: str, causal: bool, groups: int, scale: float):
+    """One CTA per (key block, kv head, batch): walks every query block of every query head in the
+    GQA group, so dK/dV accumulate in registers and are written once (deterministic, no atomics).
+    dQ tiles are atomically added into a zeroed fp32 (B, Sq, H, D) buffer (not deterministic)."""
+    B = T.dynamic("B")
+    Sq = T.dynamic("Sq")
+    SqP = T.dynamic("SqP")
+    Sk = T.dynamic("Sk")
+    H = T.dynamic("H")
+    HK = T.dynamic("HK")
+    D = headdim
+    bm, bn = config.block_m, config.block_n
+    acc = "float32"
+    scale_log2 = scale * LOG2E
+
+    @T.prim_func
+    def flash_bwd(
+        Q: T.Tensor((B, Sq, H, D), dtype),
+        K: T.Tensor((B, Sk, HK, D), dtype),
+        V: T.Tensor((B, Sk, HK, D), dtype),
+        dO: T.Tensor((B, Sq, H, D), dtype),
+        LSE2: T.Tensor((B, H, SqP), acc),  # base-2 LSE from the preprocess kernel, Sq padded
+        Delta: T.Tensor((B, H, SqP), acc),
+        dQacc: T.Tensor((B, Sq, H, D), acc),  # zeroed by the caller
+        dK: T.Tensor((B, Sk, HK, D), dtype),
+        dV: T.Tensor((B, Sk, HK, D), dtype),
+    ):
+        with T.Kernel(T.ceildiv(Sk, bm), HK, B, threads=config.threads) as (bx, by, bz):
+            k_s = T.alloc_shared((bm, D), dtype)
+            v_s = T.alloc_shared((bm, D), dtype)
+            q_s = T.alloc_shared((bn, D), dtype)
+            do_s = T.alloc_shared((bn, D), dtype)
+            lse_s = T.alloc_shared((bn,), acc)
+            delta_s = T.alloc_shared((bn,), acc)
+            ds_s = T.alloc_shared((bm, bn), dtype)
+            p_s = T.alloc_shared((bm, bn), dtype)
+            dq_s = T.alloc_shared((bn, D), acc)
+            dk_s = T.alloc_shared((bm, D), dtype)
+            dv_s = T.alloc_shared((bm, D), dtype)
+            sT = T.alloc_fragment((bm, bn), acc)  # S^T, then P^T
+            dpT = T.alloc_fragment((bm, bn), acc)  # dP^T = V dO^T
+            pT = T.alloc_fragment((bm, bn), dtype)
+            dsT = T.alloc_fragment((bm, bn), dtype)
+            dq = T.alloc_fragment((bn, D), acc)
+            dk = T.alloc_fragment((bm, D), acc)
+            dv = T.alloc_fragment((bm, D), acc)
+
+            offset = Sk - Sq
+            T.copy(K[bz, bx * bm : (bx + 1) * bm, by, :], k_s)
+            T.copy(V[bz, bx * bm : (bx + 1) * bm, by, :], v_s)
+            T.clear(dk)
+            T.clear(dv)
+            # First query that sees key bx*bm is bx*bm - offset (causal); earlier query blocks skip.
+            q_start = T.max(T.floordiv(bx * bm - offset, bn), 0) if causal else 0
+            n_q = T.max(T.ceildiv(Sq, bn) - q_start, 0)
+
+            for it in T.Pipelined(groups * n_q, num_stages=config.num_stages):
+                if groups == 1:
+                    h = by
+                    qb = q_start + it
+                else:
+                    h = by * groups + it // n_q
+                    qb = q_start + it % n_q
+                T.copy(Q[bz, qb * bn : (qb + 1) * bn, h, :], q_s)
+                T.copy(dO[bz, qb * bn : (qb + 1) * bn, h, :], do_s)
+                T.copy(LSE2[bz, h, qb * bn : (qb + 1) * bn], lse_s)
+                T.copy(Delta[bz, h, qb * bn : (qb + 1) * bn], delta_s)
+                T.gemm(k_s, q_s, sT, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                T.gemm(v_s, do_s, dpT, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                for i, j in T.Parallel(bm, bn):
+                    # select, not multiply: lse2 is -inf for rows that see no key (exp2 -> inf there)
+                    if causal:
+                        sT[i, j] = T.if_then_else(
+                            (bx * bm + i < Sk) & (qb * bn + j < Sq) & (bx * bm + i <= qb * bn + j + offset),
+                            T.exp2(sT[i, j] * scale_log2 - lse_s[j]),
+                            0,
+                        )
+                    else:
+                        sT[i, j] = T.if_then_else(
+                            (bx * bm + i < Sk) & (qb * bn + j < Sq), T.exp2(sT[i, j] * scale_log2 - lse_s[j]), 0
+                        )
+                if config.rs_gemm:
+                    T.copy(sT, pT)
+                    T.gemm(pT, do_s, dv, policy=T.GemmWarpPolicy.FullRow)  # dV += P^T dO
+                else:
+                    T.copy(sT, p_s)
+                    T.gemm(p_s, do_s, dv)
+                for i, j in T.Parallel(bm, bn):
+                    dsT[i, j] = sT[i, j] * (dpT[i, j] - delta_s[j]) * scale  # dS^T, softmax scale folded in
+                T.copy(dsT, ds_s)
+                if config.rs_gemm:
+                    T.gemm(dsT, q_s, dk, policy=T.GemmWarpPolicy.FullRow)  # dK += dS^T Q
+                else:
+                    T.gemm(ds_s, q_s, dk)
+                T.gemm(ds_s, k_s, dq, transpose_A=True, clear_accum=True)  # dQ tile = dS K
+                if config.tma_dq:
+                    T.copy(dq, dq_s)
+                    T.atomic_add(dQacc[bz, qb * bn : (qb + 1) * bn, h, :], dq_s, use_tma=True)
+                else:
+                    for i, j in T.Parallel(bn, D):
+                        if qb * bn + i < Sq:
+                            T.atomic_add(dQacc[bz, qb * bn + i, h, j], dq[i, j])
+
+            T.copy(dv, dv_s)
+            T.copy(dv_s, dV[bz, bx * bm : (bx + 1) * bm, by, :])
+            T.copy(dk, dk_s)
+            T.copy(dk_s, dK[bz, bx * bm : (bx + 1) * bm, by, :])
+
+    return flash_bwd
+
+
+@dataclass(frozen=True)
+class CastConfig:
+    block: int = 4096  # elements per CTA: 16 per thread = four 16-byte fp32 loads
+    threads: int = 256
+
+
+@kernel("attention", "cast_f32", pass_configs=_PASS_CONFIGS)
+def cast_f32_kernel(config: CastConfig, dtype: str):
+    """dQ conversion: fp32 accumulator -> dtype, flat, symbolic length."""
+    N = T.dynamic("N")
+    blk = config.block
+
+    @T.prim_func
+    def cast_f32(X: T.Tensor((N,), "float32"), Y: T.Tensor((N,), dtype)):
+        with T.Kernel(T.ceildiv(N, blk), threads=config.threads) as bx:
+            if bx * blk + blk <= N:
+                for i in T.Parallel(blk):
+                    Y[bx * blk + i] = T.Cast(dtype, X[bx * blk + i])
+            else:
+                for i in T.Parallel(blk):
+                    if bx * blk + i < N:
+                        Y[bx * blk + i] = T.Cast(dtype, X[bx * blk + i])
+
+    return cast_f32
+
+
+def default_scale(headdim: int) -> float:
+    return 1.0 / math.sqrt(headdim)
+
+
+# (kernel, config, static args) that `tileops export` writes and `tileops check` compiles.
+REPRESENTATIVE = [
+    (flash_fwd_kernel, fwd_default_config(128, False), dict(headdim=128, dtype="bfloat16", causal=False, groups=1, scale=default_scale(128))),
+    (flash_fwd_kernel, fwd_default_config(128, True), dict(headdim=128, dtype="bfloat16", causal=True, groups=1, scale=default_scale(128))),
+    (flash_fwd_kernel, fwd_default_config(64, False), dict(headdim=64, dtype="bfloat16", causal=False, groups=1, scale=default_scale(64))),
+    (flash_fwd_kernel, fwd_default_config(64, True), dict(headdim=64, dtype="bfloat16", causal=True, groups=1, scale=default_scale(64))),
+    (flash_bwd_prep_kernel, PrepConfig(), dict(headdim=128, dtype="bfloat16")),
+    (flash_bwd_kernel, bwd_default_config(128, True), dict(headdim=128, dtype="bfloat16", causal=True, groups=1, scale=default_scale(128))),
+    (cast_f32_kernel, CastConfig(), dict(dtype="bfloat16")),
+]

@@ -1,0 +1,269 @@
+"""Tensor-core GEMM with a fused bias + activation epilogue, and the pieces its backward needs.
+
+One builder, three operand layouts (row-major storage everywhere):
+
+    layout  C (rows × N)        A stored     B stored     reduction  used by
+    "nn"    A @ B               (M, K)       (K, N)       K static   gemm, linear's dX = dZ @ W
+    "nt"    A @ Bᵀ              (M, K)       (N, K)       K static   linear forward, gemm's dA
+    "tn"    Aᵀ @ B              (K, P)       (K, N)       K dynamic  weight gradients dW = dZᵀ @ X
+
+For "nn"/"nt" the row count M (tokens) is symbolic and N, K (weight shapes) are static, so one
+kernel serves every token count. For "tn" the output (P, N) is a weight shape (static) and the
+reduction runs over the symbolic token dimension. `batched=True` adds a symbolic leading batch
+dimension to A, B and C, mapped to gridDim.z.
+
+On sm_90a, TileLang lowers T.copy global→shared inside T.Pipelined to TMA (out-of-range rows and
+columns are zero-filled, so ragged tiles need no guards in the main loop) and T.gemm to wgmma,
+and warp-specializes the loop: `threads` counts consumer threads only; a 128-thread producer
+warpgroup is added. TMA needs every row stride to be a multiple of 16 bytes: the op layer pads
+K and N to multiples of 8 elements before calling these kernels.
+"""
+# No `from __future__ import annotations`: TileLang evaluates the T.Tensor annotations below
+# against the closure, and string annotations would not see shapes used only there.
+import math
+from dataclasses import dataclass
+
+import tilelang.language as T
+
+from ..runtime import kernel
+
+DTYPES = ("float16", "bfloat16")
+ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu")
+LAYOUTS = ("nn", "nt", "tn")
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_M: int = 128
+    block_N: int = 256
+    block_K: int = 64
+    num_stages: int = 3
+    threads: int = 256  # consumer threads under warp specialization (Hopper adds a producer warpgroup)
+    swizzle: int = 8  # T.use_swizzle panel size (L2 reuse across neighbouring CTAs); 0 = off
+    policy: str = "Square"  # T.GemmWarpPolicy member: Square | FullRow | FullCol
+
+
+# Defaults per (arch, shape class). The shape class only looks at static dims (N, and the
+# output rows for "tn"), never at the symbolic token count, so a layer keeps one kernel.
+_HOPPER_LARGE = GemmConfig(128, 256, 64, 3, 256, 8, "Square")  # 760 TFLOP/s at 8192³ (cuBLAS 783)
+_HOPPER_NARROW = GemmConfig(128, 128, 64, 4, 256, 8, "Square")  # N ≤ 128: a 256-wide tile would be half empty
+_AMPERE = GemmConfig(128, 128, 32, 3, 256, 8, "Square")  # no wgmma/TMA: mma.sync + cp.async, 164 KB smem
+
+
+def default_config(arch: str, n: int, rows: int | None = None) -> GemmConfig:
+    """Schedule for an output with `n` (static) columns; `rows` is the static row count for "tn"."""
+    if not arch.startswith("sm_9"):
+        return _AMPERE
+    if n <= 128:
+        return _HOPPER_NARROW
+    return _HOPPER_LARGE
+
+
+SEARCH_SPACE = [
+    GemmConfig(128, 256, 64, 3, 256, 8),
+    GemmConfig(128, 256, 64, 3, 256, 0),
+    GemmConfig(128, 256, 64, 3, 256, 16),
+    GemmConfig(256, 128, 64, 3, 256, 8),
+    GemmConfig(128, 128, 64, 4, 256, 8),
+    GemmConfig(128, 256, 64, 4, 256, 8, "FullRow"),
+    GemmConfig(128, 192, 64, 4, 256, 8),
+    GemmConfig(128, 128, 64, 5, 128, 8),
+]
+
+
+def _act(x, activation: str):
+    """Activation of a float32 value, as TIR."""
+    if activation == "none":
+        return x
+    if activation == "relu":
+        return T.max(x, T.float32(0))
+    if activation == "gelu":
+        return T.float32(0.5) * x * (T.float32(1) + T.erf(x * T.float32(1 / math.sqrt(2))))
+    if activation == "gelu_tanh":
+        inner = T.float32(math.sqrt(2 / math.pi)) * (x + T.float32(0.044715) * x * x * x)
+        return T.float32(0.5) * x * (T.float32(1) + T.tanh(inner))
+    if activation == "silu":
+        return x / (T.float32(1) + T.exp(-x))
+    raise ValueError(f"unknown activation {activation!r}")
+
+
+def _act_grad(z, activation: str):
+    """d act / dz at z (float32), as TIR."""
+    if activation == "none":
+        return T.float32(1)
+    if activation == "relu":
+        return T.if_then_else(z > T.float32(0), T.float32(1), T.float32(0))
+    if activation == "gelu":
+        cdf = T.float32(0.5) * (T.float32(1) + T.erf(z * T.float32(1 / math.sqrt(2))))
+        pdf = T.exp(T.float32(-0.5) * z * z) * T.float32(1 / math.sqrt(2 * math.pi))
+        return cdf + z * pdf
+    if activation == "gelu_tanh":
+        k0, k1 = T.float32(math.sqrt(2 / math.pi)), T.float32(0.044715)
+        t = T.tanh(k0 * (z + k1 * z * z * z))
+        return T.float32(0.5) * (T.float32(1) + t) + T.float32(0.5) * z * (T.float32(1) - t * t) * k0 * (
+            T.float32(1) + T.float32(3) * k1 * z * z
+        )
+    if activation == "silu":
+        s = T.float32(1) / (T.float32(1) + T.exp(-z))
+        return s * (T.float32(1) + z * (T.float32(1) - s))
+    raise ValueError(f"unknown activation {activation!r}")
+
+
+@kernel("gemm", "matmul")
+def matmul_kernel(
+    config: GemmConfig,
+    *,
+    layout: str,
+    n: int,
+    k: int,
+    dtype: str,
+    rows: int = 0,
+    batched: bool = False,
+    bias: bool = False,
+    activation: str = "none",
+    save_preact: bool = False,
+):
+    """C = act(op(A) @ op(B) + bias), fp32 accumulation, output in `dtype`.
+
+    Static: n (C columns), k (reduction for "nn"/"nt"), rows (C rows, "tn" only). Symbolic: M
+    (C rows for "nn"/"nt"), K (reduction for "tn"), batch. Arguments in order:
+    A, B, [Bias (n,)], C, [Z (pre-activation, same shape as C) when save_preact].
+    """
+    bm, bn, bk = config.block_M, config.block_N, config.block_K
+    accum = "float32"
+    policy = getattr(T.GemmWarpPolicy, config.policy)
+    trans_a, trans_b = layout == "tn", layout == "nt"
+    if layout == "tn":
+        M, K = rows, T.dynamic("K")
+    else:
+        M, K = T.dynamic("M"), k
+    N = n
+    Bt = T.dynamic("batch") if batched else None
+    lead = (Bt,) if batched else ()
+    a_shape = lead + ((K, M) if trans_a else (M, K))
+    b_shape = lead + ((N, K) if trans_b else (K, N))
+    c_shape = lead + (M, N)
+    a_tile = (bk, bm) if trans_a else (bm, bk)
+    b_tile = (bn, bk) if trans_b else (bk, bn)
+    # TMA zero-fills out-of-range loads, so a ragged N never reads garbage bias either when clamped.
+    n_ragged = N % bn != 0
+    n_blocks = T.ceildiv(N, bn)
+    m_blocks = T.ceildiv(M, bm)
+
+    @T.macro
+    def body(A, B, Bias, C, Z, bx, by, bz):
+        ix = (bz,) if batched else ()
+        A_s = T.alloc_shared(a_tile, dtype)
+        B_s = T.alloc_shared(b_tile, dtype)
+        C_f = T.alloc_fragment((bm, bn), accum)
+        C_s = T.alloc_shared((bm, bn), dtype)
+        if config.swizzle:
+            T.use_swizzle(config.swizzle)
+        T.clear(C_f)
+        for kk in T.Pipelined(T.ceildiv(K, bk), num_stages=config.num_stages):
+            if trans_a:
+                T.copy(A[ix + (kk * bk, by * bm)], A_s)
+            else:
+                T.copy(A[ix + (by * bm, kk * bk)], A_s)
+            if trans_b:
+                T.copy(B[ix + (bx * bn, kk * bk)], B_s)
+            else:
+                T.copy(B[ix + (kk * bk, bx * bn)], B_s)
+            T.gemm(A_s, B_s, C_f, transpose_A=trans_a, transpose_B=trans_b, policy=policy)
+        # Epilogue in registers: bias and activation cost no extra pass over global memory.
+        if bias:
+            for i, j in T.Parallel(bm, bn):
+                col = T.min(bx * bn + j, N - 1) if n_ragged else bx * bn + j
+                C_f[i, j] = C_f[i, j] + T.Cast(accum, Bias[col])
+        if save_preact:
+            T.copy(C_f, C_s)
+            T.copy(C_s, Z[ix + (by * bm, bx * bn)])
+        if activation != "none":
+            for i, j in T.Parallel(bm, bn):
+                C_f[i, j] = _act(C_f[i, j], activation)
+        T.copy(C_f, C_s)
+        T.copy(C_s, C[ix + (by * bm, bx * bn)])
+
+    @T.macro
+    def launch(A, B, Bias, C, Z):
+        if batched:
+            with T.Kernel(n_blocks, m_blocks, Bt, threads=config.threads) as (bx, by, bz):
+                body(A, B, Bias, C, Z, bx, by, bz)
+        else:
+            with T.Kernel(n_blocks, m_blocks, threads=config.threads) as (bx, by):
+                body(A, B, Bias, C, Z, bx, by, None)
+
+    # T.prim_func needs explicit signatures: one per argument combination we ship.
+    if bias and save_preact:
+
+        @T.prim_func
+        def matmul(A: T.Tensor(a_shape, dtype), B: T.Tensor(b_shape, dtype), Bias: T.Tensor((N,), dtype), C: T.Tensor(c_shape, dtype), Z: T.Tensor(c_shape, dtype)):
+            launch(A, B, Bias, C, Z)
+
+    elif bias:
+
+        @T.prim_func
+        def matmul(A: T.Tensor(a_shape, dtype), B: T.Tensor(b_shape, dtype), Bias: T.Tensor((N,), dtype), C: T.Tensor(c_shape, dtype)):
+            launch(A, B, Bias, C, None)
+
+    elif save_preact:
+
+        @T.prim_func
+        def matmul(A: T.Tensor(a_shape, dtype), B: T.Tensor(b_shape, dtype), C: T.Tensor(c_shape, dtype), Z: T.Tensor(c_shape, dtype)):
+            launch(A, B, None, C, Z)
+
+    else:
+
+        @T.prim_func
+        def matmul(A: T.Tensor(a_shape, dtype), B: T.Tensor(b_shape, dtype), C: T.Tensor(c_shape, dtype)):
+            launch(A, B, None, C, None)
+
+    return matmul
+
+
+@dataclass(frozen=True)
+class ActGradConfig:
+    block_M: int = 32
+    block_N: int = 256  # 256 threads × 8 bf16 = one 16-byte vector per thread per row
+    threads: int = 256
+
+
+def default_act_grad_config(arch: str, n: int) -> ActGradConfig:
+    return ActGradConfig()
+
+
+@kernel("gemm", "act_grad")
+def act_grad_kernel(config: ActGradConfig, *, n: int, dtype: str, activation: str):
+    """dZ = dY * act'(Z) and per-row-block partial column sums of dZ (for the bias gradient).
+
+    One pass over two (M, n) inputs: reads 2·M·n, writes M·n + ceil(M/block_M)·n fp32 partials,
+    which the op sums (deterministically, no atomics). For relu, Z may be the activation's
+    output: relu'(z) = [z > 0] = [relu(z) > 0].
+    """
+    bm, bn = config.block_M, config.block_N
+    M = T.dynamic("M")
+    MB = T.dynamic("MB")  # = ceil(M / block_M); the host checks it against the grid
+
+    @T.prim_func
+    def act_grad(DY: T.Tensor((M, n), dtype), Z: T.Tensor((M, n), dtype), DZ: T.Tensor((M, n), dtype), DB: T.Tensor((MB, n), "float32")):
+        with T.Kernel(T.ceildiv(n, bn), T.ceildiv(M, bm), threads=config.threads) as (bx, by):
+            g = T.alloc_fragment((bm, bn), "float32")
+            colsum = T.alloc_fragment((bn,), "float32")
+            T.clear(g)
+            # Full tiles run branch-free (vectorized); only ragged edge tiles pay for guards.
+            if by * bm + bm <= M and bx * bn + bn <= n:
+                for i, j in T.Parallel(bm, bn):
+                    g[i, j] = T.Cast("float32", DY[by * bm + i, bx * bn + j]) * _act_grad(T.Cast("float32", Z[by * bm + i, bx * bn + j]), activation)
+                    DZ[by * bm + i, bx * bn + j] = T.Cast(dtype, g[i, j])
+            else:
+                for i, j in T.Parallel(bm, bn):
+                    if by * bm + i < M:
+                        if bx * bn + j < n:
+                            g[i, j] = T.Cast("float32", DY[by * bm + i, bx * bn + j]) * _act_grad(T.Cast("float32", Z[by * bm + i, bx * bn + j]), activation)
+                            DZ[by * bm + i, bx * bn + j] = T.Cast(dtype, g[i, j])
+            T.reduce_sum(g, colsum, dim=0)
+            for j in T.Parallel(bn):
+                if bx * bn + j < n:
+                    DB[by, bx * bn + j] = colsum[j]
+
+    return act_grad

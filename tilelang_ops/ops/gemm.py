@@ -1,0 +1,497 @@
+"""GEMM and fused Linear + bias + activation: torch.ops.tileops.{gemm, gemm_nt, gemm_tn, linear,
+linear_preact, act_grad}.
+
+Reading order: config → kernel call → ops (each with its fake and autograd right under it) →
+public helpers (`last_config`, `config_for`).
+
+What is static and what is symbolic: the token/row count M (and a batch dim) is symbolic, so a
+layer compiles once; N and K — the weight's shape — are baked into the kernel. For `gemm_tn`
+(weight gradients) the output (P, N) is static and the reduction over tokens is symbolic.
+
+Alignment: TMA needs 16-byte row strides, i.e. the static dims (K and N; P for gemm_tn) a
+multiple of 8 elements in fp16/bf16. Other sizes are handled by zero-padding those dims on the
+host (one copy of each operand that needs it, and the output is sliced back with one more copy):
+correct for any size, at full speed only for multiples of 8. Non-contiguous operands are copied
+with `.contiguous()`, except that `gemm(a, b)` with `b` a transposed view of a contiguous (N, K)
+tensor runs the "nt" kernel on it without a copy. Views not 16-byte aligned are cloned.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .. import reference, runtime
+from .._library import custom_op
+from ._checks import check_same, check_tensor
+
+DTYPES = (torch.float16, torch.bfloat16)
+ACTIVATIONS = reference.ACTIVATIONS
+# Activations whose derivative needs the pre-activation z (relu's needs only the output's sign).
+NEEDS_PREACT = ("gelu", "gelu_tanh", "silu")
+_TL_DTYPE = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_ALIGN = 8  # elements: 16 bytes of fp16/bf16, TMA's row-stride granule
+
+# ---------------------------------------------------------------- config
+
+# (arch, layout, rows, n, k, dtype) -> config, filled by `set_config` (e.g. from benchmarks --tune);
+# consulted before the kernel family's default table.
+TUNED: dict[tuple, object] = {}
+_last: dict[str, tuple] = {}
+
+
+def config_for(layout: str, n: int, k: int, dtype: torch.dtype, arch: str = "sm_90a", rows: int = 0):
+    """The GemmConfig a call with these static dims would use (tuned entry, else the default)."""
+    from ..kernels import gemm as K
+
+    cfg = TUNED.get((arch, layout, rows, n, k, dtype))
+    if cfg is None:
+        cfg = K.default_config(arch, n, rows or None)
+        if layout == "tn" and not arch.startswith("sm_9"):
+            # sm_80's cp.async software pipeline cannot take a symbolic trip count (fails to
+            # lower); the weight-gradient kernel runs unpipelined there.
+            cfg = K.GemmConfig(cfg.block_M, cfg.block_N, cfg.block_K, 0, cfg.threads, cfg.swizzle, cfg.policy)
+    return cfg
+
+
+def set_config(layout: str, n: int, k: int, dtype: torch.dtype, config, arch: str = "sm_90a", rows: int = 0) -> None:
+    """Pin `config` for these static dims (clears compiled-kernel lookups so it takes effect)."""
+    TUNED[(arch, layout, rows, n, k, dtype)] = config
+    _kernels.clear()
+
+
+def last_config(op: str = "matmul"):
+    """(kernel name, config, static dims) that served the most recent CUDA launch of that kernel
+    ("matmul" for every GEMM variant, "act_grad" for the activation backward); None before any."""
+    return _last.get(op)
+
+
+# ---------------------------------------------------------------- kernel call
+
+# static key -> (compiled kernel, config). Resolved once; a call is then a dict lookup and a launch.
+_kernels: dict[tuple, tuple] = {}
+
+
+def _matmul_kernel(device, layout, n, k, dtype, rows=0, batched=False, bias=False, activation="none", save_preact=False):
+    key = (device.index, layout, n, k, dtype, rows, batched, bias, activation, save_preact)
+    hit = _kernels.get(key)
+    if hit is None:
+        from ..kernels import gemm as K
+
+        arch = runtime.arch_for_device(device)
+        cfg = config_for(layout, n, k, dtype, arch, rows)
+        static = dict(layout=layout, n=n, k=k, rows=rows, dtype=_TL_DTYPE[dtype], batched=batched, bias=bias, activation=activation, save_preact=save_preact)
+        hit = _kernels[key] = (K.matmul_kernel.compile(cfg, arch, **static), ("matmul", cfg, static))
+    _last["matmul"] = hit[1]
+    return hit[0]
+
+
+def _act_grad_kernel(device, n, dtype, activation):
+    key = (device.index, "act_grad", n, dtype, activation)
+    hit = _kernels.get(key)
+    if hit is None:
+        from ..kernels import gemm as K
+
+        arch = runtime.arch_for_device(device)
+        cfg = K.default_act_grad_config(arch, n)
+        static = dict(n=n, dtype=_TL_DTYPE[dtype], activation=activation)
+        hit = _kernels[key] = (K.act_grad_kernel.compile(cfg, arch, **static), ("act_grad", cfg, static))
+    _last["act_grad"] = hit[1]
+    return hit[0]
+
+
+def _up(x: int) -> int:
+    return -(-x // _ALIGN) * _ALIGN
+
+
+def _prep(t: torch.Tensor, pad_dims: dict[int, int]) -> torch.Tensor:
+    """Contiguous, 16-byte aligned, zero-padded to the sizes in `pad_dims` ({dim: size})."""
+    pads = []
+    for d in range(t.dim() - 1, -1, -1):
+        pads += [0, pad_dims.get(d, t.shape[d]) - t.shape[d]]
+    if any(pads):
+        return F.pad(t, pads)  # a fresh, contiguous, aligned tensor
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def _launch_matmul(layout, a, b, bias=None, activation="none", save_preact=False):
+    """C (and Z) for 2-D or batched 3-D operands already validated; pads ragged static dims."""
+    batched = a.dim() == 3
+    if layout == "tn":
+        R, P = a.shape[-2:]
+        N = b.shape[-1]
+        rows, n, k = _up(P), _up(N), 0
+        a_p = _prep(a, {a.dim() - 1: rows})
+        b_p = _prep(b, {b.dim() - 1: n})
+        out_rows = P
+    else:
+        M, K = a.shape[-2:]
+        N = b.shape[-2] if layout == "nt" else b.shape[-1]
+        rows, n, k = 0, _up(N), _up(K)
+        a_p = _prep(a, {a.dim() - 1: k})
+        b_p = _prep(b, {b.dim() - 2: n, b.dim() - 1: k} if layout == "nt" else {b.dim() - 2: k, b.dim() - 1: n})
+        out_rows = M
+    lead = a.shape[:-2]
+    out_shape = (*lead, rows if layout == "tn" else out_rows, n)
+    c = torch.empty(out_shape, dtype=a.dtype, device=a.device)
+    z = torch.empty(out_shape, dtype=a.dtype, device=a.device) if save_preact else None
+    if c.numel():
+        kern = _matmul_kernel(a.device, layout, n, k, a.dtype, rows, batched, bias is not None, activation, save_preact)
+        args = [a_p, b_p]
+        if bias is not None:
+            args.append(_prep(bias, {0: n}))
+        args.append(c)
+        if z is not None:
+            args.append(z)
+        kern(*args)
+    if n != N or (layout == "tn" and rows != out_rows):
+        c = c[..., :out_rows, :N].contiguous()
+        z = z[..., :out_rows, :N].contiguous() if z is not None else None
+    return c, z
+
+
+def _k_is_empty(layout, a) -> bool:
+    # A zero-length reduction has nothing for TMA to describe; the result is just the epilogue.
+    return a.shape[-2] == 0 if layout == "tn" else a.shape[-1] == 0
+
+
+def _cuda_matmul(layout, a, b, bias=None, activation="none", save_preact=False):
+    if _k_is_empty(layout, a):
+        return reference.matmul(layout, a, b, bias, activation, save_preact)
+    return _launch_matmul(layout, a, b, bias, activation, save_preact)
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _check_pair(a, b, op: str) -> None:
+    check_tensor("a", a, DTYPES, ndim=(2, 3), contiguous=False)
+    check_tensor("b", b, DTYPES, ndim=(2, 3), contiguous=False)
+    check_same(("a", "b"), a, b)
+    if b.dim() == 3 and (a.dim() != 3 or a.shape[0] != b.shape[0]):
+        raise ValueError(f"{op}: batched b {tuple(b.shape)} needs a 3-D a with the same batch size; got a {tuple(a.shape)}")
+    if op == "gemm_tn" and a.dim() != b.dim():
+        raise ValueError(f"gemm_tn: a {tuple(a.shape)} and b {tuple(b.shape)} must both be 2-D or both 3-D")
+    ka, kb = {"gemm": (a.shape[-1], b.shape[-2]), "gemm_nt": (a.shape[-1], b.shape[-1]), "gemm_tn": (a.shape[-2], b.shape[-2])}[op]
+    if ka != kb:
+        expr = {"gemm": "a @ b", "gemm_nt": "a @ b.T", "gemm_tn": "a.T @ b"}[op]
+        raise ValueError(f"{op}: shape mismatch for {expr}: a {tuple(a.shape)}, b {tuple(b.shape)} (reduction dims {ka} != {kb})")
+
+
+def _check_linear(x, weight, bias, activation) -> None:
+    check_tensor("x", x, DTYPES, contiguous=False)
+    check_tensor("weight", weight, DTYPES, ndim=2, contiguous=False)
+    check_same(("x", "weight"), x, weight)
+    if x.dim() < 1:
+        raise ValueError("x: expected at least 1-D input (..., in_features), got a 0-D tensor")
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"x: last dim {x.shape[-1]} != weight's in_features {weight.shape[1]} (weight is (out_features, in_features) = {tuple(weight.shape)})")
+    if bias is not None:
+        check_tensor("bias", bias, DTYPES, ndim=1, contiguous=False)
+        check_same(("x", "bias"), x, bias)
+        if bias.shape[0] != weight.shape[0]:
+            raise ValueError(f"bias: shape {tuple(bias.shape)} != (out_features,) = ({weight.shape[0]},)")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: {activation!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
+
+
+def _gemm_out_shape(op, a, b):
+    if op == "gemm":
+        return (*a.shape[:-1], b.shape[-1])
+    if op == "gemm_nt":
+        return (*a.shape[:-1], b.shape[-2])
+    return (*a.shape[:-2], a.shape[-1], b.shape[-1])
+
+
+# ---------------------------------------------------------------- gemm: a @ b
+
+
+@custom_op("gemm")
+def gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    _check_pair(a, b, "gemm")
+    return reference.gemm(a, b)
+
+
+@gemm.register_kernel("cuda")
+def _(a, b):
+    _check_pair(a, b, "gemm")
+    if a.dim() == 3 and b.dim() == 2:  # shared weight: fold the batch into M, no copy
+        return _cuda_matmul("nn", a.reshape(-1, a.shape[-1]), b)[0].view(*a.shape[:-1], b.shape[-1])
+    if b.dim() == 2 and not b.is_contiguous() and b.t().is_contiguous():
+        return _cuda_matmul("nt", a, b.t())[0]  # b is a transposed (N, K) weight: read it as is
+    return _cuda_matmul("nn", a, b)[0]
+
+
+@gemm.register_fake
+def _(a, b):
+    _check_pair(a, b, "gemm")
+    return a.new_empty(_gemm_out_shape("gemm", a, b))
+
+
+def _save_ab(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _gemm_backward(ctx, g):
+    a, b = ctx.saved_tensors
+    ga = gb = None
+    if ctx.needs_input_grad[0]:
+        ga = torch.ops.tileops.gemm_nt(g, b)  # (M, N) @ (K, N)ᵀ
+    if ctx.needs_input_grad[1]:
+        if a.dim() == 3 and b.dim() == 2:
+            gb = torch.ops.tileops.gemm_tn(a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1]))
+        else:
+            gb = torch.ops.tileops.gemm_tn(a, g)  # (M, K)ᵀ @ (M, N)
+    return ga, gb
+
+
+gemm.register_autograd(_gemm_backward, setup_context=_save_ab)
+
+
+# ---------------------------------------------------------------- gemm_nt: a @ bᵀ
+
+
+@custom_op("gemm_nt")
+def gemm_nt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    _check_pair(a, b, "gemm_nt")
+    return reference.gemm(a, b.transpose(-1, -2))
+
+
+@gemm_nt.register_kernel("cuda")
+def _(a, b):
+    _check_pair(a, b, "gemm_nt")
+    if a.dim() == 3 and b.dim() == 2:
+        return _cuda_matmul("nt", a.reshape(-1, a.shape[-1]), b)[0].view(*a.shape[:-1], b.shape[0])
+    return _cuda_matmul("nt", a, b)[0]
+
+
+@gemm_nt.register_fake
+def _(a, b):
+    _check_pair(a, b, "gemm_nt")
+    return a.new_empty(_gemm_out_shape("gemm_nt", a, b))
+
+
+def _gemm_nt_backward(ctx, g):
+    a, b = ctx.saved_tensors
+    ga = gb = None
+    if ctx.needs_input_grad[0]:
+        ga = torch.ops.tileops.gemm(g, b)  # (M, N) @ (N, K)
+    if ctx.needs_input_grad[1]:
+        if a.dim() == 3 and b.dim() == 2:
+            gb = torch.ops.tileops.gemm_tn(g.reshape(-1, g.shape[-1]), a.reshape(-1, a.shape[-1]))
+        else:
+            gb = torch.ops.tileops.gemm_tn(g, a)  # (M, N)ᵀ @ (M, K)
+    return ga, gb
+
+
+gemm_nt.register_autograd(_gemm_nt_backward, setup_context=_save_ab)
+
+
+# ---------------------------------------------------------------- gemm_tn: aᵀ @ b (weight gradients)
+
+
+@custom_op("gemm_tn")
+def gemm_tn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    _check_pair(a, b, "gemm_tn")
+    return reference.gemm(a.transpose(-1, -2), b)
+
+
+@gemm_tn.register_kernel("cuda")
+def _(a, b):
+    _check_pair(a, b, "gemm_tn")
+    return _cuda_matmul("tn", a, b)[0]
+
+
+@gemm_tn.register_fake
+def _(a, b):
+    _check_pair(a, b, "gemm_tn")
+    return a.new_empty(_gemm_out_shape("gemm_tn", a, b))
+
+
+def _gemm_tn_backward(ctx, g):
+    a, b = ctx.saved_tensors
+    ga = gb = None
+    if ctx.needs_input_grad[0]:
+        ga = torch.ops.tileops.gemm_nt(b, g)  # (R, N) @ (P, N)ᵀ
+    if ctx.needs_input_grad[1]:
+        gb = torch.ops.tileops.gemm(a, g)  # (R, P) @ (P, N)
+    return ga, gb
+
+
+gemm_tn.register_autograd(_gemm_tn_backward, setup_context=_save_ab)
+
+
+# ---------------------------------------------------------------- act_grad: dz = dy · act'(z), db
+
+
+@custom_op("act_grad")
+def act_grad(dy: torch.Tensor, z: torch.Tensor, activation: str, bias_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dz, db): dz = dy * act'(z) in dy's dtype; db = dz summed over rows (fp32 sum, cast), or an
+    empty tensor when bias_grad is False. For relu, z may be the activation's output."""
+    _check_act_grad(dy, z, activation)
+    return reference.act_grad(dy, z, activation, bias_grad)
+
+
+def _check_act_grad(dy, z, activation) -> None:
+    check_tensor("dy", dy, DTYPES, ndim=2, contiguous=False)
+    check_tensor("z", z, DTYPES, ndim=2, contiguous=False)
+    check_same(("dy", "z"), dy, z, shape=True)
+    if activation not in ACTIVATIONS or activation == "none":
+        raise ValueError(f"activation: {activation!r} has no act_grad kernel; supported: {', '.join(ACTIVATIONS[1:])}")
+
+
+@act_grad.register_kernel("cuda")
+def _(dy, z, activation, bias_grad):
+    _check_act_grad(dy, z, activation)
+    M, N = dy.shape
+    dz = torch.empty_like(dy, memory_format=torch.contiguous_format)
+    if dy.numel() == 0:
+        return dz, (torch.zeros(N, dtype=dy.dtype, device=dy.device) if bias_grad else dy.new_empty(0))
+    from ..kernels.gemm import default_act_grad_config
+
+    bm = default_act_grad_config(runtime.arch_for_device(dy.device), N).block_M
+    partial = torch.empty(-(-M // bm), N, dtype=torch.float32, device=dy.device)  # (ceil(M/bm), N)
+    _act_grad_kernel(dy.device, N, dy.dtype, activation)(_prep(dy, {}), _prep(z, {}), dz, partial)
+    db = partial.sum(0).to(dy.dtype) if bias_grad else dy.new_empty(0)
+    return dz, db
+
+
+@act_grad.register_fake
+def _(dy, z, activation, bias_grad):
+    _check_act_grad(dy, z, activation)
+    return torch.empty_like(dy, memory_format=torch.contiguous_format), dy.new_empty(dy.shape[1] if bias_grad else 0)
+
+
+# ---------------------------------------------------------------- linear: act(x @ Wᵀ + b)
+
+
+def _linear_impl_cuda(x, weight, bias, activation, save_preact):
+    x2 = x.reshape(-1, x.shape[-1])
+    y, z = _cuda_matmul("nt", x2, weight, bias, activation, save_preact)
+    shape = (*x.shape[:-1], weight.shape[0])
+    return y.view(shape), (z.view(shape) if z is not None else None)
+
+
+@custom_op("linear")
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, activation: str = "none") -> torch.Tensor:
+    _check_linear(x, weight, bias, activation)
+    return reference.linear(x, weight, bias, activation)[0]
+
+
+@linear.register_kernel("cuda")
+def _(x, weight, bias=None, activation="none"):
+    _check_linear(x, weight, bias, activation)
+    return _linear_impl_cuda(x, weight, bias, activation, False)[0]
+
+
+@linear.register_fake
+def _(x, weight, bias=None, activation="none"):
+    _check_linear(x, weight, bias, activation)
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _linear_setup(ctx, inputs, output):
+    x, weight, bias, activation = inputs
+    ctx.activation, ctx.has_bias = activation, bias is not None
+    # relu's derivative only needs the output's sign: keep y (usually held by the next layer
+    # anyway). gelu/silu need z, which this op does not return: backward recomputes it with one
+    # fused GEMM. Training code should call linear_preact (functional.linear / nn.Linear do).
+    saved = output if activation == "relu" else bias if activation in NEEDS_PREACT else None
+    ctx.save_for_backward(x, weight, saved)
+
+
+def _linear_backward_common(ctx, gy, x, weight, z_or_y):
+    """Gradients of act(x @ Wᵀ + b) given the saved z (gelu/silu), y (relu) or None (none)."""
+    in_f, out_f = weight.shape[1], weight.shape[0]
+    gy2 = gy.reshape(-1, out_f)
+    need_b = ctx.has_bias and ctx.needs_input_grad[2]
+    if ctx.activation == "none":
+        dz = gy2
+        db = gy2.sum(0, dtype=torch.float32).to(gy.dtype) if need_b else None
+    else:
+        dz, db = torch.ops.tileops.act_grad(gy2, z_or_y.reshape(-1, out_f), ctx.activation, need_b)
+        db = db if need_b else None
+    dx = torch.ops.tileops.gemm(dz, weight).view(*gy.shape[:-1], in_f) if ctx.needs_input_grad[0] else None
+    dw = torch.ops.tileops.gemm_tn(dz, x.reshape(-1, in_f)) if ctx.needs_input_grad[1] else None  # (M, out)ᵀ @ (M, in)
+    return dx, dw, db
+
+
+def _linear_backward(ctx, gy):
+    x, weight, saved = ctx.saved_tensors
+    if ctx.activation in NEEDS_PREACT:
+        saved = torch.ops.tileops.linear(x, weight, saved, "none")  # recompute z (saved = bias here)
+    return (*_linear_backward_common(ctx, gy, x, weight, saved), None)
+
+
+linear.register_autograd(_linear_backward, setup_context=_linear_setup)
+
+
+# ---------------------------------------------------------------- linear_preact: (act(z), z), for training
+
+
+@custom_op("linear_preact")
+def linear_preact(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, z) with z = x @ Wᵀ + b and y = act(z), both written by one kernel's epilogue."""
+    _check_linear(x, weight, bias, activation)
+    return reference.linear(x, weight, bias, activation, save_preact=True)
+
+
+@linear_preact.register_kernel("cuda")
+def _(x, weight, bias, activation):
+    _check_linear(x, weight, bias, activation)
+    return _linear_impl_cuda(x, weight, bias, activation, True)
+
+
+@linear_preact.register_fake
+def _(x, weight, bias, activation):
+    _check_linear(x, weight, bias, activation)
+    shape = (*x.shape[:-1], weight.shape[0])
+    return x.new_empty(shape), x.new_empty(shape)
+
+
+def _linear_preact_setup(ctx, inputs, output):
+    x, weight, bias, activation = inputs
+    ctx.activation, ctx.has_bias = activation, bias is not None
+    ctx.save_for_backward(x, weight, output[1])  # z: the one extra (M, out) tensor the backward needs
+
+
+def _linear_preact_backward(ctx, gy, gz):
+    x, weight, z = ctx.saved_tensors
+    if gz is not None:  # z is an output too; whoever used it gets its gradient
+        dz_direct = gz
+        gy_eff = gy
+    else:
+        dz_direct, gy_eff = None, gy
+    if ctx.activation == "none":
+        gy_eff = gy_eff if dz_direct is None else gy_eff + dz_direct
+        return (*_linear_backward_common(ctx, gy_eff, x, weight, None), None)
+    if dz_direct is None:
+        return (*_linear_backward_common(ctx, gy_eff, x, weight, z), None)
+    # Rare path (z used downstream): combine in torch, then the GEMMs.
+    in_f, out_f = weight.shape[1], weight.shape[0]
+    dz, _ = torch.ops.tileops.act_grad(gy_eff.reshape(-1, out_f), z.reshape(-1, out_f), ctx.activation, False)
+    dz = dz + dz_direct.reshape(-1, out_f)
+    ctx_act, ctx.activation = ctx.activation, "none"
+    try:
+        return (*_linear_backward_common(ctx, dz.view(gy.shape), x, weight, None), None)
+    finally:
+        ctx.activation = ctx_act
+
+
+linear_preact.register_autograd(_linear_preact_backward, setup_context=_linear_preact_setup)
+
+
+def linear_auto(x, weight, bias=None, activation="none"):
+    """act(x @ Wᵀ + b), choosing the op: `linear_preact` when autograd will need z, else `linear`."""
+    if activation in NEEDS_PREACT and torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
+        return torch.ops.tileops.linear_preact(x, weight, bias, activation)[0]
+    return torch.ops.tileops.linear(x, weight, bias, activation)
+
+
+def flops(m: int, n: int, k: int) -> float:
+    return 2.0 * m * n * k
+
+
+__all__ = ["config_for", "set_config", "last_config", "linear_auto", "flops", "math"]
