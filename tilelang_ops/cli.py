@@ -1,4 +1,4 @@
-"""`tileops` command line: check | export."""
+"""`tileops` command line: check | export | tune | cache."""
 from __future__ import annotations
 
 import argparse
@@ -132,6 +132,82 @@ def cmd_check(args) -> int:
     return 0 if ok else 1
 
 
+def cmd_tune(args) -> int:
+    import json
+
+    import torch
+    from tqdm import tqdm
+
+    from . import tuning
+    from .ops import TUNABLES
+
+    if not torch.cuda.is_available():
+        print("tileops tune needs a CUDA GPU: it times kernels on the device it will run on.")
+        return 2
+    names = args.op or sorted(TUNABLES)
+    unknown = [n for n in names if n not in TUNABLES]
+    if unknown:
+        print(f"unknown op(s) {unknown}; tunable ops: {sorted(TUNABLES)}")
+        return 2
+    if args.shapes.endswith(".json"):
+        with open(args.shapes) as f:
+            shapes_by_op = {k: [tuple(s) for s in v] for k, v in json.load(f).items()}
+    else:
+        shapes_by_op = {n: TUNABLES[n].presets.get(args.shapes) for n in names}
+    jobs = []
+    for n in names:
+        t = TUNABLES[n]
+        shapes = shapes_by_op.get(n)
+        if not shapes:
+            print(f"{n}: no shapes for '{args.shapes}' (presets: {sorted(t.presets)})")
+            return 2
+        dtypes = [getattr(torch, d) for d in args.dtype] if args.dtype else list(t.dtypes[:1])
+        jobs += [(t, s, d) for s in shapes for d in dtypes]
+    total = sum(len(t.search_space(s, d)) for t, s, d in jobs)
+    rows = []
+    with tqdm(total=total, desc="tuning", unit="cfg") as bar:
+        for t, s, d in jobs:
+            rows += tuning.tune(t, [s], d, torch.device("cuda"), tuning.time_cuda, progress=bar)
+    table = [(r["op"], r["shape"], r["dtype"], r["best"], f"{r['best_ms']:.4f}", r["default"], f"{r['default_ms']:.4f}", f"{r['speedup']:.2f}x") for r in rows]
+    print(_rows_table(table, ("op", "shape", "dtype", "best config", "ms", "default config", "ms", "speedup")))
+    print(f"stored in {tuning.tuned_path()}")
+    return 0
+
+
+def _dir_stats(path: Path) -> tuple[int, int]:
+    if not path.exists():
+        return 0, 0
+    files = [p for p in path.rglob("*") if p.is_file()]
+    return len(files), sum(p.stat().st_size for p in files)
+
+
+def cmd_cache(args) -> int:
+    import os
+    import shutil
+
+    from . import tuning
+
+    tl_dir = Path(os.environ.get("TILELANG_CACHE_DIR", os.path.expanduser("~/.tilelang/cache")))
+    if args.action == "info":
+        kernels = list(tl_dir.glob("*/*/kernels/*")) if tl_dir.exists() else []
+        n, size = _dir_stats(tl_dir)
+        print(f"TileLang kernel cache (TILELANG_CACHE_DIR): {tl_dir}")
+        print(f"  {len(kernels)} compiled kernels, {n} files, {size / 1e6:.1f} MB")
+        entries = tuning.entries(reload=True)
+        print(f"tuned configs (TILEOPS_CACHE_DIR): {tuning.tuned_path()}")
+        print(f"  {len(entries)} entries")
+        for key, e in sorted(entries.items()):
+            print(f"    {key}: {e.get('config')}")
+        return 0
+    if args.what in ("kernels", "all"):
+        shutil.rmtree(tl_dir, ignore_errors=True)
+        print(f"cleared {tl_dir}")
+    if args.what in ("tuned", "all"):
+        tuning.clear()
+        print(f"cleared {tuning.tuned_path()}")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="tileops", description="tilelang_ops: TileLang kernels as PyTorch ops")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -142,6 +218,15 @@ def main(argv=None) -> int:
     p.add_argument("--dir", default="csrc_generated", help="output directory (default: csrc_generated)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_export)
+    p = sub.add_parser("tune", help="time each op's search space on this GPU and store the best configs")
+    p.add_argument("--op", action="append", help="op to tune (repeatable; default: all tunable ops)")
+    p.add_argument("--shapes", default="default", help="a preset name or a JSON file {op: [[dims...], ...]}")
+    p.add_argument("--dtype", action="append", help="torch dtype name (repeatable; default: the op's first)")
+    p.set_defaults(func=cmd_tune)
+    p = sub.add_parser("cache", help="show or clear the kernel and tuned-config caches")
+    p.add_argument("action", choices=["info", "clear"])
+    p.add_argument("what", nargs="?", default="all", choices=["kernels", "tuned", "all"], help="with clear (default all)")
+    p.set_defaults(func=cmd_cache)
     args = parser.parse_args(argv)
     return args.func(args)
 

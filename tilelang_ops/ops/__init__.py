@@ -44,6 +44,9 @@ ALL_OPS = [
 ]
 
 
+# What `tileops tune` can tune, by op name.
+TUNABLES = {t.op: t for t in [elementwise.TUNABLE]}
+
 # Kernel families whose REPRESENTATIVE lists `tileops export` / `tileops check` compile.
 KERNEL_FAMILIES = ["elementwise"]
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import reference, runtime
+from .. import reference, runtime, tuning
 from .._library import custom_op
 from ._checks import check_same, check_tensor
 
@@ -28,15 +28,50 @@ def _check_add(a, b) -> None:
 _kernels: dict[tuple, object] = {}
 
 
+def _compile_add(config, dtype: torch.dtype, device: torch.device):
+    from ..kernels import elementwise as K
+
+    return K.add_kernel.compile(config, runtime.arch_for_device(device), dtype=_TL_DTYPE[dtype])
+
+
 def _add_kernel(dtype: torch.dtype, device: torch.device):
     key = (dtype, device.index)
     k = _kernels.get(key)
     if k is None:
-        from ..kernels import elementwise as K
-
-        tl_dtype = _TL_DTYPE[dtype]
-        k = _kernels[key] = K.add_kernel.compile(K.default_config(tl_dtype), runtime.arch_for_device(device), dtype=tl_dtype)
+        # one config serves every length (the kernel is bandwidth-bound; tuned at 2^26 elements)
+        config = tuning.resolve_config(TUNABLE, (1 << 26,), dtype, device)
+        k = _kernels[key] = _compile_add(config, dtype, device)
     return k
+
+
+def _add_runner(config, shape, dtype, device):
+    kern = _compile_add(config, dtype, device)
+    a, b = torch.randn(shape, dtype=dtype, device=device), torch.randn(shape, dtype=dtype, device=device)
+    out = torch.empty_like(a)
+    return lambda: kern(a, b, out)
+
+
+def _add_default(shape, dtype):
+    from ..kernels import elementwise as K
+
+    return K.default_config(_TL_DTYPE[dtype])
+
+
+def _add_space(shape, dtype):
+    from ..kernels import elementwise as K
+
+    return K.SEARCH_SPACE
+
+
+TUNABLE = tuning.Tunable(
+    op="add",
+    presets={"default": [(1 << 26,)]},
+    dtypes=DTYPES,
+    key=lambda shape, dtype, device: ({}, "any"),
+    search_space=_add_space,
+    default=_add_default,
+    runner=_add_runner,
+)
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,94 @@
+"""Tuned-config cache and kernel disk cache: round trip, corruption, concurrent writers."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tilelang_ops import cli, tuning
+from tilelang_ops.kernels.elementwise import AddConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def tuned_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("TILEOPS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(tuning, "_loaded", None)
+    monkeypatch.setattr(tuning, "_warned_corrupt", False)
+    return tmp_path
+
+
+def test_store_lookup_round_trip(tuned_dir):
+    key = tuning.entry_key("add", "bfloat16", {"n": 4}, "any", "NVIDIA H200", "sm_90a")
+    assert tuning.lookup(key) is None
+    tuning.store(key, {"block": 4096, "threads": 128}, ms=0.5)
+    assert tuning.lookup(key) == {"block": 4096, "threads": 128}
+    tuning._loaded = None  # a new process reads the file
+    assert tuning.lookup(key) == {"block": 4096, "threads": 128}
+    assert tuning.config_from(AddConfig, tuning.lookup(key), AddConfig()) == AddConfig(4096, 128)
+    assert tuning.config_from(AddConfig, {"block": 1}, AddConfig()) == AddConfig()  # incompatible → default
+
+
+def test_corrupted_tuned_file_warns_once_and_is_rebuilt(tuned_dir):
+    path = tuning.tuned_path()
+    path.write_text('{"format": "tilelang_ops.tuned-configs.v1", "entr')  # truncated
+    with pytest.warns(UserWarning, match="corrupted"):
+        assert tuning.lookup("x") is None
+    tuning.store("x", {"block": 1024})
+    assert json.loads(path.read_text())["entries"]["x"]["config"] == {"block": 1024}
+
+
+def test_cache_cli_info_and_clear(tuned_dir, capsys):
+    tuning.store("k", {"block": 1024})
+    assert cli.main(["cache", "info"]) == 0
+    assert "1 entries" in capsys.readouterr().out
+    assert cli.main(["cache", "clear", "tuned"]) == 0
+    assert not tuning.tuned_path().exists()
+
+
+def _spawn(code: str, env: dict, *args) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", code, *args], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+COMPILE_AND_STORE = """
+import sys
+from tilelang_ops.kernels import elementwise as K
+from tilelang_ops import tuning
+for dtype in ("float16", "bfloat16"):
+    src = K.add_kernel.source(K.AddConfig(512, 128), "sm_90a", dtype=dtype)
+tuning.store("writer-" + sys.argv[1], {"block": int(sys.argv[1])})
+print(len(src))
+"""
+
+
+@pytest.mark.slow
+def test_eight_processes_share_caches_without_corruption(tmp_path):
+    env = dict(os.environ, TILELANG_CACHE_DIR=str(tmp_path / "tl"), TILEOPS_CACHE_DIR=str(tmp_path / "tuned"), PYTHONPATH=str(ROOT))
+    procs = [_spawn(COMPILE_AND_STORE, env, str(i)) for i in range(8)]
+    results = [p.communicate(timeout=600) + (p.returncode,) for p in procs]
+    assert all(rc == 0 for _, _, rc in results), [out[-2000:] for out, _, rc in results if rc]
+    assert len({out.splitlines()[-1] for out, _, _ in results}) == 1  # every process produced the same kernel
+    entries = json.loads((tmp_path / "tuned" / "tuned_configs.json").read_text())["entries"]
+    assert sorted(entries) == sorted(f"writer-{i}" for i in range(8))  # no writer lost
+    # a ninth process finds both kernels on disk: nothing compiles, nothing is reported corrupt
+    out, err, rc = (lambda p: p.communicate(timeout=600) + (p.returncode,))(_spawn(COMPILE_AND_STORE, env, "8"))
+    assert rc == 0 and "begins to compile" not in out and "integrity" not in out, out[-2000:]
+
+
+@pytest.mark.slow
+def test_truncated_kernel_cache_entry_is_reported_and_rebuilt(tmp_path):
+    env = dict(os.environ, TILELANG_CACHE_DIR=str(tmp_path), TILEOPS_CACHE_DIR=str(tmp_path / "tuned"), PYTHONPATH=str(ROOT))
+    run = lambda: (lambda p: p.communicate(timeout=600) + (p.returncode,))(_spawn(COMPILE_AND_STORE, env, "0"))
+    assert run()[2] == 0
+    libs = list(tmp_path.rglob("executable.so"))
+    assert len(libs) == 2
+    libs[0].write_bytes(libs[0].read_bytes()[:100])  # a crash mid-write, a full disk
+    out, _, rc = run()
+    assert rc == 0 and "failed integrity verification" in out, out[-2000:]
+    out, _, rc = run()  # rebuilt: the next process loads cleanly
+    assert rc == 0 and "integrity" not in out and "begins to compile" not in out, out[-2000:]

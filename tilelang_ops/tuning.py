@@ -1,0 +1,226 @@
+"""Tuned-config cache and the autotune driver.
+
+Best configs are stored in one JSON file, `tuned_configs.json`, under the user cache directory
+(`$TILEOPS_CACHE_DIR`, else `$XDG_CACHE_HOME/tilelang_ops`, else `~/.cache/tilelang_ops`), keyed by
+GPU name and arch, op, dtype, static dims, shape bucket and tilelang version. Ops look a config
+up there when resolving a kernel (once per key, never per call) and fall back to their default
+table. Writers take an exclusive file lock, re-read, merge and publish with an atomic rename, so
+concurrent tuners never lose or corrupt entries; a corrupted file is reported once and rebuilt.
+Tuning never runs inside a forward pass unless `TILEOPS_AUTOTUNE=1`.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import json
+import os
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+FORMAT = "tilelang_ops.tuned-configs.v1"
+_lock = threading.Lock()
+_loaded: dict[str, dict] | None = None
+_warned_corrupt = False
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("TILEOPS_CACHE_DIR")
+    if env:
+        return Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(xdg) / "tilelang_ops"
+
+
+def tuned_path() -> Path:
+    return cache_dir() / "tuned_configs.json"
+
+
+def autotune_enabled() -> bool:
+    return os.environ.get("TILEOPS_AUTOTUNE", "0") not in ("", "0", "false", "False")
+
+
+def entry_key(op: str, dtype: str, static: dict, bucket: str, gpu: str, arch: str) -> str:
+    from .runtime import tilelang_version
+
+    static_s = ",".join(f"{k}={v}" for k, v in sorted(static.items()))
+    return "|".join([gpu, arch, op, dtype, static_s, bucket, f"tilelang-{tilelang_version()}"])
+
+
+def _read(path: Path) -> dict[str, dict]:
+    global _warned_corrupt
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return {}
+    try:
+        data = json.loads(text)
+        if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("entries"), dict):
+            raise ValueError("unexpected layout")
+        return data["entries"]
+    except ValueError as e:
+        if not _warned_corrupt:
+            _warned_corrupt = True
+            warnings.warn(f"tilelang_ops: tuned-config cache {path} is corrupted ({e}); ignoring it, it will be rebuilt")
+        return {}
+
+
+def entries(reload: bool = False) -> dict[str, dict]:
+    global _loaded
+    with _lock:
+        if _loaded is None or reload:
+            _loaded = _read(tuned_path())
+        return _loaded
+
+
+def lookup(key: str) -> dict | None:
+    """The stored config fields for `key`, or None. Reads the file once per process."""
+    entry = entries().get(key)
+    return entry.get("config") if entry else None
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def store(key: str, config: dict, **meta: Any) -> None:
+    """Add or replace one entry; safe against concurrent writers in other processes."""
+    global _loaded
+    path = tuned_path()
+    with _file_lock(path):
+        current = _read(path)
+        current[key] = {"config": config, **meta}
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tuned.", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump({"format": FORMAT, "entries": current}, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # readers see the old file or the new one, never a partial one
+    with _lock:
+        _loaded = current
+
+
+def clear() -> None:
+    global _loaded
+    with _file_lock(tuned_path()):
+        tuned_path().unlink(missing_ok=True)
+    with _lock:
+        _loaded = None
+
+
+def config_from(cls, fields: dict | None, default):
+    """Rebuild a config dataclass from stored fields, or `default` if none/incompatible."""
+    if not fields:
+        return default
+    try:
+        return cls(**{f.name: fields[f.name] for f in dataclasses.fields(cls)})
+    except (KeyError, TypeError):
+        return default
+
+
+@dataclasses.dataclass(frozen=True)
+class Tunable:
+    """What `tileops tune` needs from an op.
+
+    presets: preset name -> list of shapes (tuples).
+    key(shape, dtype, device) -> (static dict, bucket str): the cache key parts besides op/dtype/GPU.
+    search_space(shape, dtype) -> list of configs; default(shape, dtype) -> config.
+    runner(config, shape, dtype, device) -> zero-arg callable launching that config's kernel on
+    fresh inputs (compiles on creation).
+    """
+
+    op: str
+    presets: dict
+    dtypes: tuple
+    key: Callable
+    search_space: Callable
+    default: Callable
+    runner: Callable
+
+
+def tune(tunable: Tunable, shapes, dtype, device, time_fn, progress=None) -> list[dict]:
+    """Time every config of the search space at each shape; store the best; return summary rows."""
+    import torch
+
+    from .runtime import arch_for_device, config_str
+
+    gpu, arch = torch.cuda.get_device_name(device), arch_for_device(device)
+    dname = str(dtype).replace("torch.", "")
+    rows = []
+    for shape in shapes:
+        default = tunable.default(shape, dtype)
+        timings = {}
+        for cfg in tunable.search_space(shape, dtype):
+            try:
+                timings[cfg] = time_fn(tunable.runner(cfg, shape, dtype, device))
+            except Exception as e:  # a config that fails to compile or launch is skipped, not fatal
+                timings[cfg] = float("inf")
+                warnings.warn(f"{tunable.op} {shape}: config {config_str(cfg)} failed: {e}")
+            if progress is not None:
+                progress.update(1)
+        if default not in timings:
+            timings[default] = time_fn(tunable.runner(default, shape, dtype, device))
+        best = min(timings, key=timings.get)
+        static, bucket = tunable.key(shape, dtype, device)
+        store(
+            entry_key(tunable.op, dname, static, bucket, gpu, arch),
+            dataclasses.asdict(best),
+            ms=timings[best],
+            default_ms=timings[default],
+            shape=list(shape),
+        )
+        rows.append(
+            dict(op=tunable.op, shape="x".join(map(str, shape)), dtype=dname, best=config_str(best),
+                 best_ms=timings[best], default=config_str(default), default_ms=timings[default],
+                 speedup=timings[default] / timings[best])
+        )
+    return rows
+
+
+def time_cuda(fn, warmup: int = 5, rep: int = 30) -> float:
+    """Median milliseconds of fn() by CUDA events (the tuner's clock)."""
+    import statistics
+
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(rep)]
+    for s, e in events:
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in events)
+
+
+# (op, key) -> config that serves it, recorded when a kernel is resolved (not per call).
+SERVED: dict[tuple, Any] = {}
+
+
+def resolve_config(tunable: Tunable, shape, dtype, device):
+    """Config for a call: tuned cache ▸ (opt-in) tune now ▸ default table. Cold path only."""
+    import torch
+
+    from .runtime import arch_for_device
+
+    default = tunable.default(shape, dtype)
+    static, bucket = tunable.key(shape, dtype, device)
+    key = entry_key(tunable.op, str(dtype).replace("torch.", ""), static, bucket, torch.cuda.get_device_name(device), arch_for_device(device))
+    fields = lookup(key)
+    if fields is None and autotune_enabled():
+        tune(tunable, [shape], dtype, device, time_cuda)
+        fields = lookup(key)
+    config = config_from(type(default), fields, default)
+    SERVED[(tunable.op, key)] = config
+    return config
