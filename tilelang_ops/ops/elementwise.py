@@ -91,7 +91,10 @@ def _(a, b):
     out = torch.empty_like(a)
     if a.numel() == 0:
         return out
-    _add_kernel(a.dtype, a.device)(_aligned(a).view(-1), _aligned(b).view(-1), out.view(-1))
+    if a.dim() == 1:  # skip three view() calls (~1 µs each) on the common flat case
+        _add_kernel(a.dtype, a.device)(_aligned(a), _aligned(b), out)
+    else:
+        _add_kernel(a.dtype, a.device)(_aligned(a).view(-1), _aligned(b).view(-1), out.view(-1))
     return out
 
 
