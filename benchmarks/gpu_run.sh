@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # One GPU session: GPU tests, `tileops check`, benchmarks. Logs and JSON under $OUT.
 # On the device host (no package index):  source .gpu-bundle/activate.sh; bash benchmarks/gpu_run.sh [tests...] -- [bench modules...]
-# Carry .gpu-bundle and .tl-cache (a TileLang kernel cache warmed on the CPU machine).
+# Carry .gpu-bundle and .tl-carry (pack it with: benchmarks/pack_cache.sh).
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
+# A kernel cache warmed on the CPU machine travels as .tl-carry/tlcache.tar.xz (xz: ~20x smaller).
+if [[ -f .tl-carry/tlcache.tar.xz ]]; then
+  mkdir -p /tmp/tlcache && tar -C /tmp/tlcache -xJf .tl-carry/tlcache.tar.xz && export TILELANG_CACHE_DIR=/tmp/tlcache
+fi
 export TILELANG_CACHE_DIR=${TILELANG_CACHE_DIR:-$PWD/.tl-cache}
 tests=(); benches=(); seen=0
 for a in "$@"; do if [[ $a == -- ]]; then seen=1; elif ((seen)); then benches+=("$a"); else tests+=("$a"); fi; done

@@ -1,6 +1,8 @@
 """Public functional API: thin, documented wrappers over torch.ops.tileops.*."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -16,3 +18,173 @@ def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         On CUDA a TileLang kernel runs on the current stream; elsewhere the PyTorch reference.
     """
     return torch.ops.tileops.add(a, b)
+
+
+def gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` on tensor cores, float32 accumulation, output in the inputs' dtype.
+
+    Args:
+        a: (M, K) or batched (B, M, K); float16 or bfloat16.
+        b: (K, N), or (B, K, N) with the same B. A 2-D ``b`` with a 3-D ``a`` folds the batch
+            into M (one kernel launch).
+
+    Returns:
+        (M, N) or (B, M, N) in ``a.dtype``. Differentiable (backward: ``gemm_nt`` / ``gemm_tn``).
+
+    M and B are symbolic (one compiled kernel per (K, N, dtype)); K and N not multiples of 8 are
+    zero-padded on the host (a copy), because TMA needs 16-byte row strides. Non-contiguous inputs
+    are copied, except a ``b`` that is the transpose of a contiguous (N, K) tensor, which is read
+    in place by the "nt" kernel.
+    """
+    return torch.ops.tileops.gemm(a, b)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, activation: str = "none") -> torch.Tensor:
+    """``act(x @ weight.T + bias)`` in one kernel (bias and activation fused into the epilogue).
+
+    Args:
+        x: (..., in_features), float16 or bfloat16 (float32 falls back to PyTorch math; under
+            autocast, inputs are cast to the autocast dtype first).
+        weight: (out_features, in_features), same dtype and device.
+        bias: (out_features,) or None.
+        activation: "none" | "relu" | "gelu" (erf) | "gelu_tanh" | "silu".
+
+    Returns:
+        (..., out_features) in x's dtype. Differentiable in x, weight and bias. When autograd
+        will need it (gelu / gelu_tanh / silu and an input requires grad), the forward kernel also
+        writes the pre-activation z (one extra (..., out_features) tensor, saved for backward);
+        relu saves nothing extra (it uses the output), none saves nothing.
+    """
+    if torch.is_autocast_enabled(x.device.type):
+        dt = torch.get_autocast_dtype(x.device.type)
+        x, weight = x.to(dt), weight.to(dt)
+        bias = bias.to(dt) if bias is not None else None
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        from . import reference
+
+        if activation not in reference.ACTIVATIONS:
+            raise ValueError(f"activation: {activation!r} is not supported; supported: {', '.join(reference.ACTIVATIONS)}")
+        return reference.activation(torch.nn.functional.linear(x, weight, bias), activation)
+    from .ops.gemm import linear_auto
+
+    return linear_auto(x, weight, bias, activation)
+
+
+def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """``exp(x) / sum(exp(x), dim)``, numerically stable; a drop-in for ``torch.softmax(x, dim)``.
+
+    Args:
+        x: tensor of any shape (0-d and empty included), float32 / float16 / bfloat16.
+        dim: the reduced dim, negative counts from the end. The last dim is the fast path; any
+            other dim is moved last and back (two extra copies of ``x``), and a non-contiguous
+            ``x`` is copied once.
+
+    Returns:
+        A contiguous tensor like ``x``: fp32 math, rounded once to ``x.dtype``. Same edge values
+        as PyTorch: a row of all -inf, or with a +inf or NaN, gives NaN.
+        On CUDA a TileLang kernel runs on the current stream (each distinct row length compiles
+        once; the row count is symbolic); elsewhere the PyTorch reference. Differentiable: the
+        backward is ``torch.ops.tileops.softmax_backward`` and saves only the output.
+    """
+    return torch.ops.tileops.softmax(x, dim)
+
+
+def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """``x - logsumexp(x, dim)``; a drop-in for ``torch.log_softmax(x, dim)``.
+
+    Args:
+        x: tensor of any shape, float32 / float16 / bfloat16.
+        dim: the reduced dim (see :func:`softmax` for the cost of a dim other than the last).
+
+    Returns:
+        A contiguous tensor like ``x`` (fp32 math, one rounding). Differentiable through
+        ``torch.ops.tileops.log_softmax_backward``, which saves only the output.
+    """
+    return torch.ops.tileops.log_softmax(x, dim)
+
+
+# ---------------------------------------------------------------- attention
+def flash_attn(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False
+):
+    """FlashAttention in flash-attn's ``flash_attn_func`` layout (``torch.ops.tileops.flash_attn``).
+
+    Args:
+        q: (batch, seqlen_q, nheads, headdim), float16 or bfloat16; headdim 64, 128 or 256.
+        k: (batch, seqlen_k, nheads_kv, headdim), same dtype and device; nheads % nheads_kv == 0
+            (GQA/MQA: query head h uses kv head h // (nheads // nheads_kv); K/V are not repeated).
+        v: same shape as k.
+        causal: mask aligned to the bottom-right corner, as flash-attn >= 2.1: query i sees key j
+            iff j <= i + seqlen_k - seqlen_q. Rows that see no key (seqlen_q > seqlen_k) output 0.
+        softmax_scale: finite, > 0; default 1 / sqrt(headdim).
+        return_lse: also return lse.
+
+    Returns:
+        out: (batch, seqlen_q, nheads, headdim) in q's dtype, contiguous.
+        lse (if return_lse): (batch, nheads, seqlen_q) float32, natural log of the softmax
+            denominator, log(sum_j exp(softmax_scale * q_i . k_j)); -inf for rows that see no key.
+
+    Differentiable in q, k, v (and through lse). Sequence lengths, batch and head counts are
+    symbolic: one compiled kernel per (headdim, dtype, causal, GQA ratio, softmax_scale).
+    Non-contiguous inputs are copied. The backward's dQ is accumulated with fp32 atomics, so dQ
+    can differ in the last bits between runs; dK and dV are deterministic.
+    """
+    if return_lse:
+        return torch.ops.tileops.flash_attn_with_lse(q, k, v, causal, softmax_scale)
+    return torch.ops.tileops.flash_attn(q, k, v, causal, softmax_scale)
+
+
+def _sdpa_supported(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> bool:
+    from .ops.attention import DTYPES, HEADDIMS
+
+    tensors = (query, key, value)
+    if attn_mask is not None or dropout_p != 0.0:
+        return False
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in tensors):
+        return False
+    if any(t.dtype != query.dtype or t.device != query.device for t in tensors) or query.dtype not in DTYPES:
+        return False
+    (B, H, Sq, D), (Bk, Hk, Sk, Dk) = query.shape, key.shape
+    if key.shape != value.shape or Bk != B or Dk != D or D not in HEADDIMS or 0 in (B, H, Sq, Hk, Sk):
+        return False
+    if Hk != H and not (enable_gqa and H % Hk == 0):
+        return False
+    if is_causal and Sq != Sk:  # SDPA's causal mask is top-left aligned, ours bottom-right
+        return False
+    return scale is None or (isinstance(scale, float) and math.isfinite(scale) and scale > 0)
+
+
+def scaled_dot_product_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """Drop-in for ``torch.nn.functional.scaled_dot_product_attention`` ((B, H, S, D) layout).
+
+    Runs ``torch.ops.tileops.flash_attn`` (on any device: TileLang on CUDA, the PyTorch reference
+    elsewhere) when ALL of these hold, and otherwise calls PyTorch's SDPA with the same arguments:
+      - ``attn_mask is None`` and ``dropout_p == 0.0``;
+      - query, key, value are 4-D, one dtype (float16 or bfloat16), one device;
+      - key and value have the same shape, the same batch and head dim as query, and head dim
+        64, 128 or 256 (SDPA's value head dim may differ; ours may not);
+      - no dimension is 0;
+      - key heads == query heads, or ``enable_gqa`` and query heads % key heads == 0;
+      - ``is_causal`` only when seqlen_q == seqlen_k: SDPA aligns its causal mask to the top-left
+        corner, flash-attn (and this library) to the bottom-right; they agree only when square;
+      - ``scale`` is None or a finite positive float.
+    Results therefore always follow SDPA's semantics. Inputs are transposed to (B, S, H, D) and
+    copied to contiguous memory for the kernel; the output is a (B, H, S, D) view of a
+    (B, S, H, D) tensor, as with SDPA's flash backend.
+    """
+    if not _sdpa_supported(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+        kwargs = {"enable_gqa": True} if enable_gqa else {}
+        return torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **kwargs
+        )
+    out = torch.ops.tileops.flash_attn(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), is_causal, scale)
+    return out.transpose(1, 2)

@@ -1,2 +1,143 @@
 """Drop-in nn.Modules: thin wrappers that hold parameters and call the functional ops."""
 from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from . import functional as _F
+
+# ---------------------------------------------------------------- Linear (+ fused activation)
+
+_ACT_OF_MODULE = {torch.nn.ReLU: "relu", torch.nn.SiLU: "silu"}
+
+
+def _activation_name(m: torch.nn.Module) -> str | None:
+    if isinstance(m, torch.nn.GELU):
+        return {"none": "gelu", "tanh": "gelu_tanh"}.get(m.approximate)
+    return _ACT_OF_MODULE.get(type(m))
+
+
+class Linear(torch.nn.Linear):
+    """``act(x @ weight.T + bias)`` as one TileLang kernel; a drop-in for ``nn.Linear`` (+ activation).
+
+    Same constructor, parameters, initialization and state_dict keys as ``torch.nn.Linear``, so
+    checkpoints of ``nn.Linear`` (followed by an activation module) load unchanged.
+    ``activation``: "none" | "relu" | "gelu" | "gelu_tanh" | "silu".
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, activation: str = "none", device=None, dtype=None):
+        from .reference import ACTIVATIONS
+
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation: {activation!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.activation = activation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _F.linear(x, self.weight, self.bias, self.activation)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", activation={self.activation}"
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, activation: str = "none") -> "Linear":
+        """A fused module sharing `linear`'s parameters (no copy)."""
+        new = cls.__new__(cls)
+        torch.nn.Module.__init__(new)
+        new.in_features, new.out_features, new.activation = linear.in_features, linear.out_features, activation
+        new.weight = linear.weight
+        new.bias = linear.bias
+        return new
+
+
+@dataclasses.dataclass
+class FuseReport:
+    """What `fuse_linear_activations` did: fused (linear, activation, kind) and skipped (module, why)."""
+
+    fused: list = dataclasses.field(default_factory=list)
+    skipped: list = dataclasses.field(default_factory=list)
+
+    def __str__(self) -> str:
+        lines = [f"fused {len(self.fused)} Linear+activation pair(s)"]
+        lines += [f"  {lin} + {act} -> Linear(activation={kind})" for lin, act, kind in self.fused]
+        lines += [f"  skipped {name}: {why}" for name, why in self.skipped]
+        return "\n".join(lines)
+
+
+def fuse_linear_activations(model: torch.nn.Module) -> FuseReport:
+    """Replace ``nn.Linear`` followed by ReLU / GELU / GELU(tanh) / SiLU with a fused `Linear`.
+
+    Looks inside every submodule that has both a Linear and a supported activation as direct
+    children (``nn.Sequential`` and MLP-style blocks such as ``act(fc1(x))`` or LLaMA's
+    ``act_fn(gate_proj(x)) * up_proj(x)``). The data flow is read with ``torch.fx``: a pair is
+    fused only when the activation's sole input is that Linear's output, the Linear's output feeds
+    nothing else, and each module is called once. The Linear becomes a fused `Linear` sharing the
+    same parameters (state_dict keys unchanged) and the activation becomes ``nn.Identity``.
+    Modules that fx cannot trace are left alone and reported. Modifies `model` in place.
+    """
+    import torch.fx
+
+    report = FuseReport()
+    names = {m: n for n, m in model.named_modules()}
+    for parent in list(model.modules()):
+        kids = dict(parent.named_children())
+        if not any(type(k) is torch.nn.Linear for k in kids.values()) or not any(_activation_name(k) for k in kids.values()):
+            continue
+        pname = names.get(parent, "")
+        try:
+            graph = torch.fx.symbolic_trace(parent).graph
+        except Exception as e:  # data-dependent control flow etc.: leave the block as it is
+            report.skipped.append((pname or type(parent).__name__, f"not traceable by torch.fx ({type(e).__name__})"))
+            continue
+        calls: dict[str, list] = {}
+        for node in graph.nodes:
+            if node.op == "call_module":
+                calls.setdefault(node.target, []).append(node)
+        for node in graph.nodes:
+            if node.op != "call_module" or "." in node.target or type(kids.get(node.target)) is not torch.nn.Linear:
+                continue
+            users = list(node.users)
+            if len(users) != 1 or users[0].op != "call_module" or "." in users[0].target:
+                continue
+            act_name = users[0].target
+            kind = _activation_name(kids.get(act_name))
+            if kind is None:
+                continue
+            if len(calls[node.target]) != 1 or len(calls[act_name]) != 1:
+                report.skipped.append((f"{pname}.{node.target}".lstrip("."), "module called more than once"))
+                continue
+            setattr(parent, node.target, Linear.from_linear(kids[node.target], kind))
+            setattr(parent, act_name, torch.nn.Identity())
+            report.fused.append((f"{pname}.{node.target}".lstrip("."), f"{pname}.{act_name}".lstrip("."), kind))
+    return report
+
+
+# ---------------------------------------------------------------- Softmax / LogSoftmax
+
+
+class Softmax(torch.nn.Softmax):
+    """Drop-in for ``torch.nn.Softmax(dim)`` running ``tilelang_ops.functional.softmax``.
+
+    ``dim=None`` (PyTorch's legacy implicit dim) is not supported: pass the dim explicitly.
+    """
+
+    def __init__(self, dim: int = -1) -> None:
+        if dim is None:
+            raise ValueError("dim: None (implicit dim) is not supported; pass the dim explicitly")
+        super().__init__(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _F.softmax(x, self.dim)
+
+
+class LogSoftmax(torch.nn.LogSoftmax):
+    """Drop-in for ``torch.nn.LogSoftmax(dim)`` running ``tilelang_ops.functional.log_softmax``."""
+
+    def __init__(self, dim: int = -1) -> None:
+        if dim is None:
+            raise ValueError("dim: None (implicit dim) is not supported; pass the dim explicitly")
+        super().__init__(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _F.log_softmax(x, self.dim)

@@ -14,15 +14,16 @@ Tails: with symbolic lengths the last tile reads past the end; TMA fills those r
 the scores of key index >= Sk are set to -inf explicitly (a zero K row would score 0, not -inf),
 and stores are clipped to the tensor.
 """
-
-
+# No `from __future__ import annotations`: TileLang evaluates the T.Tensor annotations, and a
+# symbolic dim used only there (e.g. HK) must be a live closure variable, not a string.
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import tilelang
 import tilelang.language as T
 
-from ..runtime import kernel
+from ..runtime import KernelDef, kernel
 
 DTYPES = ("float16", "bfloat16")
 HEADDIMS = (64, 128, 256)
@@ -37,6 +38,19 @@ def _is_hopper(arch: str) -> bool:
     return arch.startswith("sm_90")
 
 
+class _ArchKernelDef(KernelDef):
+    """A KernelDef that first adapts its config to the target (`config.for_arch(arch)`), so a
+    Hopper config (e.g. a REPRESENTATIVE entry) still compiles for Ampere, minus the features that
+    do not exist or do not lower there (TMA reductions; multi-stage pipelines, see below)."""
+
+    def compile(self, config, arch: str, **static):
+        return super().compile(config.for_arch(arch), arch, **static)
+
+
+def _arch_aware(kdef: KernelDef) -> _ArchKernelDef:
+    return _ArchKernelDef(kdef.family, kdef.name, kdef.build, kdef.out_idx, kdef.pass_configs)
+
+
 # ---------------------------------------------------------------------------------------------
 # Forward
 # ---------------------------------------------------------------------------------------------
@@ -47,6 +61,10 @@ class FwdConfig:
     num_stages: int = 2
     threads: int = 256  # consumer threads; on Hopper TileLang adds a 128-thread TMA producer
 
+    def for_arch(self, arch: str) -> "FwdConfig":
+        # TileLang 0.1.15's cp.async pipeline (pre-Hopper) fails in codegen on a symbolic trip count.
+        return self if _is_hopper(arch) else dataclasses.replace(self, num_stages=1)
+
 
 def fwd_default_config(headdim: int, causal: bool, arch: str = "sm_90a") -> FwdConfig:
     if _is_hopper(arch):
@@ -54,21 +72,18 @@ def fwd_default_config(headdim: int, causal: bool, arch: str = "sm_90a") -> FwdC
             return FwdConfig(128, 128, 2, 256)
         # D=256: Q, O and two K/V stages of 128 keys would exceed 227 KB of shared memory.
         return FwdConfig(128, 64, 2, 256)
-    # Ampere: 164 KB shared memory, no TMA/wgmma; smaller key tiles keep two stages resident.
-    if headdim <= 64:
-        return FwdConfig(128, 128, 2, 256)
+    # Ampere (compile target only, not tuned): no TMA/wgmma, 164 KB shared memory; one stage,
+    # because TileLang 0.1.15's cp.async pipeline fails in codegen on a symbolic trip count.
     if headdim <= 128:
-        return FwdConfig(128, 64, 2, 256)
+        return FwdConfig(128, 64, 1, 256)
     return FwdConfig(64, 64, 1, 128)
 
 
 FWD_SEARCH_SPACE = [
     FwdConfig(bm, bn, st, th)
-    for bm in (64, 128)
+    for bm, th in ((64, 128), (128, 256), (192, 384))  # 192 rows: 3 consumer warpgroups
     for bn in (64, 128, 176)
     for st in (1, 2)
-    for th in (128, 256)
-    if not (bm == 64 and th == 256)
 ]
 
 
@@ -109,31 +124,41 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
             l = T.alloc_fragment((bm,), acc)  # running sum of exp
             lse = T.alloc_fragment((bm,), acc)
 
+            # Causal: heaviest query tiles (most keys) first, so the short ones fill the tail.
+            qt = T.ceildiv(Sq, bm) - 1 - bx if causal else bx
             kvh = by // groups
             offset = Sk - Sq  # bottom-right causal alignment
-            T.copy(Q[bz, bx * bm : (bx + 1) * bm, by, :], q_s)
+            T.copy(Q[bz, qt * bm : (qt + 1) * bm, by, :], q_s)
             T.fill(o, 0)
             T.fill(l, 0)
             T.fill(m, neg_inf)
 
             if causal:
-                # Last key any row of this tile may see is (bx+1)*bm - 1 + offset. At least one step
+                # Last key any row of this tile may see is (qt+1)*bm - 1 + offset. At least one step
                 # even for a tile that sees nothing (Sq > Sk): the step is fully masked and gives
                 # 0 / -inf, and it waits on the Q load, whose shared buffer the output tile reuses.
-                n_blocks = T.max(T.min(T.ceildiv(Sk, bn), T.ceildiv((bx + 1) * bm + offset, bn)), 1)
+                n_blocks = T.max(T.min(T.ceildiv(Sk, bn), T.ceildiv((qt + 1) * bm + offset, bn)), 1)
             else:
                 n_blocks = T.ceildiv(Sk, bn)
 
             for kb in T.Pipelined(n_blocks, num_stages=config.num_stages):
                 T.copy(K[bz, kb * bn : (kb + 1) * bn, kvh, :], k_s)
-                # The mask is the GEMM's initial accumulator: 0 where visible, -inf elsewhere.
-                for i, j in T.Parallel(bm, bn):
-                    if causal:
-                        s[i, j] = T.if_then_else(
-                            (kb * bn + j >= Sk) | (kb * bn + j > bx * bm + i + offset), neg_inf, 0
-                        )
-                    else:
-                        s[i, j] = T.if_then_else(kb * bn + j >= Sk, neg_inf, 0)
+                # The mask is the GEMM's initial accumulator: 0 where visible, -inf elsewhere. Only
+                # the diagonal and the tail blocks need it; the others start from 0.
+                if causal:
+                    full = ((kb + 1) * bn <= Sk) & ((kb + 1) * bn - 1 <= qt * bm + offset)
+                else:
+                    full = (kb + 1) * bn <= Sk
+                if full:
+                    T.fill(s, 0)
+                else:
+                    for i, j in T.Parallel(bm, bn):
+                        if causal:
+                            s[i, j] = T.if_then_else(
+                                (kb * bn + j >= Sk) | (kb * bn + j > qt * bm + i + offset), neg_inf, 0
+                            )
+                        else:
+                            s[i, j] = T.if_then_else(kb * bn + j >= Sk, neg_inf, 0)
                 T.gemm(q_s, k_s, s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
 
                 T.copy(m, m_prev)
@@ -161,8 +186,8 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
             for i, j in T.Parallel(bm, D):
                 o[i, j] *= l[i]
             T.copy(o, o_s)
-            T.copy(o_s, O[bz, bx * bm : (bx + 1) * bm, by, :])
-            T.copy(lse, LSE[bz, by, bx * bm : (bx + 1) * bm])
+            T.copy(o_s, O[bz, qt * bm : (qt + 1) * bm, by, :])
+            T.copy(lse, LSE[bz, by, qt * bm : (qt + 1) * bm])
 
     return flash_fwd
 
@@ -174,6 +199,9 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
 class PrepConfig:
     block: int = 64  # query rows per CTA
     threads: int = 128
+
+    def for_arch(self, arch: str) -> "PrepConfig":
+        return self
 
 
 @kernel("attention", "flash_bwd_prep", pass_configs=_PASS_CONFIGS)
@@ -229,13 +257,18 @@ class BwdConfig:
     # them in shared memory, needed when the dK/dV GEMMs split N over warps (D=256, 8 warps).
     rs_gemm: bool = True
 
+    def for_arch(self, arch: str) -> "BwdConfig":
+        return self if _is_hopper(arch) else dataclasses.replace(self, num_stages=1, tma_dq=False)
+
 
 def bwd_default_config(headdim: int, causal: bool, arch: str = "sm_90a") -> BwdConfig:
     hopper = _is_hopper(arch)
+    if not hopper and headdim <= 128:  # Ampere: one stage, see fwd_default_config
+        return BwdConfig(128, 64, 1, 256, False)
     if headdim <= 64:
-        return BwdConfig(128, 128 if hopper else 64, 2, 256, hopper)
+        return BwdConfig(128, 128, 2, 256)
     if headdim <= 128:
-        return BwdConfig(128, 64, 2, 256, hopper) if hopper else BwdConfig(64, 64, 2, 256, False)
+        return BwdConfig(128, 64, 2, 256)
     # D=256: two stages of Q/dO plus an fp32 dQ tile would not fit in shared memory, and 64x256
     # fp32 dK plus dV need 8 warps to stay in registers.
     return BwdConfig(64, 64, 1, 256, hopper, False) if hopper else BwdConfig(64, 32, 1, 256, False, False)
@@ -243,12 +276,15 @@ def bwd_default_config(headdim: int, causal: bool, arch: str = "sm_90a") -> BwdC
 
 BWD_SEARCH_SPACE = [
     BwdConfig(bm, bn, st, th, True, rs)
-    for rs in (True, False)
-    for bm in (64, 128)
-    for bn in (32, 64, 128)
+    for bm, bn, th, rs in (
+        (128, 64, 256, True),
+        (128, 128, 256, True),
+        (128, 32, 256, True),
+        (64, 64, 128, True),
+        (64, 128, 128, True),
+        (64, 64, 256, False),
+    )
     for st in (1, 2)
-    for th in (128, 256)
-    if not (bm == 64 and th == 256 and bn == 32)
 ]
 
 
@@ -369,25 +405,43 @@ class CastConfig:
     block: int = 4096  # elements per CTA: 16 per thread = four 16-byte fp32 loads
     threads: int = 256
 
+    def for_arch(self, arch: str) -> "CastConfig":
+        return self
+
 
 @kernel("attention", "cast_f32", pass_configs=_PASS_CONFIGS)
 def cast_f32_kernel(config: CastConfig, dtype: str):
-    """dQ conversion: fp32 accumulator -> dtype, flat, symbolic length."""
-    N = T.dynamic("N")
+    """dQ conversion: fp32 accumulator -> dtype, flat, symbolic int64 length (B*Sq*H*D may pass 2^31)."""
+    N = T.dynamic("N", "int64")
     blk = config.block
 
     @T.prim_func
     def cast_f32(X: T.Tensor((N,), "float32"), Y: T.Tensor((N,), dtype)):
         with T.Kernel(T.ceildiv(N, blk), threads=config.threads) as bx:
-            if bx * blk + blk <= N:
+            base = T.Cast("int64", bx) * blk
+            if base + blk <= N:
                 for i in T.Parallel(blk):
-                    Y[bx * blk + i] = T.Cast(dtype, X[bx * blk + i])
+                    Y[base + i] = T.Cast(dtype, X[base + i])
             else:
                 for i in T.Parallel(blk):
-                    if bx * blk + i < N:
-                        Y[bx * blk + i] = T.Cast(dtype, X[bx * blk + i])
+                    if base + i < N:
+                        Y[base + i] = T.Cast(dtype, X[base + i])
 
     return cast_f32
+
+
+flash_fwd_kernel = _arch_aware(flash_fwd_kernel)
+flash_bwd_prep_kernel = _arch_aware(flash_bwd_prep_kernel)
+flash_bwd_kernel = _arch_aware(flash_bwd_kernel)
+cast_f32_kernel = _arch_aware(cast_f32_kernel)
+
+
+def default_config(headdim: int, causal: bool, arch: str = "sm_90a", kind: str = "fwd"):
+    """Default config of the forward ("fwd") or backward main ("bwd") kernel."""
+    return (fwd_default_config if kind == "fwd" else bwd_default_config)(headdim, causal, arch)
+
+
+SEARCH_SPACE = {"fwd": FWD_SEARCH_SPACE, "bwd": BWD_SEARCH_SPACE}
 
 
 def default_scale(headdim: int) -> float:

@@ -48,12 +48,13 @@ class GemmConfig:
 _HOPPER_LARGE = GemmConfig(128, 256, 64, 3, 256, 8, "Square")  # 760 TFLOP/s at 8192³ (cuBLAS 783)
 _HOPPER_NARROW = GemmConfig(128, 128, 64, 4, 256, 8, "Square")  # N ≤ 128: a 256-wide tile would be half empty
 _AMPERE = GemmConfig(128, 128, 32, 3, 256, 8, "Square")  # no wgmma/TMA: mma.sync + cp.async, 164 KB smem
+_AMPERE_TN = GemmConfig(128, 128, 32, 2, 256, 8, "Square")  # 3 cp.async stages over a symbolic trip count fail to lower
 
 
-def default_config(arch: str, n: int, rows: int | None = None) -> GemmConfig:
-    """Schedule for an output with `n` (static) columns; `rows` is the static row count for "tn"."""
+def default_config(arch: str, n: int, layout: str = "nn") -> GemmConfig:
+    """Schedule for an output with `n` (static) columns in the given operand layout."""
     if not arch.startswith("sm_9"):
-        return _AMPERE
+        return _AMPERE_TN if layout == "tn" else _AMPERE
     if n <= 128:
         return _HOPPER_NARROW
     return _HOPPER_LARGE
@@ -65,9 +66,12 @@ SEARCH_SPACE = [
     GemmConfig(128, 256, 64, 3, 256, 16),
     GemmConfig(256, 128, 64, 3, 256, 8),
     GemmConfig(128, 128, 64, 4, 256, 8),
+    GemmConfig(128, 256, 64, 4, 256, 8),
     GemmConfig(128, 256, 64, 4, 256, 8, "FullRow"),
+    GemmConfig(256, 128, 64, 4, 256, 8),
     GemmConfig(128, 192, 64, 4, 256, 8),
     GemmConfig(128, 128, 64, 5, 128, 8),
+    GemmConfig(128, 256, 64, 2, 256, 8),
 ]
 
 
@@ -145,7 +149,7 @@ def matmul_kernel(
     c_shape = lead + (M, N)
     a_tile = (bk, bm) if trans_a else (bm, bk)
     b_tile = (bn, bk) if trans_b else (bk, bn)
-    # TMA zero-fills out-of-range loads, so a ragged N never reads garbage bias either when clamped.
+    # Ragged last N tile: clamp the bias index (those columns are clipped by the store anyway).
     n_ragged = N % bn != 0
     n_blocks = T.ceildiv(N, bn)
     m_blocks = T.ceildiv(M, bm)
@@ -223,8 +227,8 @@ def matmul_kernel(
 
 @dataclass(frozen=True)
 class ActGradConfig:
-    block_M: int = 32
-    block_N: int = 256  # 256 threads × 8 bf16 = one 16-byte vector per thread per row
+    block_M: int = 64  # rows per CTA: also the bias-grad partial count, ceil(M/64)·n fp32 (~1.5% extra traffic in bf16)
+    block_N: int = 256  # 256 threads: 4 columns × 16 rows each, 8-byte accesses, no register spills
     threads: int = 256
 
 
@@ -267,3 +271,18 @@ def act_grad_kernel(config: ActGradConfig, *, n: int, dtype: str, activation: st
                     DB[by, bx * bn + j] = colsum[j]
 
     return act_grad
+
+
+# (kernel, config, static) that `tileops export` writes and `tileops check` / the compile tests
+# build for sm_90a and sm_80: one per kernel shape the library runs (layouts, epilogues, batched).
+# The "tn" entry uses 2 stages because sm_80's cp.async pipeline cannot lower 3 stages over a
+# symbolic trip count; on sm_90a (TMA + mbarriers) the default keeps 3.
+_TN_BOTH = GemmConfig(128, 256, 64, 2, 256, 8)
+REPRESENTATIVE = [
+    (matmul_kernel, _HOPPER_LARGE, dict(layout="nt", n=4096, k=4096, rows=0, dtype="bfloat16", batched=False, bias=True, activation="gelu_tanh", save_preact=True)),
+    (matmul_kernel, _HOPPER_LARGE, dict(layout="nt", n=4096, k=4096, rows=0, dtype="bfloat16", batched=False, bias=False, activation="none", save_preact=False)),
+    (matmul_kernel, _HOPPER_LARGE, dict(layout="nn", n=4096, k=4096, rows=0, dtype="bfloat16", batched=False, bias=False, activation="none", save_preact=False)),
+    (matmul_kernel, _TN_BOTH, dict(layout="tn", n=4096, k=0, rows=4096, dtype="bfloat16", batched=False, bias=False, activation="none", save_preact=False)),
+    (matmul_kernel, _HOPPER_NARROW, dict(layout="nn", n=128, k=64, rows=0, dtype="float16", batched=True, bias=False, activation="none", save_preact=False)),
+    (act_grad_kernel, ActGradConfig(), dict(n=4096, dtype="bfloat16", activation="gelu_tanh")),
+]

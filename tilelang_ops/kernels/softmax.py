@@ -1,25 +1,33 @@
 """Row softmax / log-softmax over the last dim of an (M, N) tensor, forward and backward.
 
 M (rows) is symbolic, so a new batch size never recompiles; N (row length) is static because it
-shapes the schedule: each distinct N compiles once per (kind, dtype, direction). Two schedules:
+shapes the schedule: each distinct N compiles once per (kind, dtype, direction). Three schedules:
 
 * **rows** — one pass, the row held in registers. A CTA owns `block_m` rows; each row is spread
-  over `threads // block_m` threads, `vec` contiguous elements (16 bytes) per access. Short rows
-  pack many rows per CTA so reductions stay inside a warp (shuffles, no barrier); mid rows take a
-  whole CTA. The row is padded in registers to a multiple of `vec * threads_per_row` with
-  -inf (fwd) / 0 (bwd) so any N compiles; only the padding lanes pay for the guard.
+  over up to `threads` lanes, `vec` contiguous elements (16 bytes) per access. Short rows pack
+  many rows per CTA, so rows up to 32 * vec elements reduce inside a warp (shuffles, no barrier);
+  mid rows take a whole CTA. The row is padded in registers to a multiple of
+  `vec * threads / block_m` with -inf (fwd) / 0 (bwd) so any N compiles (TileLang finds no layout
+  for a ragged fragment); only the padding lanes pay for the guard.
   Memory: reads M*N (x, or y and dy), writes M*N.
 
-* **split** — rows too long for registers. Each row is cut into chunks of `chunk` elements, one
-  CTA per (row, chunk) so a handful of rows still fills 132 SMs. A `stats` kernel writes one
-  fp32 partial per chunk (max and sum of exp for the forward, the row dot for the backward); an
-  `apply` kernel folds the row's partials and re-reads its chunk to write the output. The re-read
-  hits L2 when the tensor fits (H200: 50 MB), otherwise it costs one extra read of the input.
+* **split** — long rows (too long for registers, or > 8192 with < 2 rows per SM) and few of
+  them. Each row is cut into chunks of `chunk` elements, one CTA per (row, chunk), so a handful
+  of rows still fills 132 SMs. A `stats` kernel writes one fp32 partial per chunk (max and sum
+  of exp for the forward, the row dot for the backward); an `apply` kernel folds the row's
+  partials and re-reads its chunk to write the output. The re-read hits L2 when the tensor fits
+  (H200: 50 MB) and starts from the chunks read last otherwise.
 
-All math in fp32; exp via exp2 with a log2(e) pre-scale; output rounded once to the input dtype.
-Semantics match PyTorch: an all -inf row gives NaN, a +inf gives NaN for its row, NaN propagates.
+* **loop** — long rows and many of them (M >= 4 rows per SM): one CTA per row, several CTAs per
+  SM, walking the row twice in `chunk`-sized pieces: a running (max, sum) on the way out, the
+  output newest-chunk-first on the way back. The second read hits L2 (132 SMs x a few rows of
+  <= 512 KB), so DRAM sees one read and one write, like `rows`.
+
+`default_config` picks the schedule from (N, M bucket, SM count); `tileops tune` may override it
+per (N, M bucket) from SEARCH_SPACE. All math in fp32; exp via exp2 with a log2(e) pre-scale;
+output rounded once to the input dtype. Semantics match PyTorch: an all -inf row gives NaN, a
++inf gives NaN for its row, NaN propagates.
 """
-import math
 from dataclasses import dataclass
 
 import tilelang.language as T
@@ -43,58 +51,97 @@ def vec_width(n: int, dtype: str) -> int:
 
 
 @dataclass(frozen=True)
-class RowConfig:
-    block_m: int = 1  # rows per CTA; threads // block_m threads share a row
+class SoftmaxConfig:
+    schedule: str = "rows"  # "rows" | "loop" | "split" (see the module docstring)
+    block_m: int = 1  # rows: rows per CTA; threads // block_m lanes share a row
     threads: int = 256
-
-
-@dataclass(frozen=True)
-class SplitConfig:
-    chunk: int = 8192  # row elements per CTA; a multiple of threads * vec
-    threads: int = 256
+    chunk: int = 0  # loop / split: row elements per chunk, a multiple of threads * vec
 
 
 # Registers per thread: 32 fp32 row values (64 bytes of bf16 loads in flight per thread) keeps
 # ptxas under the 64-register cap of a 1024-thread CTA and leaves >= 1024 threads per SM.
 _PER_THREAD = 32
 _MAX_THREADS = 1024
+# Long rows: with >= this many rows per SM, one CTA per row looping over its row (`loop`, re-read
+# from L2) keeps every SM busy with several CTAs; with fewer, rows are cut into chunks (`split`)
+# so a few rows still fill the GPU.
+LOOP_ROWS_PER_SM = 4
+# A register row longer than this needs >= 512 threads; with fewer than two such rows per SM one
+# wave would leave SMs idle, so the long schedules take over.
+ROWS_ALWAYS_UP_TO = 8192
+H200_SMS = 132
+
+
+def _arrays(kind: str, backward: bool) -> int:
+    return 2 if (backward or kind == "log_softmax") else 1  # fp32 row fragments live at once
 
 
 def _row_limit(dtype: str, backward: bool, kind: str) -> int:
-    """Longest row kept in registers; longer rows take the split schedule."""
-    arrays = 2 if (backward or kind == "log_softmax") else 1  # fp32 fragments live at once
-    return _MAX_THREADS * _PER_THREAD // arrays
+    """Longest row kept in registers; longer rows take the loop / split schedules."""
+    return _MAX_THREADS * _PER_THREAD // _arrays(kind, backward)
 
 
-def default_config(n: int, dtype: str, kind: str = "softmax", backward: bool = False) -> RowConfig | SplitConfig:
-    """Schedule for rows of length n: short rows pack a CTA, mid rows own one, long rows split."""
+def default_config(
+    n: int, dtype: str, kind: str = "softmax", backward: bool = False, m: int | None = None, sms: int = H200_SMS
+) -> SoftmaxConfig:
+    """Heuristic config for an (m, n) problem (m=None: many rows) on a GPU with `sms` SMs.
+
+    Short rows pack a CTA, mid rows own one (`rows`); rows too long for registers, or mid rows
+    longer than ROWS_ALWAYS_UP_TO with < 2 rows per SM, go to `loop` (>= LOOP_ROWS_PER_SM rows
+    per SM) or `split` (fewer).
+    """
     vec = vec_width(n, dtype)
-    if n > _row_limit(dtype, backward, kind):
-        per_thread = 16 if (backward or kind == "log_softmax") else 32
-        threads = 256
-        return SplitConfig(chunk=threads * max(per_thread, vec), threads=threads)
+    many = m is None or m >= 2 * sms
     if n <= 1024:
-        # Short rows: 128 threads, each row on a power-of-two group of lanes (<= a warp for N <= 512)
-        # holding ~2 vectors each, so the row reductions are warp shuffles.
+        # Short rows: 128 threads and 128 / tpr rows per CTA, ~2+ vectors per thread; a row lives
+        # in n / vec <= 32 lanes of one warp, so its reductions are shuffles only.
         threads = 128
         tpr = 1
-        while tpr < 128 and tpr * vec * 2 < n:
+        while tpr < 32 and tpr * vec * 2 < n:
             tpr *= 2
-        return RowConfig(block_m=threads // tpr, threads=threads)
-    per_thread = _PER_THREAD // (2 if (backward or kind == "log_softmax") else 1)
-    threads = 128
-    while threads < _MAX_THREADS and threads * per_thread < n:
-        threads *= 2
-    return RowConfig(block_m=1, threads=threads)
+        return SoftmaxConfig("rows", block_m=threads // tpr, threads=threads)
+    if n <= _row_limit(dtype, backward, kind) and (n <= ROWS_ALWAYS_UP_TO or many):
+        per_thread = _PER_THREAD // _arrays(kind, backward)
+        threads = 128
+        while threads < _MAX_THREADS and threads * per_thread < n:
+            threads *= 2
+        return SoftmaxConfig("rows", block_m=1, threads=threads)
+    threads = 256
+    chunk = threads * max(_PER_THREAD // _arrays(kind, backward), vec)
+    loop = m is None or m >= LOOP_ROWS_PER_SM * sms
+    return SoftmaxConfig("loop" if loop else "split", threads=threads, chunk=chunk)
 
 
-SEARCH_SPACE = [RowConfig(b, t) for t in (128, 256, 512, 1024) for b in (1, 2, 4, 8, 16, 32) if b <= t] + [
-    SplitConfig(c, t) for t in (128, 256, 512) for c in (4096, 8192, 16384) if c >= 8 * t
-]
+def fits(cfg: SoftmaxConfig, n: int, dtype: str, kind: str = "softmax", backward: bool = False) -> bool:
+    """Whether `cfg` is a sensible candidate for rows of length n (registers, not spills)."""
+    vec = vec_width(n, dtype)
+    if cfg.schedule == "rows":
+        k, lanes, _ = _row_tile(cfg, n, dtype)
+        idle = lanes * vec >= 2 * n  # more than half of a row's lanes would hold only padding
+        return cfg.block_m <= cfg.threads and not idle and k * vec * _arrays(kind, backward) <= 2 * _PER_THREAD
+    return cfg.chunk % (cfg.threads * vec) == 0 and cfg.chunk < 2 * n
 
 
-def _padded(n: int, lanes: int) -> int:
-    return -(-n // lanes) * lanes
+def schedule_kernels(cfg: SoftmaxConfig, n: int, dtype: str, kind: str, backward: bool) -> list:
+    """(KernelDef, config, static) that a config launches, in order."""
+    st = {"n": n, "dtype": dtype, "kind": kind}
+    if cfg.schedule == "rows":
+        return [(rows_bwd if backward else rows_fwd, cfg, st)]
+    if cfg.schedule == "loop":
+        return [(loop_bwd if backward else loop_fwd, cfg, st)]
+    return [(split_stats, cfg, {**st, "backward": backward}), (split_apply, cfg, {**st, "backward": backward})]
+
+
+SEARCH_SPACE = [
+    SoftmaxConfig("rows", b, t) for t in (128, 256, 512, 1024) for b in (1, 2, 4, 8, 16, 32, 64) if b <= t // 4 or b == 1
+] + [SoftmaxConfig(s, 1, t, c) for s in ("loop", "split") for t in (128, 256, 512) for c in (4096, 8192, 16384) if c >= 8 * t]
+
+
+def _row_tile(config: SoftmaxConfig, n: int, dtype: str) -> tuple[int, int, int]:
+    """(k, lanes, w): a row is k slices of w = lanes * vec elements, slice kk at kk * w."""
+    lanes = max(config.threads // config.block_m, 1)
+    w = lanes * vec_width(n, dtype)
+    return -(-n // w), lanes, w
 
 
 def _split_chunks(n: int, chunk: int) -> int:
@@ -104,80 +151,92 @@ def _split_chunks(n: int, chunk: int) -> int:
 # ---------------------------------------------------------------------------------------------
 # rows: one pass, rows in registers
 # ---------------------------------------------------------------------------------------------
+# Fragments are (k, block_m, w): TileLang gives the innermost dim to the lanes (vec contiguous
+# elements each) and the next one to the rows, so a short row lives in one warp and a mid row in
+# the CTA. Reducing dim 0 first is thread-local; the lane reduce then runs once per row.
 @kernel("softmax", "softmax_rows_fwd", out_idx=[1])
-def rows_fwd(config: RowConfig, n: int, dtype: str, kind: str):
+def rows_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str):
     M = T.dynamic("M")
     bm, threads = config.block_m, config.threads
-    vec = vec_width(n, dtype)
-    np_ = _padded(n, vec * max(threads // bm, 1))
+    k, _, w = _row_tile(config, n, dtype)
     log = kind == "log_softmax"
 
     @T.prim_func
     def fwd(X: T.Tensor((M, n), dtype), Y: T.Tensor((M, n), dtype)):
         with T.Kernel(T.ceildiv(M, bm), threads=threads) as bx:
-            x = T.alloc_fragment((bm, np_), _ACC)
+            x = T.alloc_fragment((k, bm, w), _ACC)
+            part = T.alloc_fragment((bm, w), _ACC)
             mx = T.alloc_fragment((bm,), _ACC)
             s = T.alloc_fragment((bm,), _ACC)
-            for i, j in T.Parallel(bm, np_):  # reads bm*n
-                x[i, j] = T.if_then_else(
-                    (bx * bm + i < M) and (j < n), T.Cast(_ACC, X[bx * bm + i, j]), -T.infinity(_ACC)
+            for kk, i, j in T.Parallel(k, bm, w):  # reads bm*n
+                x[kk, i, j] = T.if_then_else(
+                    (bx * bm + i < M) and (kk * w + j < n), T.Cast(_ACC, X[bx * bm + i, kk * w + j]), -T.infinity(_ACC)
                 )
-            T.reduce_max(x, mx, dim=1)
+            T.reduce_max(x, part, dim=0)
+            T.reduce_max(part, mx, dim=1)
             if log:
-                e = T.alloc_fragment((bm, np_), _ACC)
-                for i, j in T.Parallel(bm, np_):
-                    e[i, j] = T.exp2((x[i, j] - mx[i]) * LOG2E)
-                T.reduce_sum(e, s, dim=1)
+                e = T.alloc_fragment((k, bm, w), _ACC)
+                for kk, i, j in T.Parallel(k, bm, w):
+                    e[kk, i, j] = T.exp2((x[kk, i, j] - mx[i]) * LOG2E)
+                T.reduce_sum(e, part, dim=0)
+                T.reduce_sum(part, s, dim=1)
                 for i in T.Parallel(bm):
                     s[i] = mx[i] + T.log2(s[i]) * LN2  # logsumexp
-                for i, j in T.Parallel(bm, np_):  # writes bm*n
-                    if (bx * bm + i < M) and (j < n):
-                        Y[bx * bm + i, j] = T.Cast(dtype, x[i, j] - s[i])
+                for kk, i, j in T.Parallel(k, bm, w):  # writes bm*n
+                    if (bx * bm + i < M) and (kk * w + j < n):
+                        Y[bx * bm + i, kk * w + j] = T.Cast(dtype, x[kk, i, j] - s[i])
             else:
-                for i, j in T.Parallel(bm, np_):
-                    x[i, j] = T.exp2((x[i, j] - mx[i]) * LOG2E)
-                T.reduce_sum(x, s, dim=1)
+                for kk, i, j in T.Parallel(k, bm, w):
+                    x[kk, i, j] = T.exp2((x[kk, i, j] - mx[i]) * LOG2E)
+                T.reduce_sum(x, part, dim=0)
+                T.reduce_sum(part, s, dim=1)
                 for i in T.Parallel(bm):
                     s[i] = 1.0 / s[i]
-                for i, j in T.Parallel(bm, np_):  # writes bm*n
-                    if (bx * bm + i < M) and (j < n):
-                        Y[bx * bm + i, j] = T.Cast(dtype, x[i, j] * s[i])
+                for kk, i, j in T.Parallel(k, bm, w):  # writes bm*n
+                    if (bx * bm + i < M) and (kk * w + j < n):
+                        Y[bx * bm + i, kk * w + j] = T.Cast(dtype, x[kk, i, j] * s[i])
 
     return fwd
 
 
 @kernel("softmax", "softmax_rows_bwd", out_idx=[2])
-def rows_bwd(config: RowConfig, n: int, dtype: str, kind: str):
+def rows_bwd(config: SoftmaxConfig, n: int, dtype: str, kind: str):
     """softmax: dx = y * (dy - sum(dy * y));  log_softmax: dx = dy - exp(y) * sum(dy)."""
     M = T.dynamic("M")
     bm, threads = config.block_m, config.threads
-    vec = vec_width(n, dtype)
-    np_ = _padded(n, vec * max(threads // bm, 1))
+    k, _, w = _row_tile(config, n, dtype)
     log = kind == "log_softmax"
 
     @T.prim_func
     def bwd(DY: T.Tensor((M, n), dtype), Yt: T.Tensor((M, n), dtype), DX: T.Tensor((M, n), dtype)):
         with T.Kernel(T.ceildiv(M, bm), threads=threads) as bx:
-            dy = T.alloc_fragment((bm, np_), _ACC)
-            y = T.alloc_fragment((bm, np_), _ACC)
+            dy = T.alloc_fragment((k, bm, w), _ACC)
+            y = T.alloc_fragment((k, bm, w), _ACC)
+            part = T.alloc_fragment((bm, w), _ACC)
             dot = T.alloc_fragment((bm,), _ACC)
-            for i, j in T.Parallel(bm, np_):  # reads 2*bm*n
-                dy[i, j] = T.if_then_else((bx * bm + i < M) and (j < n), T.Cast(_ACC, DY[bx * bm + i, j]), 0.0)
-            for i, j in T.Parallel(bm, np_):
-                y[i, j] = T.if_then_else((bx * bm + i < M) and (j < n), T.Cast(_ACC, Yt[bx * bm + i, j]), 0.0)
+            # One load per loop: with both in one loop TileLang vectorized them to 8 bytes, not 16.
+            for kk, i, j in T.Parallel(k, bm, w):  # reads 2*bm*n
+                dy[kk, i, j] = T.if_then_else(
+                    (bx * bm + i < M) and (kk * w + j < n), T.Cast(_ACC, DY[bx * bm + i, kk * w + j]), 0.0
+                )
+            for kk, i, j in T.Parallel(k, bm, w):
+                y[kk, i, j] = T.if_then_else(
+                    (bx * bm + i < M) and (kk * w + j < n), T.Cast(_ACC, Yt[bx * bm + i, kk * w + j]), 0.0
+                )
             if log:
-                T.reduce_sum(dy, dot, dim=1)
+                T.reduce_sum(dy, part, dim=0)
             else:
-                p = T.alloc_fragment((bm, np_), _ACC)
-                for i, j in T.Parallel(bm, np_):
-                    p[i, j] = dy[i, j] * y[i, j]
-                T.reduce_sum(p, dot, dim=1)
-            for i, j in T.Parallel(bm, np_):  # writes bm*n
-                if (bx * bm + i < M) and (j < n):
+                p = T.alloc_fragment((k, bm, w), _ACC)
+                for kk, i, j in T.Parallel(k, bm, w):
+                    p[kk, i, j] = dy[kk, i, j] * y[kk, i, j]
+                T.reduce_sum(p, part, dim=0)
+            T.reduce_sum(part, dot, dim=1)
+            for kk, i, j in T.Parallel(k, bm, w):  # writes bm*n
+                if (bx * bm + i < M) and (kk * w + j < n):
                     if log:
-                        DX[bx * bm + i, j] = T.Cast(dtype, dy[i, j] - T.exp2(y[i, j] * LOG2E) * dot[i])
+                        DX[bx * bm + i, kk * w + j] = T.Cast(dtype, dy[kk, i, j] - T.exp2(y[kk, i, j] * LOG2E) * dot[i])
                     else:
-                        DX[bx * bm + i, j] = T.Cast(dtype, y[i, j] * (dy[i, j] - dot[i]))
+                        DX[bx * bm + i, kk * w + j] = T.Cast(dtype, y[kk, i, j] * (dy[kk, i, j] - dot[i]))
 
     return bwd
 
@@ -186,7 +245,7 @@ def rows_bwd(config: RowConfig, n: int, dtype: str, kind: str):
 # split: long rows, one CTA per (row, chunk); stats then apply
 # ---------------------------------------------------------------------------------------------
 @kernel("softmax", "softmax_split_stats")
-def split_stats(config: SplitConfig, n: int, dtype: str, kind: str, backward: bool):
+def split_stats(config: SoftmaxConfig, n: int, dtype: str, kind: str, backward: bool):
     """Per-chunk partials. fwd: P0 = chunk max, P1 = sum exp(x - max) (0 for an all -inf chunk).
     bwd: P0 = sum(dy * y) (softmax) or sum(dy) (log_softmax); P1 unused."""
     M = T.dynamic("M")
@@ -232,7 +291,7 @@ def split_stats(config: SplitConfig, n: int, dtype: str, kind: str, backward: bo
 
 
 @kernel("softmax", "softmax_split_apply")
-def split_apply(config: SplitConfig, n: int, dtype: str, kind: str, backward: bool):
+def split_apply(config: SoftmaxConfig, n: int, dtype: str, kind: str, backward: bool):
     """Fold the row's partials (nc scalars, read by every thread) and write the chunk's output."""
     M = T.dynamic("M")
     c, threads = config.chunk, config.threads
@@ -247,8 +306,9 @@ def split_apply(config: SplitConfig, n: int, dtype: str, kind: str, backward: bo
         P1: T.Tensor((M, nc), _ACC),
         O: T.Tensor((M, n), dtype),
     ):
-        with T.Kernel(M, nc, threads=threads) as (row, ch):
-            base = ch * c
+        with T.Kernel(M, nc, threads=threads) as (row, rch):
+            # CTAs dispatch chunk-major; start from the chunks `stats` read last, still in L2.
+            base = (nc - 1 - rch) * c
             acc0 = T.alloc_var(_ACC)
             acc1 = T.alloc_var(_ACC)
             if backward:
@@ -289,21 +349,111 @@ def split_apply(config: SplitConfig, n: int, dtype: str, kind: str, backward: bo
     return apply
 
 
-# (kernel, config, static) at which `tileops export` writes source and `tileops check` compiles.
-def _rep(n: int, dtype: str, kind: str, backward: bool) -> list:
-    cfg = default_config(n, dtype, kind, backward)
-    if isinstance(cfg, RowConfig):
-        return [((rows_bwd if backward else rows_fwd), cfg, {"n": n, "dtype": dtype, "kind": kind})]
-    st = {"n": n, "dtype": dtype, "kind": kind, "backward": backward}
-    return [(split_stats, cfg, st), (split_apply, cfg, st)]
+# ---------------------------------------------------------------------------------------------
+# loop: long rows and many of them; one CTA per row walks its row twice in chunks
+# ---------------------------------------------------------------------------------------------
+@kernel("softmax", "softmax_loop_fwd", out_idx=[1])
+def loop_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str):
+    """Pass 1 keeps a running (max, sum of exp) over chunks; pass 2 re-reads the row, newest chunk
+    first, while it is still in L2 (132 resident rows of 512 KB fit the H200's 50 MB)."""
+    M = T.dynamic("M")
+    c, threads = config.chunk, config.threads
+    nc = _split_chunks(n, c)
+    log = kind == "log_softmax"
+
+    @T.prim_func
+    def fwd(X: T.Tensor((M, n), dtype), Y: T.Tensor((M, n), dtype)):
+        with T.Kernel(M, threads=threads) as row:
+            a = T.alloc_fragment((c,), _ACC)
+            cm = T.alloc_fragment((1,), _ACC)
+            cs = T.alloc_fragment((1,), _ACC)
+            m = T.alloc_var(_ACC)
+            s = T.alloc_var(_ACC)
+            shift = T.alloc_var(_ACC)
+            m = -T.infinity(_ACC)
+            s = 0.0
+            for ch in T.serial(nc):  # reads n
+                for j in T.Parallel(c):
+                    a[j] = T.if_then_else(ch * c + j < n, T.Cast(_ACC, X[row, ch * c + j]), -T.infinity(_ACC))
+                T.reduce_max(a, cm, dim=0)
+                # Shift by 0 while everything so far is -inf, so -inf - -inf never makes a NaN sum.
+                shift = T.max(m, cm[0])
+                shift = T.if_then_else(shift == -T.infinity(_ACC), 0.0, shift)
+                for j in T.Parallel(c):
+                    a[j] = T.exp2((a[j] - shift) * LOG2E)
+                T.reduce_sum(a, cs, dim=0)
+                s = s * T.exp2((m - shift) * LOG2E) + cs[0]
+                m = T.max(m, cm[0])
+            if log:
+                s = m + T.log2(s) * LN2
+            else:
+                s = 1.0 / s
+            for rc in T.serial(nc):  # reads n (L2), writes n
+                ch = nc - 1 - rc
+                for j in T.Parallel(c):
+                    if ch * c + j < n:
+                        if log:
+                            Y[row, ch * c + j] = T.Cast(dtype, T.Cast(_ACC, X[row, ch * c + j]) - s)
+                        else:
+                            Y[row, ch * c + j] = T.Cast(dtype, T.exp2((T.Cast(_ACC, X[row, ch * c + j]) - m) * LOG2E) * s)
+
+    return fwd
+
+
+@kernel("softmax", "softmax_loop_bwd", out_idx=[2])
+def loop_bwd(config: SoftmaxConfig, n: int, dtype: str, kind: str):
+    M = T.dynamic("M")
+    c, threads = config.chunk, config.threads
+    nc = _split_chunks(n, c)
+    log = kind == "log_softmax"
+
+    @T.prim_func
+    def bwd(DY: T.Tensor((M, n), dtype), Yt: T.Tensor((M, n), dtype), DX: T.Tensor((M, n), dtype)):
+        with T.Kernel(M, threads=threads) as row:
+            a = T.alloc_fragment((c,), _ACC)
+            cs = T.alloc_fragment((1,), _ACC)
+            dot = T.alloc_var(_ACC)
+            dot = 0.0
+            for ch in T.serial(nc):  # reads 2n (n for log_softmax)
+                if log:
+                    for j in T.Parallel(c):
+                        a[j] = T.if_then_else(ch * c + j < n, T.Cast(_ACC, DY[row, ch * c + j]), 0.0)
+                else:
+                    for j in T.Parallel(c):
+                        a[j] = T.if_then_else(
+                            ch * c + j < n, T.Cast(_ACC, DY[row, ch * c + j]) * T.Cast(_ACC, Yt[row, ch * c + j]), 0.0
+                        )
+                T.reduce_sum(a, cs, dim=0)
+                dot = dot + cs[0]
+            for rc in T.serial(nc):  # reads 2n (L2), writes n
+                ch = nc - 1 - rc
+                for j in T.Parallel(c):
+                    if ch * c + j < n:
+                        if log:
+                            DX[row, ch * c + j] = T.Cast(
+                                dtype, T.Cast(_ACC, DY[row, ch * c + j]) - T.exp2(T.Cast(_ACC, Yt[row, ch * c + j]) * LOG2E) * dot
+                            )
+                        else:
+                            DX[row, ch * c + j] = T.Cast(
+                                dtype, T.Cast(_ACC, Yt[row, ch * c + j]) * (T.Cast(_ACC, DY[row, ch * c + j]) - dot)
+                            )
+
+    return bwd
+
+
+# (kernel, config, static) at which `tileops export` writes source and `tileops check` compiles:
+# every schedule at a few row lengths (H200: 132 SMs; M picks the schedule, it is not compiled in).
+def _rep(n: int, dtype: str, kind: str, backward: bool, m: int) -> list:
+    return schedule_kernels(default_config(n, dtype, kind, backward, m), n, dtype, kind, backward)
 
 
 REPRESENTATIVE = (
-    _rep(128, "bfloat16", "softmax", False)
-    + _rep(1024, "bfloat16", "softmax", False)
-    + _rep(8192, "bfloat16", "softmax", False)
-    + _rep(8192, "float32", "log_softmax", False)
-    + _rep(8192, "bfloat16", "softmax", True)
-    + _rep(65536, "bfloat16", "softmax", False)
-    + _rep(65536, "bfloat16", "softmax", True)
+    _rep(128, "bfloat16", "softmax", False, 65536)  # short rows, 16 per CTA
+    + _rep(8192, "bfloat16", "softmax", False, 1024)  # a row per CTA in registers
+    + _rep(8192, "float32", "log_softmax", False, 1024)
+    + _rep(8192, "bfloat16", "softmax", True, 1024)
+    + _rep(65536, "bfloat16", "softmax", False, 128)  # split: stats + apply
+    + _rep(65536, "bfloat16", "softmax", True, 128)
+    + _rep(65536, "bfloat16", "softmax", False, 4096)  # loop
+    + _rep(65536, "bfloat16", "softmax", True, 4096)
 )

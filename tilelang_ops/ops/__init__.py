@@ -12,6 +12,9 @@ import torch
 
 from .. import reference
 from . import elementwise
+from . import gemm
+from . import attention
+from . import softmax
 
 
 @dataclass(frozen=True)
@@ -24,6 +27,12 @@ class OpCase:
     dtypes: tuple
     atol: dict
     rtol: dict
+
+
+def _qkv_randn(shape, dtype, device):
+    """shape = (B, Sq, Sk, H, HK, D) -> q (B, Sq, H, D), k, v (B, Sk, HK, D)."""
+    B, Sq, Sk, H, HK, D = shape
+    return tuple(torch.randn(B, s, h, D, dtype=dtype, device=device) for s, h in ((Sq, H), (Sk, HK), (Sk, HK)))
 
 
 def _two_randn(shape, dtype, device):
@@ -41,14 +50,71 @@ ALL_OPS = [
         atol=reference.ELEMENTWISE_ATOL,
         rtol=reference.ELEMENTWISE_RTOL,
     ),
+    # gemm family: shapes are (M, K, N); few distinct (K, N) because each is a compiled kernel.
+    OpCase(
+        "gemm",
+        torch.ops.tileops.gemm,
+        lambda s, dt, dev: (torch.randn(s[0], s[1], dtype=dt, device=dev), torch.randn(s[1], s[2], dtype=dt, device=dev) * s[1] ** -0.5),
+        lambda a, b: a.double() @ b.double(),
+        shapes=((1, 64, 128), (1000, 4096, 4096), (333, 100, 72)),  # single row; layer-sized; padded K
+        dtypes=gemm.DTYPES,
+        atol=reference.GEMM_ATOL,
+        rtol=reference.GEMM_RTOL,
+    ),
+    OpCase(
+        "linear_gelu_tanh",
+        lambda x, w, b: torch.ops.tileops.linear(x, w, b, "gelu_tanh"),
+        lambda s, dt, dev: (
+            torch.randn(s[0], s[1], dtype=dt, device=dev),
+            torch.randn(s[2], s[1], dtype=dt, device=dev) * s[1] ** -0.5,
+            torch.randn(s[2], dtype=dt, device=dev),
+        ),
+        lambda x, w, b: torch.nn.functional.gelu(x.double() @ w.double().t() + b.double(), approximate="tanh"),
+        shapes=((1, 64, 128), (1000, 4096, 4096)),
+        dtypes=gemm.DTYPES,
+        atol=reference.GEMM_ATOL,
+        rtol=reference.GEMM_RTOL,
+    ),
+    # attention: shapes are (B, Sq, Sk, H, HK, D); each distinct (D, H // HK) is a compiled kernel.
+    OpCase(
+        "flash_attn_causal",
+        lambda q, k, v: torch.ops.tileops.flash_attn(q, k, v, True),
+        _qkv_randn,
+        lambda q, k, v: reference.flash_attn(q, k, v, True, q.shape[-1] ** -0.5, torch.float64)[0],
+        shapes=((1, 1, 1, 2, 2, 128), (2, 1000, 1000, 8, 2, 128), (1, 300, 4097, 4, 4, 64)),  # one key; GQA tail; Sq < Sk
+        dtypes=attention.DTYPES,
+        atol=reference.ATTENTION_ATOL,
+        rtol=reference.ATTENTION_RTOL,
+    ),
+    # softmax: shapes are (M, N); each distinct N is a compiled kernel (M is symbolic).
+    OpCase(
+        "softmax",
+        lambda x: torch.ops.tileops.softmax(x, -1),
+        lambda s, dt, dev: (torch.randn(s, dtype=dt, device=dev) * 4,),
+        lambda x: torch.softmax(x.double(), -1),
+        shapes=((1, 1), (17, 1000), (4, 4097), (4096, 8192), (8, 262144)),  # one element; short; odd N; register row; split row
+        dtypes=softmax.DTYPES,
+        atol=reference.SOFTMAX_ATOL,
+        rtol=reference.SOFTMAX_RTOL,
+    ),
+    OpCase(
+        "log_softmax",
+        lambda x: torch.ops.tileops.log_softmax(x, -1),
+        lambda s, dt, dev: (torch.randn(s, dtype=dt, device=dev) * 4,),
+        lambda x: torch.log_softmax(x.double(), -1),
+        shapes=((1, 1), (17, 1000), (4, 4097), (8, 262144)),
+        dtypes=softmax.DTYPES,
+        atol=reference.LOG_SOFTMAX_ATOL,
+        rtol=reference.LOG_SOFTMAX_RTOL,
+    ),
 ]
 
 
 # What `tileops tune` can tune, by op name.
-TUNABLES = {t.op: t for t in [elementwise.TUNABLE]}
+TUNABLES = {t.op: t for t in [elementwise.TUNABLE, gemm.TUNABLE, attention.TUNABLES["fwd"], attention.TUNABLES["bwd"], *softmax.TUNABLES.values()]}
 
 # Kernel families whose REPRESENTATIVE lists `tileops export` / `tileops check` compile.
-KERNEL_FAMILIES = ["elementwise"]
+KERNEL_FAMILIES = ["elementwise", "gemm", "attention", "softmax"]
 
 
 def all_kernels():

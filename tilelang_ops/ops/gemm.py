@@ -17,12 +17,10 @@ tensor runs the "nt" kernel on it without a copy. Views not 16-byte aligned are 
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
-from .. import reference, runtime
+from .. import reference, runtime, tuning
 from .._library import custom_op
 from ._checks import check_same, check_tensor
 
@@ -35,28 +33,32 @@ _ALIGN = 8  # elements: 16 bytes of fp16/bf16, TMA's row-stride granule
 
 # ---------------------------------------------------------------- config
 
-# (arch, layout, rows, n, k, dtype) -> config, filled by `set_config` (e.g. from benchmarks --tune);
-# consulted before the kernel family's default table.
+# Config resolution (cold path, once per static key): pinned by `set_config` ▸ tuned-config cache
+# (`tileops tune --op gemm`, tilelang_ops/tuning.py) ▸ the kernel family's default table.
+# Tuning key: (layout, N, K; rows for "tn") after padding; the symbolic M shares one config.
 TUNED: dict[tuple, object] = {}
 _last: dict[str, tuple] = {}
 
 
-def config_for(layout: str, n: int, k: int, dtype: torch.dtype, arch: str = "sm_90a", rows: int = 0):
-    """The GemmConfig a call with these static dims would use (tuned entry, else the default)."""
+def _default_arch() -> str:
+    return runtime.arch_for_device(torch.cuda.current_device()) if torch.cuda.is_available() else "sm_90a"
+
+
+def config_for(layout: str, n: int, k: int, dtype: torch.dtype, arch: str | None = None, rows: int = 0):
+    """The default-table (or `set_config`-pinned) GemmConfig for these static dims.
+
+    n: output columns; k: reduction length ("nn"/"nt"); rows: output rows ("tn"). The config a
+    CUDA call actually used, tuned cache included, is `last_config()`.
+    """
     from ..kernels import gemm as K
 
+    arch = arch or _default_arch()
     cfg = TUNED.get((arch, layout, rows, n, k, dtype))
-    if cfg is None:
-        cfg = K.default_config(arch, n, rows or None)
-        if layout == "tn" and not arch.startswith("sm_9"):
-            # sm_80's cp.async software pipeline cannot take a symbolic trip count (fails to
-            # lower); the weight-gradient kernel runs unpipelined there.
-            cfg = K.GemmConfig(cfg.block_M, cfg.block_N, cfg.block_K, 0, cfg.threads, cfg.swizzle, cfg.policy)
-    return cfg
+    return cfg if cfg is not None else K.default_config(arch, n, layout)
 
 
 def set_config(layout: str, n: int, k: int, dtype: torch.dtype, config, arch: str = "sm_90a", rows: int = 0) -> None:
-    """Pin `config` for these static dims (clears compiled-kernel lookups so it takes effect)."""
+    """Pin `config` for these static dims in this process (and drop resolved kernels so it applies)."""
     TUNED[(arch, layout, rows, n, k, dtype)] = config
     _kernels.clear()
 
@@ -65,6 +67,53 @@ def last_config(op: str = "matmul"):
     """(kernel name, config, static dims) that served the most recent CUDA launch of that kernel
     ("matmul" for every GEMM variant, "act_grad" for the activation backward); None before any."""
     return _last.get(op)
+
+
+# tuning.Tunable: shape = (layout, M, N, K) of op(A)[M×K] @ op(B)[K×N]; for "tn" M (the output
+# rows) is static and K (tokens) symbolic.
+def _tune_static(shape):
+    layout, m, n, k = shape
+    return dict(layout=layout, n=_up(n), k=0 if layout == "tn" else _up(k), rows=_up(m) if layout == "tn" else 0)
+
+
+def _tune_runner(config, shape, dtype, device):
+    from ..kernels import gemm as K
+
+    layout, m, n, k = shape
+    st = _tune_static(shape)
+    kern = K.matmul_kernel.compile(config, runtime.arch_for_device(device), **st, dtype=_TL_DTYPE[dtype], batched=False, bias=False, activation="none", save_preact=False)
+    a = torch.randn(*((k, st["rows"]) if layout == "tn" else (m, st["k"])), dtype=dtype, device=device)
+    b = torch.randn(*((st["n"], st["k"]) if layout == "nt" else (k if layout == "tn" else st["k"], st["n"])), dtype=dtype, device=device)
+    c = torch.empty(st["rows"] if layout == "tn" else m, st["n"], dtype=dtype, device=device)
+    return lambda: kern(a, b, c)
+
+
+def _tune_default(shape, dtype):
+    from ..kernels import gemm as K
+
+    return K.default_config(_default_arch(), _up(shape[2]), shape[0])
+
+
+def _tune_space(shape, dtype):
+    from ..kernels import gemm as K
+
+    return K.SEARCH_SPACE
+
+
+TUNABLE = tuning.Tunable(
+    op="gemm",
+    presets={
+        "default": [("nn", 8192, 8192, 8192), ("nn", 4096, 14336, 4096), ("nt", 8192, 14336, 4096), ("tn", 4096, 4096, 16384)],
+        # a LLaMA-style MLP (d=4096, hidden=14336): forward, dX and dW GEMMs
+        "mlp": [("nt", 8192, 14336, 4096), ("nt", 8192, 4096, 14336), ("nn", 8192, 4096, 14336), ("nn", 8192, 14336, 4096),
+                ("tn", 14336, 4096, 8192), ("tn", 4096, 14336, 8192)],
+    },
+    dtypes=(torch.bfloat16, torch.float16),
+    key=lambda shape, dtype, device: (_tune_static(shape), "any"),
+    search_space=_tune_space,
+    default=_tune_default,
+    runner=_tune_runner,
+)
 
 
 # ---------------------------------------------------------------- kernel call
@@ -80,7 +129,10 @@ def _matmul_kernel(device, layout, n, k, dtype, rows=0, batched=False, bias=Fals
         from ..kernels import gemm as K
 
         arch = runtime.arch_for_device(device)
-        cfg = config_for(layout, n, k, dtype, arch, rows)
+        cfg = TUNED.get((arch, layout, rows, n, k, dtype))
+        if cfg is None:  # representative M/K only feed an autotune run (TILEOPS_AUTOTUNE=1); the key ignores them
+            shape = (layout, rows, n, 8192) if layout == "tn" else (layout, 8192, n, k)
+            cfg = tuning.resolve_config(TUNABLE, shape, dtype, device)
         static = dict(layout=layout, n=n, k=k, rows=rows, dtype=_TL_DTYPE[dtype], batched=batched, bias=bias, activation=activation, save_preact=save_preact)
         hit = _kernels[key] = (K.matmul_kernel.compile(cfg, arch, **static), ("matmul", cfg, static))
     _last["matmul"] = hit[1]
@@ -217,11 +269,14 @@ def gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 @gemm.register_kernel("cuda")
 def _(a, b):
     _check_pair(a, b, "gemm")
-    if a.dim() == 3 and b.dim() == 2:  # shared weight: fold the batch into M, no copy
-        return _cuda_matmul("nn", a.reshape(-1, a.shape[-1]), b)[0].view(*a.shape[:-1], b.shape[-1])
+    lead = a.shape[:-1]
+    if a.dim() == 3 and b.dim() == 2:  # shared weight: fold the batch into M (a view when a is contiguous)
+        a = a.reshape(-1, a.shape[-1])
     if b.dim() == 2 and not b.is_contiguous() and b.t().is_contiguous():
-        return _cuda_matmul("nt", a, b.t())[0]  # b is a transposed (N, K) weight: read it as is
-    return _cuda_matmul("nn", a, b)[0]
+        c = _cuda_matmul("nt", a, b.t())[0]  # b is a transposed (N, K) weight: read it as is, no copy
+    else:
+        c = _cuda_matmul("nn", a, b)[0]
+    return c.view(*lead, b.shape[-1])
 
 
 @gemm.register_fake
@@ -402,20 +457,25 @@ def _linear_setup(ctx, inputs, output):
     ctx.save_for_backward(x, weight, saved)
 
 
-def _linear_backward_common(ctx, gy, x, weight, z_or_y):
+def _grads_from_dz(ctx, dz, db, x, weight, gy_shape):
+    in_f = weight.shape[1]
+    dx = torch.ops.tileops.gemm(dz, weight).view(*gy_shape[:-1], in_f) if ctx.needs_input_grad[0] else None  # (M, out) @ (out, in)
+    dw = torch.ops.tileops.gemm_tn(dz, x.reshape(-1, in_f)) if ctx.needs_input_grad[1] else None  # (M, out)ᵀ @ (M, in)
+    return dx, dw, db
+
+
+def _linear_backward_common(ctx, gy, x, weight, saved):
     """Gradients of act(x @ Wᵀ + b) given the saved z (gelu/silu), y (relu) or None (none)."""
-    in_f, out_f = weight.shape[1], weight.shape[0]
+    out_f = weight.shape[0]
     gy2 = gy.reshape(-1, out_f)
     need_b = ctx.has_bias and ctx.needs_input_grad[2]
     if ctx.activation == "none":
-        dz = gy2
-        db = gy2.sum(0, dtype=torch.float32).to(gy.dtype) if need_b else None
+        dz, db = gy2, (gy2.sum(0, dtype=torch.float32).to(gy.dtype) if need_b else None)
     else:
-        dz, db = torch.ops.tileops.act_grad(gy2, z_or_y.reshape(-1, out_f), ctx.activation, need_b)
+        # One pass: dz = gy * act'(z) and the bias gradient's column sums (eager runs two).
+        dz, db = torch.ops.tileops.act_grad(gy2, saved.reshape(-1, out_f), ctx.activation, need_b)
         db = db if need_b else None
-    dx = torch.ops.tileops.gemm(dz, weight).view(*gy.shape[:-1], in_f) if ctx.needs_input_grad[0] else None
-    dw = torch.ops.tileops.gemm_tn(dz, x.reshape(-1, in_f)) if ctx.needs_input_grad[1] else None  # (M, out)ᵀ @ (M, in)
-    return dx, dw, db
+    return _grads_from_dz(ctx, dz, db, x, weight, gy.shape)
 
 
 def _linear_backward(ctx, gy):
@@ -459,25 +519,15 @@ def _linear_preact_setup(ctx, inputs, output):
 
 def _linear_preact_backward(ctx, gy, gz):
     x, weight, z = ctx.saved_tensors
-    if gz is not None:  # z is an output too; whoever used it gets its gradient
-        dz_direct = gz
-        gy_eff = gy
-    else:
-        dz_direct, gy_eff = None, gy
-    if ctx.activation == "none":
-        gy_eff = gy_eff if dz_direct is None else gy_eff + dz_direct
-        return (*_linear_backward_common(ctx, gy_eff, x, weight, None), None)
-    if dz_direct is None:
-        return (*_linear_backward_common(ctx, gy_eff, x, weight, z), None)
-    # Rare path (z used downstream): combine in torch, then the GEMMs.
-    in_f, out_f = weight.shape[1], weight.shape[0]
-    dz, _ = torch.ops.tileops.act_grad(gy_eff.reshape(-1, out_f), z.reshape(-1, out_f), ctx.activation, False)
-    dz = dz + dz_direct.reshape(-1, out_f)
-    ctx_act, ctx.activation = ctx.activation, "none"
-    try:
-        return (*_linear_backward_common(ctx, dz.view(gy.shape), x, weight, None), None)
-    finally:
-        ctx.activation = ctx_act
+    if gz is None:
+        return (*_linear_backward_common(ctx, gy, x, weight, z), None)
+    if ctx.activation == "none":  # y is z
+        return (*_linear_backward_common(ctx, gy + gz, x, weight, z), None)
+    # Rare: z itself was used downstream, so its gradient adds to dz.
+    out_f = weight.shape[0]
+    dz = torch.ops.tileops.act_grad(gy.reshape(-1, out_f), z.reshape(-1, out_f), ctx.activation, False)[0] + gz.reshape(-1, out_f)
+    db = dz.sum(0, dtype=torch.float32).to(dz.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
+    return (*_grads_from_dz(ctx, dz, db, x, weight, gy.shape), None)
 
 
 linear_preact.register_autograd(_linear_preact_backward, setup_context=_linear_preact_setup)
@@ -493,5 +543,3 @@ def linear_auto(x, weight, bias=None, activation="none"):
 def flops(m: int, n: int, k: int) -> float:
     return 2.0 * m * n * k
 
-
-__all__ = ["config_for", "set_config", "last_config", "linear_auto", "flops", "math"]

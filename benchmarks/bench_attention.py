@@ -1,0 +1,145 @@
+"""FlashAttention forward and backward: tileops vs SDPA (cuDNN, FlashAttention-2) and FlexAttention.
+
+    python -m benchmarks.bench_attention [--quick] [--no-flex]
+
+TFLOP/s with forward FLOPs = 4 * B * H * Sq * Sk * D (two GEMMs), halved when causal, and backward
+FLOPs = 2.5x forward (five GEMMs instead of two). The backward is timed alone: one forward with
+autograd, then `torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)` per run, which is
+the backward kernels (plus a few small elementwise ops) for every implementation. Peers read
+(B, H, S, D) tensors, tileops (B, S, H, D): each gets its own layout, no transposes are timed.
+Writes $OUT/bench_attention.json (or bench_results/) and prints a table last.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from ._timing import bench, table, write_json
+
+# (B, H, HK, S, D): S = seqlen_q = seqlen_k
+CASES = [
+    (8, 32, 32, 4096, 128),
+    (2, 16, 16, 16384, 128),
+    (16, 32, 32, 2048, 64),
+    (8, 32, 8, 4096, 128),  # GQA: 32 query heads, 8 kv heads
+]
+QUICK = [(8, 32, 32, 4096, 128), (8, 32, 8, 4096, 128)]
+FLEX_BUDGET_S = 150  # stop starting FlexAttention compiles past this wall time (the run must stay < 4 min)
+
+
+def _flops(B, H, S, D, causal):
+    f = 4.0 * B * H * S * S * D
+    return f / 2 if causal else f
+
+
+def _impls(B, H, HK, S, D, causal, flex: bool):
+    """name -> (make inputs, forward fn). Inputs: (q, k, v) that require grad."""
+    import tilelang_ops  # noqa: F401
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    dt = torch.bfloat16
+
+    def bhsd():
+        q = torch.randn(B, H, S, D, device="cuda", dtype=dt, requires_grad=True)
+        k = torch.randn(B, HK, S, D, device="cuda", dtype=dt, requires_grad=True)
+        v = torch.randn(B, HK, S, D, device="cuda", dtype=dt, requires_grad=True)
+        return q, k, v
+
+    def bshd():
+        q = torch.randn(B, S, H, D, device="cuda", dtype=dt, requires_grad=True)
+        k = torch.randn(B, S, HK, D, device="cuda", dtype=dt, requires_grad=True)
+        v = torch.randn(B, S, HK, D, device="cuda", dtype=dt, requires_grad=True)
+        return q, k, v
+
+    gqa = {"enable_gqa": True} if HK != H else {}
+
+    def sdpa(backend):
+        def f(q, k, v):
+            with sdpa_kernel(backend):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, **gqa)
+
+        return f
+
+    impls = {
+        "tileops": (bshd, lambda q, k, v: torch.ops.tileops.flash_attn(q, k, v, causal)),
+        "sdpa_cudnn": (bhsd, sdpa(SDPBackend.CUDNN_ATTENTION)),
+        "sdpa_flash": (bhsd, sdpa(SDPBackend.FLASH_ATTENTION)),
+    }
+    if flex:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        compiled = torch.compile(flex_attention)
+        mask = None
+        if causal:
+            mask = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, S, S, device="cuda")
+        impls["flex_compiled"] = (bhsd, lambda q, k, v: compiled(q, k, v, block_mask=mask, **gqa))
+    return impls
+
+
+def run(cases, flex: bool = True) -> list[dict]:
+    rows = []
+    t_start = time.time()
+    for B, H, HK, S, D in cases:
+        for causal in (False, True):
+            use_flex = flex and time.time() - t_start < FLEX_BUDGET_S
+            fl = _flops(B, H, S, D, causal)
+            shape = f"{B}x{H}/{HK}x{S}x{D}"
+            for name, (make, fwd) in _impls(B, H, HK, S, D, causal, use_flex).items():
+                row = {"impl": name, "shape (BxH/HKxSxD)": shape, "causal": causal}
+                try:
+                    q, k, v = make()
+                    with torch.no_grad():
+                        ms_f = bench(lambda: fwd(q, k, v), warmup=5, rep=30)
+                    out = fwd(q, k, v)
+                    dout = torch.randn_like(out)
+                    ms_b = bench(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True), warmup=3, rep=20)
+                    row.update(fwd_ms=ms_f, fwd_tflops=fl / ms_f * 1e-9, bwd_ms=ms_b, bwd_tflops=2.5 * fl / ms_b * 1e-9)
+                    del q, k, v, out, dout
+                except Exception as e:  # a peer without support for a case (e.g. GQA) reports n/a
+                    row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:80]}")
+                rows.append(row)
+                print(row, flush=True)
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _summary(rows):
+    """tileops / best peer, per case and direction."""
+    out = []
+    keys = sorted({(r["shape (BxH/HKxSxD)"], r["causal"]) for r in rows}, key=str)
+    for shape, causal in keys:
+        case = [r for r in rows if r["shape (BxH/HKxSxD)"] == shape and r["causal"] == causal and "error" not in r]
+        ours = next((r for r in case if r["impl"] == "tileops"), None)
+        line = {"shape (BxH/HKxSxD)": shape, "causal": causal}
+        for d in ("fwd", "bwd"):
+            for r in case:
+                line[f"{d} {r['impl']}"] = r[f"{d}_tflops"]
+            cudnn = next((r for r in case if r["impl"] == "sdpa_cudnn"), None)
+            if ours and cudnn:
+                line[f"{d} vs cudnn"] = ours[f"{d}_tflops"] / cudnn[f"{d}_tflops"]
+        out.append(line)
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--quick", action="store_true", help="two cases only")
+    p.add_argument("--no-flex", action="store_true", help="skip FlexAttention (its compiles take ~10-30 s per case)")
+    args = p.parse_args(argv)
+    t0 = time.time()
+    rows = run(QUICK if args.quick else CASES, flex=not args.no_flex)
+    summary = _summary(rows)
+    path = write_json("bench_attention", rows, {"summary": summary, "wall_s": time.time() - t0})
+    impls = ["tileops", "sdpa_cudnn", "sdpa_flash", "flex_compiled"]
+    cols = ["shape (BxH/HKxSxD)", "causal"]
+    cols += [f"fwd {i}" for i in impls] + ["fwd vs cudnn"] + [f"bwd {i}" for i in impls] + ["bwd vs cudnn"]
+    cols = [c for c in cols if any(c in r for r in summary)]
+    print(f"\nwrote {path} ({time.time() - t0:.0f} s). TFLOP/s, bf16, H200:")
+    print(table(summary, cols))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,103 @@
+"""Pre-compile, on a machine without a GPU, every attention kernel the GPU tests and the benchmark use.
+
+    TILELANG_CACHE_DIR=/work/main/.tl-cache python -m benchmarks.warm_attention_cache [-j 2] [--quick | --tune]
+
+Fills TileLang's disk cache for sm_90a (the H200) with the exact kernels the op layer will ask for
+(same builder, default config, static args and target), so carrying `.tl-cache` to the GPU host
+turns each first call into a cache load instead of a ~5 s nvcc compile. `--quick` covers only the
+benchmark's kernels; `--tune` the search spaces `tileops tune --op flash_attn --op
+flash_attn_backward` times (bf16, head dims 64 and 128, causal and not, MHA).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+ARCH = "sm_90a"
+
+
+def _tune_jobs() -> list[tuple]:
+    from tilelang_ops.kernels.attention import SEARCH_SPACE, default_scale
+
+    return [
+        (kind, d, "bfloat16", c, 1, default_scale(d), cfg)
+        for kind in ("fwd", "bwd")
+        for d in (128, 64)
+        for c in (False, True)
+        for cfg in SEARCH_SPACE[kind]
+    ]
+
+
+def _jobs(quick: bool) -> list[tuple]:
+    from tilelang_ops.kernels.attention import default_scale
+
+    jobs = []
+    if quick:  # bench_attention: bf16, D 64/128, MHA and GQA 4, causal and not
+        combos = [(d, "bfloat16", c, g, default_scale(d)) for d in (64, 128) for c in (False, True) for g in (1, 4)]
+    else:
+        combos = [
+            (d, dt, c, g, default_scale(d))
+            for d, dt, c, g in itertools.product((64, 128, 256), ("bfloat16", "float16"), (False, True), (1, 2, 3, 4, 8))
+        ]
+        # tests with a non-default softmax_scale (opcheck 0.2, SDPA drop-in 0.5), head dim 64, bf16
+        combos += [(64, "bfloat16", c, g, s) for s in (0.2, 0.5) for c in (False, True) for g in (1, 2)]
+    for d, dt, c, g, s in combos:
+        jobs.append(("fwd", d, dt, c, g, s))
+        jobs.append(("bwd", d, dt, c, g, s))
+    for d, dt in itertools.product((64, 128) if quick else (64, 128, 256), ("bfloat16",) if quick else ("bfloat16", "float16")):
+        jobs.append(("prep", d, dt, False, 1, 0.0))
+    for dt in ("bfloat16",) if quick else ("bfloat16", "float16"):
+        jobs.append(("cast", 0, dt, False, 1, 0.0))
+    return jobs
+
+
+def _compile(job) -> tuple:
+    from tilelang_ops.kernels import attention as K
+
+    kind, d, dt, causal, groups, scale = job[:6]
+    t0 = time.time()
+    if kind in ("fwd", "bwd"):
+        kdef = K.flash_fwd_kernel if kind == "fwd" else K.flash_bwd_kernel
+        config = job[6] if len(job) > 6 else K.default_config(d, causal, ARCH, kind)
+        try:
+            k = kdef.compile(config, ARCH, headdim=d, dtype=dt, causal=causal, groups=groups, scale=scale)
+        except Exception as e:  # a search-space config may not fit (shared memory, warp layout)
+            return job, f"failed: {type(e).__name__}: {str(e).splitlines()[0][:100]}", None
+    elif kind == "prep":
+        k = K.flash_bwd_prep_kernel.compile(K.PrepConfig(), ARCH, headdim=d, dtype=dt)
+    else:
+        k = K.cast_f32_kernel.compile(K.CastConfig(), ARCH, dtype=dt)
+    # the cache entry's directory: its executable.so embeds the cubin, so it alone serves the GPU host
+    return job, f"{time.time() - t0:.1f}s", getattr(k, "_tilelang_cache_path", None)
+
+
+def main(argv=None) -> int:
+    import logging
+
+    p = argparse.ArgumentParser()
+    p.add_argument("-j", type=int, default=1, help="parallel compiles")
+    p.add_argument("--quick", action="store_true", help="only the benchmark's kernels")
+    p.add_argument("--tune", action="store_true", help="the tuner's search spaces")
+    p.add_argument("--manifest", help="write the warmed kernels' cache directories to this file (one a line)")
+    args = p.parse_args(argv)
+    logging.getLogger("TileLang").setLevel(logging.WARNING)
+    jobs = _tune_jobs() if args.tune else _jobs(args.quick)
+    t0 = time.time()
+    dirs = []
+    with ProcessPoolExecutor(args.j) as ex:
+        for i, (job, dt, path) in enumerate(ex.map(_compile, jobs), 1):
+            print(f"[{i}/{len(jobs)}] {job} {dt}", flush=True)
+            if path:
+                dirs.append(path)
+    if args.manifest:
+        with open(args.manifest, "w") as f:
+            f.write("".join(d + "\n" for d in sorted(set(dirs))))
+        print(f"wrote {len(set(dirs))} cache directories to {args.manifest}")
+    print(f"warmed {len(jobs)} kernels for {ARCH} in {time.time() - t0:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,194 @@
+"""Pre-compile (for sm_90a, on any machine) every GEMM-family kernel the GPU tests, `tileops check`
+and benchmarks/bench_gemm.py (table and --tune) will load, into $TILELANG_CACHE_DIR, so the GPU
+host loads cubins instead of compiling.
+
+    export TILELANG_CACHE_DIR=$PWD/.tl-cache
+    python -m benchmarks.warm_gemm_cache [--no-tune] [--only tests|check|bench|tune] [--arch sm_90a]
+
+Configs come from the op layer's own `config_for`, so the cache keys match what the ops request.
+TEST_* lists the static dims tests/test_gemm.py requests on a GPU (recorded by running the tests
+with the kernel launch replaced by a shape-checking CPU emulation); update it when the test shapes
+change — a missing entry only costs a ~2 s compile on the GPU host, it does not fail.
+
+Only `$TILELANG_CACHE_DIR/0.1.15/linux-x86_64/kernels/` is needed on the GPU host (each entry holds
+the host wrapper with the cubin embedded); `cuda-binaries/` is nvcc's own cache. The kernel
+entries compress ~15× with xz (many near-identical wrappers).
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+# (layout, n, k, rows, dtype, batched, bias, activation, save_preact), after host padding to 8.
+TEST_MATMUL = [
+    ('nn', 8, 16, 0, 'bfloat16', False, False, 'none', False),
+    ('nn', 8, 16, 0, 'float16', False, False, 'none', False),
+    ('nn', 72, 200, 0, 'bfloat16', False, False, 'none', False),
+    ('nn', 72, 200, 0, 'bfloat16', True, False, 'none', False),
+    ('nn', 72, 200, 0, 'float16', False, False, 'none', False),
+    ('nn', 128, 64, 0, 'bfloat16', False, False, 'none', False),
+    ('nn', 128, 64, 0, 'float16', False, False, 'none', False),
+    ('nn', 128, 72, 0, 'bfloat16', False, False, 'none', False),
+    ('nn', 200, 72, 0, 'bfloat16', False, False, 'none', False),
+    ('nn', 200, 72, 0, 'bfloat16', True, False, 'none', False),
+    ('nn', 200, 72, 0, 'float16', False, False, 'none', False),
+    ('nn', 200, 72, 0, 'float16', True, False, 'none', False),
+    ('nt', 8, 16, 0, 'bfloat16', False, False, 'none', False),
+    ('nt', 8, 16, 0, 'float16', False, False, 'none', False),
+    ('nt', 64, 128, 0, 'bfloat16', False, True, 'relu', False),
+    ('nt', 72, 200, 0, 'bfloat16', False, False, 'none', False),
+    ('nt', 72, 200, 0, 'bfloat16', False, True, 'none', False),
+    ('nt', 72, 200, 0, 'bfloat16', True, False, 'none', False),
+    ('nt', 72, 200, 0, 'float16', False, False, 'none', False),
+    ('nt', 72, 200, 0, 'float16', True, False, 'none', False),
+    ('nt', 96, 64, 0, 'bfloat16', False, False, 'silu', True),
+    ('nt', 128, 64, 0, 'bfloat16', False, False, 'none', False),
+    ('nt', 128, 64, 0, 'bfloat16', False, True, 'gelu', True),
+    ('nt', 128, 64, 0, 'float16', False, False, 'none', False),
+    ('nt', 200, 72, 0, 'bfloat16', False, False, 'gelu', False),
+    ('nt', 200, 72, 0, 'bfloat16', False, False, 'gelu', True),
+    ('nt', 200, 72, 0, 'bfloat16', False, False, 'gelu_tanh', False),
+    ('nt', 200, 72, 0, 'bfloat16', False, False, 'gelu_tanh', True),
+    ('nt', 200, 72, 0, 'bfloat16', False, False, 'none', False),
+    ('nt', 200, 72, 0, 'bfloat16', False, False, 'relu', False),
+    ('nt', 200, 72, 0, 'bfloat16', False, False, 'silu', False),
+    ('nt', 200, 72, 0, 'bfloat16', False, False, 'silu', True),
+    ('nt', 200, 72, 0, 'bfloat16', False, True, 'gelu', False),
+    ('nt', 200, 72, 0, 'bfloat16', False, True, 'gelu', True),
+    ('nt', 200, 72, 0, 'bfloat16', False, True, 'gelu_tanh', False),
+    ('nt', 200, 72, 0, 'bfloat16', False, True, 'gelu_tanh', True),
+    ('nt', 200, 72, 0, 'bfloat16', False, True, 'none', False),
+    ('nt', 200, 72, 0, 'bfloat16', False, True, 'none', True),
+    ('nt', 200, 72, 0, 'bfloat16', False, True, 'relu', False),
+    ('nt', 200, 72, 0, 'bfloat16', False, True, 'relu', True),
+    ('nt', 200, 72, 0, 'bfloat16', False, True, 'silu', False),
+    ('nt', 200, 72, 0, 'bfloat16', False, True, 'silu', True),
+    ('nt', 200, 72, 0, 'bfloat16', True, False, 'none', False),
+    ('nt', 200, 72, 0, 'float16', False, False, 'gelu_tanh', False),
+    ('nt', 200, 72, 0, 'float16', False, False, 'none', False),
+    ('nt', 200, 72, 0, 'float16', False, True, 'gelu_tanh', False),
+    ('nt', 200, 72, 0, 'float16', False, True, 'gelu_tanh', True),
+    ('nt', 200, 72, 0, 'float16', False, True, 'none', False),
+    ('nt', 200, 72, 0, 'float16', False, True, 'silu', True),
+    ('tn', 8, 0, 16, 'bfloat16', False, False, 'none', False),
+    ('tn', 8, 0, 16, 'float16', False, False, 'none', False),
+    ('tn', 72, 0, 200, 'bfloat16', False, False, 'none', False),
+    ('tn', 72, 0, 200, 'bfloat16', True, False, 'none', False),
+    ('tn', 72, 0, 200, 'float16', False, False, 'none', False),
+    ('tn', 128, 0, 64, 'bfloat16', False, False, 'none', False),
+    ('tn', 128, 0, 64, 'float16', False, False, 'none', False),
+    ('tn', 200, 0, 72, 'bfloat16', False, False, 'none', False),
+    ('tn', 200, 0, 72, 'bfloat16', True, False, 'none', False),
+    ('tn', 200, 0, 72, 'float16', False, False, 'none', False),
+    ('tn', 200, 0, 72, 'float16', True, False, 'none', False),
+]
+TEST_ACT_GRAD = [
+    (200, 'bfloat16', 'gelu'),
+    (200, 'bfloat16', 'gelu_tanh'),
+    (200, 'bfloat16', 'relu'),
+    (200, 'bfloat16', 'silu'),
+    (200, 'float16', 'gelu_tanh'),
+    (200, 'float16', 'silu'),
+]
+
+
+def _up(x):
+    return -(-x // 8) * 8
+
+
+def check_kernels():
+    """The gemm / linear_gelu_tanh rows of tilelang_ops.ops.ALL_OPS (`tileops check` on a GPU)."""
+    from tilelang_ops.ops import ALL_OPS
+
+    out = []
+    for case in ALL_OPS:
+        for dt in case.dtypes:
+            dts = str(dt).replace("torch.", "")
+            for m, k, n in case.shapes if case.name in ("gemm", "linear_gelu_tanh") else ():
+                if case.name == "gemm":
+                    out.append(("nn", _up(n), _up(k), 0, dts, False, False, "none", False))
+                else:
+                    out.append(("nt", _up(n), _up(k), 0, dts, False, True, "gelu_tanh", False))
+    return out
+
+
+def bench_kernels():
+    """What `python -m benchmarks.bench_gemm` (no flags) runs."""
+    from benchmarks import bench_gemm as B
+
+    bf = "bfloat16"
+    out = [("nn", B.CUBE, B.CUBE, 0, bf, False, False, "none", False)]
+    out += [("nn", n, k, 0, bf, False, False, "none", False) for n, k in B.GEMM_NK]
+    out += [("nt", n, k, 0, bf, False, True, "gelu_tanh", False) for _, k, n in B.LINEAR_SHAPES]
+    d, h = B.MLP["d"], B.MLP["hidden"]
+    out += [
+        ("nt", h, d, 0, bf, False, True, "gelu_tanh", True),  # fc1 forward, z saved
+        ("nt", d, h, 0, bf, False, True, "none", False),  # fc2 forward
+        ("nn", d, h, 0, bf, False, False, "none", False),  # fc1 dX = dZ @ W1
+        ("tn", d, 0, h, bf, False, False, "none", False),  # fc1 dW = dZᵀ @ X
+        ("nn", h, d, 0, bf, False, False, "none", False),  # fc2 dX
+        ("tn", h, 0, d, bf, False, False, "none", False),  # fc2 dW
+    ]
+    return out, [(h, bf, "gelu_tanh")]
+
+
+def tune_kernels():
+    """(config, static) pairs `bench_gemm --tune` / `tileops tune --op gemm` time (default preset)."""
+    from tilelang_ops.kernels import gemm as K
+    from tilelang_ops.ops import gemm as G
+
+    out = []
+    for shape in G.TUNABLE.presets["default"]:
+        st = G._tune_static(shape)
+        for cfg in K.SEARCH_SPACE:
+            out.append((cfg, (st["layout"], st["n"], st["k"], st["rows"], "bfloat16", False, False, "none", False)))
+    return out
+
+
+def _static(t):
+    layout, n, k, rows, dtype, batched, bias, act, save = t
+    return dict(layout=layout, n=n, k=k, rows=rows, dtype=dtype, batched=batched, bias=bias, activation=act, save_preact=save)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--arch", default="sm_90a")
+    p.add_argument("--only", choices=["tests", "check", "bench", "tune"], action="append")
+    p.add_argument("--no-tune", action="store_true")
+    args = p.parse_args(argv)
+    from tilelang_ops.kernels import gemm as K
+    from tilelang_ops.ops import gemm as G
+
+    want = set(args.only or ["tests", "check", "bench"] + ([] if args.no_tune else ["tune"]))
+    jobs = []  # (kernel, config, static)
+    mm = (TEST_MATMUL if "tests" in want else []) + (check_kernels() if "check" in want else [])
+    acts = TEST_ACT_GRAD if "tests" in want else []
+    if "bench" in want:
+        b_mm, b_act = bench_kernels()
+        mm, acts = mm + b_mm, acts + b_act
+    for t in dict.fromkeys(mm):
+        s = _static(t)
+        cfg = G.config_for(s["layout"], s["n"], s["k"], getattr(torch, s["dtype"]), args.arch, s["rows"])
+        jobs.append((K.matmul_kernel, cfg, s))
+    for n, dt, act in dict.fromkeys(acts):
+        jobs.append((K.act_grad_kernel, K.default_act_grad_config(args.arch, n), dict(n=n, dtype=dt, activation=act)))
+    if "tune" in want:
+        jobs += [(K.matmul_kernel, cfg, _static(t)) for cfg, t in tune_kernels()]
+    t0, failed = time.time(), 0
+    for i, (kdef, cfg, static) in enumerate(jobs):
+        t1 = time.time()
+        try:
+            kdef.compile(cfg, args.arch, **static)
+            status = "ok"
+        except Exception as e:  # report and go on: one bad config must not stop the warm-up
+            failed += 1
+            status = f"FAILED {type(e).__name__}: {str(e)[-200:]}"
+        print(f"[{i + 1}/{len(jobs)}] {kdef.name} {static} {cfg}: {status} ({time.time() - t1:.1f} s)", flush=True)
+    print(f"{len(jobs)} kernels ({failed} failed) in {time.time() - t0:.0f} s")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,405 @@
+"""torch.ops.tileops.flash_attn*: reference, gradients, opcheck, fake, compile, bad input, GPU kernels.
+
+Every result is judged against float64 attention (reference.flash_attn with autograd) by relative
+error; CPU runs the reference path with small shapes, the GPU tests run the TileLang kernels.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.library import opcheck
+
+import tilelang_ops
+from tilelang_ops import reference
+from tilelang_ops.reference import ATTENTION_REL_ERR
+
+from .helpers import DEVICES, poisoned_cuda_allocation, rel_err, requires_cuda
+
+DTYPES = [torch.bfloat16, torch.float16]
+
+# (B, Sq, Sk, H, HK, D)
+CPU_SHAPES = [
+    (1, 1, 1, 1, 1, 64),  # one query, one key
+    (2, 17, 17, 4, 4, 64),  # ragged tile, MHA
+    (1, 33, 9, 4, 1, 128),  # Sq > Sk: causal rows with no key; MQA
+    (2, 9, 40, 6, 2, 64),  # Sq < Sk, GQA 3
+    (1, 5, 7, 2, 2, 256),  # largest head dim
+]
+GPU_SHAPES = [
+    (1, 1, 1, 2, 2, 64),  # a single element everywhere
+    (2, 17, 17, 4, 4, 128),  # one ragged tile
+    (1, 128, 128, 2, 2, 128),  # exactly one tile
+    (2, 1000, 1000, 8, 2, 128),  # many tiles + tail, GQA 4
+    (1, 4097, 4097, 2, 1, 64),  # long, one past a block multiple, MQA
+    (1, 300, 1000, 4, 4, 64),  # Sq < Sk: causal offset > 0
+    (1, 1000, 300, 4, 4, 128),  # Sq > Sk: leading rows see no key
+    (1, 129, 257, 4, 2, 256),  # head dim 256, tails in both lengths
+    (1, 1, 4097, 2, 2, 128),  # decode-like: one query, long cache
+]
+
+
+def _inputs(shape, dtype, device, requires_grad=True):
+    B, Sq, Sk, H, HK, D = shape
+    q = torch.randn(B, Sq, H, D, dtype=dtype, device=device)
+    k = torch.randn(B, Sk, HK, D, dtype=dtype, device=device)
+    v = torch.randn(B, Sk, HK, D, dtype=dtype, device=device)
+    return tuple(t.requires_grad_(requires_grad) for t in (q, k, v))
+
+
+def _ref(q, k, v, causal, scale=None, dout=None, dlse=None):
+    """float64 out, lse and (if dout) dq, dk, dv by autograd through the reference."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    out, lse = reference.flash_attn(q64, k64, v64, causal, scale, torch.float64)
+    if dout is None:
+        return out, lse, None
+    outs, grads = (out, lse), (dout.double(), None if dlse is None else dlse.double())
+    if dlse is None:
+        outs, grads = (out,), (dout.double(),)
+    return out, lse, torch.autograd.grad(outs, (q64, k64, v64), grads)
+
+
+def _check(out, lse, ref_out, ref_lse, dtype, grads=None, ref_grads=None):
+    tol = ATTENTION_REL_ERR[dtype]
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert rel_err(out, ref_out) <= tol, f"out rel err {rel_err(out, ref_out):.2e} > {tol}"
+    empty = torch.isinf(ref_lse)  # rows that see no key
+    assert torch.equal(torch.isneginf(lse), empty), "lse must be -inf exactly on rows that see no key"
+    assert (out.transpose(1, 2)[empty] == 0).all(), "rows that see no key must output 0"
+    torch.testing.assert_close(lse[~empty].double(), ref_lse[~empty], atol=2e-3, rtol=1e-3)
+    for name, g, r in zip(("dq", "dk", "dv"), grads or (), ref_grads or ()):
+        assert g.dtype == dtype and torch.isfinite(g).all(), f"{name}: non-finite"
+        if r.abs().max() > 1e-6:
+            assert rel_err(g, r) <= tol, f"{name} rel err {rel_err(g, r):.2e} > {tol}"
+        else:  # e.g. dq with one key: exactly 0 in theory, rounding noise of O in practice
+            assert g.abs().max() <= 1e-4, f"{name}: expected ~0, got max {g.abs().max().item():.2e}"
+
+
+def _run_and_check(shape, dtype, device, causal, scale=None):
+    q, k, v = _inputs(shape, dtype, device)
+    out, lse = torch.ops.tileops.flash_attn_with_lse(q, k, v, causal, scale)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref_out, ref_lse, ref_grads = _ref(q, k, v, causal, scale, dout)
+    _check(out, lse, ref_out, ref_lse, dtype, grads, ref_grads)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", CPU_SHAPES)
+def test_flash_attn_cpu_matches_reference(shape, dtype, causal):
+    _run_and_check(shape, dtype, "cpu", causal)
+
+
+def test_flash_attn_lse_gradient_and_scale():
+    # dlse folds into Delta; a non-default softmax_scale reaches both passes.
+    q, k, v = _inputs((2, 11, 13, 4, 2, 64), torch.bfloat16, "cpu")
+    out, lse = torch.ops.tileops.flash_attn_with_lse(q, k, v, True, 0.3)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    grads = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
+    ref_out, ref_lse, ref_grads = _ref(q, k, v, True, 0.3, dout, dlse)
+    _check(out, lse, ref_out, ref_lse, torch.bfloat16, grads, ref_grads)
+
+
+@given(
+    b=st.integers(1, 2),
+    sq=st.integers(1, 40),
+    sk=st.integers(1, 40),
+    hk=st.integers(1, 2),
+    groups=st.sampled_from([1, 2, 3]),
+    d=st.sampled_from([64, 128]),
+    causal=st.booleans(),
+    dtype=st.sampled_from(DTYPES),
+)
+def test_flash_attn_cpu_fuzz(b, sq, sk, hk, groups, d, causal, dtype):
+    _run_and_check((b, sq, sk, hk * groups, hk, d), dtype, "cpu", causal)
+
+
+# ------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", GPU_SHAPES)
+def test_flash_attn_cuda_matches_reference(shape, dtype, causal):
+    _run_and_check(shape, dtype, "cuda", causal)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@given(
+    b=st.integers(1, 3),
+    sq=st.sampled_from([1, 2, 17, 64, 127, 128, 129, 1000, 4097]),
+    sk=st.sampled_from([1, 2, 17, 64, 127, 128, 129, 1000, 4097]),
+    hk=st.integers(1, 3),
+    groups=st.sampled_from([1, 2, 4, 8]),
+    d=st.sampled_from([64, 128, 256]),
+    causal=st.booleans(),
+    dtype=st.sampled_from(DTYPES),
+)
+def test_flash_attn_cuda_fuzz(b, sq, sk, hk, groups, d, causal, dtype):
+    h = hk * groups
+    if b * h * sq * sk > (1 << 27):  # keep the float64 reference (B*H*Sq*Sk doubles, x several) small
+        h, hk = groups, 1
+        b = 1
+    _run_and_check((b, sq, sk, h, hk, d), dtype, "cuda", causal)
+
+
+@contextlib.contextmanager
+def _poisoned_pools(large_bytes: int):
+    """Fill the caching allocator's free memory with NaN bytes (0xFF) in both pools: one large
+    segment and one 2 MB small-pool segment (requests <= 1 MB). Every tensor the op allocates next
+    is carved from them, so an element a kernel fails to write stays NaN. Yields a predicate
+    telling whether a tensor was allocated from poisoned memory. (A single-size poison, as in
+    helpers.poisoned_cuda_allocation, reaches only the first output of an op with several.)"""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    big = torch.empty(large_bytes, dtype=torch.uint8, device="cuda").fill_(0xFF)
+    small = [torch.empty(1 << 20, dtype=torch.uint8, device="cuda").fill_(0xFF) for _ in range(2)]
+    ranges = [(t.data_ptr(), t.data_ptr() + t.numel()) for t in (big, *small)]
+    del big, small
+    yield lambda t: any(lo <= t.data_ptr() < hi for lo, hi in ranges)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", [(1, 17, 17, 2, 2, 64), (2, 1000, 300, 8, 2, 128), (1, 129, 257, 4, 4, 256)])
+def test_flash_attn_cuda_poisoned_outputs(shape, causal):
+    """Every element of out, lse, dq, dk, dv is written, even on tails and fully masked rows."""
+    import warnings
+
+    dtype = torch.bfloat16
+    q, k, v = _inputs(shape, dtype, "cuda", requires_grad=False)
+    dout = torch.randn(q.shape, dtype=dtype, device="cuda")
+    ref_out, ref_lse, ref_grads = _ref(q, k, v, causal, None, dout)
+    with _poisoned_pools(64 << 20) as poisoned:
+        out, lse = torch.ops.tileops.flash_attn_with_lse(q, k, v, causal)
+        grads = torch.ops.tileops.flash_attn_backward(dout, q, k, v, out, lse, causal, None)
+        torch.cuda.synchronize()
+    missed = [n for n, t in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads)) if not poisoned(t)]
+    if missed:  # the allocator placed them elsewhere: the test still checks values, just less strictly
+        warnings.warn(f"poison did not reach {missed}; allocator layout differs from the test's assumption")
+    _check(out, lse, ref_out, ref_lse, dtype, grads, ref_grads)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("shape", [(1, 1000, 300, 4, 4, 128), (2, 17, 33, 4, 1, 64)])
+def test_flash_attn_cuda_poisoned_out_only(shape):
+    # flash_attn's only output is the op's first allocation: the shared single-size poison reaches it.
+    B, Sq, Sk, H, HK, D = shape
+    q, k, v = _inputs(shape, torch.bfloat16, "cuda", requires_grad=False)
+    torch.cuda.empty_cache()
+    with poisoned_cuda_allocation(B * Sq * H * D * 2) as ptr:
+        out = torch.ops.tileops.flash_attn(q, k, v, True)
+    assert out.data_ptr() == ptr, "poison did not reach the output; the test would not catch unwritten elements"
+    ref_out, _, _ = _ref(q, k, v, True)
+    assert torch.isfinite(out).all() and rel_err(out, ref_out) <= ATTENTION_REL_ERR[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_flash_attn_cuda_dk_dv_deterministic():
+    q, k, v = _inputs((2, 1000, 1000, 8, 2, 128), torch.bfloat16, "cuda", requires_grad=False)
+    out, lse = torch.ops.tileops.flash_attn_with_lse(q, k, v, True)
+    dout = torch.randn_like(out)
+    a = torch.ops.tileops.flash_attn_backward(dout, q, k, v, out, lse, True, None)
+    b = torch.ops.tileops.flash_attn_backward(dout, q, k, v, out, lse, True, None)
+    assert torch.equal(a[1], b[1]) and torch.equal(a[2], b[2])  # dq uses fp32 atomics: may differ in last bits
+
+
+def test_flash_attn_cpu_strided_inputs():
+    # non-contiguous (B, H, S, D) -> (B, S, H, D) views are accepted (copied on CUDA)
+    q, k, v = (torch.randn(2, 4, 21, 64, dtype=torch.bfloat16).transpose(1, 2).requires_grad_() for _ in range(3))
+    _check(*torch.ops.tileops.flash_attn_with_lse(q, k, v, True), *_ref(q, k, v, True)[:2], torch.bfloat16)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_flash_attn_cuda_strided_and_misaligned_inputs():
+    # (B, H, S, D) tensors transposed to (B, S, H, D), and a view 2 bytes off 16-byte alignment.
+    q, k, v = (torch.randn(2, 4, 77, 64, dtype=torch.bfloat16, device="cuda").transpose(1, 2) for _ in range(3))
+    base = torch.randn(2 * 77 * 4 * 64 + 1, dtype=torch.bfloat16, device="cuda")
+    q_mis = base[1:].view(2, 77, 4, 64)
+    for qq in (q, q_mis):
+        out, lse = torch.ops.tileops.flash_attn_with_lse(qq, k, v, True)
+        ref_out, ref_lse, _ = _ref(qq, k, v, True)
+        _check(out, lse, ref_out, ref_lse, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_flash_attn_cuda_graph_and_stream():
+    q, k, v = _inputs((1, 256, 256, 4, 4, 128), torch.bfloat16, "cuda", requires_grad=False)
+    torch.ops.tileops.flash_attn(q, k, v, True)  # compile + warm outside capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        captured = torch.ops.tileops.flash_attn(q, k, v, True)
+    q.copy_(torch.randn_like(q))
+    g.replay()
+    torch.cuda.synchronize()
+    ref_out, _, _ = _ref(q, k, v, True)
+    assert rel_err(captured, ref_out) <= ATTENTION_REL_ERR[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_flash_attn_mixed_devices():
+    q = torch.randn(1, 8, 2, 64, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match="k: on device cpu"):
+        torch.ops.tileops.flash_attn(q, q.cpu(), q)
+
+
+# ------------------------------------------------------------------- registration, compile
+@pytest.mark.parametrize("device", DEVICES)
+def test_flash_attn_opcheck(device):
+    for shape, causal in [((1, 17, 17, 2, 2, 64), True), ((2, 9, 20, 4, 2, 64), False)]:
+        q, k, v = _inputs(shape, torch.bfloat16, device)
+        opcheck(torch.ops.tileops.flash_attn_with_lse.default, (q, k, v, causal, None))
+        opcheck(torch.ops.tileops.flash_attn_with_lse.default, (q, k, v, causal, 0.2))
+        opcheck(torch.ops.tileops.flash_attn.default, (q, k, v, causal, None))
+        out, lse = torch.ops.tileops.flash_attn_with_lse(q.detach(), k.detach(), v.detach(), causal)
+        dout = torch.randn_like(out)
+        opcheck(torch.ops.tileops.flash_attn_backward.default, (dout, q.detach(), k.detach(), v.detach(), out, lse, causal, None, None))
+        opcheck(torch.ops.tileops.flash_attn_backward.default, (dout, q.detach(), k.detach(), v.detach(), out, lse, causal, None, torch.randn_like(lse)))
+
+
+def test_flash_attn_fake_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.empty(2, 7, 8, 128, dtype=torch.bfloat16)
+        k = torch.empty(2, 5, 2, 128, dtype=torch.bfloat16)
+        out, lse = torch.ops.tileops.flash_attn_with_lse(q, k, k, True)
+        dq, dk, dv = torch.ops.tileops.flash_attn_backward(out, q, k, k, out, lse, True, None)
+    assert out.shape == (2, 7, 8, 128) and lse.shape == (2, 8, 7) and lse.dtype == torch.float32
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == k.shape
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_flash_attn_empty_and_no_keys(device):
+    q = torch.randn(2, 0, 4, 64, dtype=torch.bfloat16, device=device)
+    k = torch.randn(2, 5, 2, 64, dtype=torch.bfloat16, device=device)
+    out, lse = torch.ops.tileops.flash_attn_with_lse(q, k, k)
+    assert out.shape == (2, 0, 4, 64) and lse.shape == (2, 4, 0)
+    q = torch.randn(1, 3, 2, 64, dtype=torch.bfloat16, device=device)
+    k = torch.randn(1, 0, 2, 64, dtype=torch.bfloat16, device=device)
+    out, lse = torch.ops.tileops.flash_attn_with_lse(q, k, k)
+    assert (out == 0).all() and torch.isneginf(lse).all()
+
+
+class _Block(torch.nn.Module):
+    """Pre-norm transformer block with GQA attention through the functional SDPA drop-in."""
+
+    def __init__(self, dim=128, heads=4, kv_heads=2):
+        super().__init__()
+        self.heads, self.kv_heads, self.hd = heads, kv_heads, 64
+        self.norm = torch.nn.LayerNorm(dim)
+        self.qkv = torch.nn.Linear(dim, (heads + 2 * kv_heads) * 64)
+        self.proj = torch.nn.Linear(heads * 64, dim)
+
+    def forward(self, x):
+        B, S, _ = x.shape
+        q, k, v = self.qkv(self.norm(x)).split([self.heads * 64, self.kv_heads * 64, self.kv_heads * 64], dim=-1)
+        q = q.view(B, S, self.heads, 64).transpose(1, 2)
+        k = k.view(B, S, self.kv_heads, 64).transpose(1, 2)
+        v = v.view(B, S, self.kv_heads, 64).transpose(1, 2)
+        a = tilelang_ops.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return x + self.proj(a.transpose(1, 2).reshape(B, S, -1))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_flash_attn_torch_compile_fullgraph_no_graph_break(device):
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    block = _Block().to(device=device, dtype=torch.bfloat16)
+    x = torch.randn(2, 33, 128, device=device, dtype=torch.bfloat16, requires_grad=True)
+
+    def f(x):
+        return block(x).float().square().mean()
+
+    explain = torch._dynamo.explain(f)(x)
+    assert explain.graph_break_count == 0, explain.break_reasons
+    eager = f(x)
+    (gx_eager,) = torch.autograd.grad(eager, x)
+    compiled = torch.compile(f, fullgraph=True)
+    loss = compiled(x)
+    (gx,) = torch.autograd.grad(loss, x)
+    torch.testing.assert_close(loss, eager, atol=1e-2, rtol=1e-2)
+    assert rel_err(gx, gx_eager) < 2e-2
+
+
+# --------------------------------------------------------------------- SDPA drop-in routing
+def _sdpa_cases():
+    b = torch.bfloat16
+    return [
+        # (name, q shape, kv shape, kwargs, uses our kernel)
+        ("plain", (2, 4, 33, 64), (2, 4, 33, 64), {}, True),
+        ("causal square", (2, 4, 33, 64), (2, 4, 33, 64), {"is_causal": True}, True),
+        ("gqa", (1, 6, 9, 64), (1, 2, 9, 64), {"enable_gqa": True}, True),
+        ("causal Sq != Sk: SDPA is top-left", (1, 2, 9, 64), (1, 2, 20, 64), {"is_causal": True}, False),
+        ("mask", (1, 2, 9, 64), (1, 2, 9, 64), {"attn_mask": torch.ones(9, 9, dtype=torch.bool)}, False),
+        ("head dim 80", (1, 2, 9, 80), (1, 2, 9, 80), {}, False),
+        ("scale", (1, 2, 9, 64), (1, 2, 9, 64), {"scale": 0.5}, True),
+        ("float32", (1, 2, 9, 64), (1, 2, 9, 64), {"dtype": torch.float32}, False),
+    ], b
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", _sdpa_cases()[0], ids=[c[0] for c in _sdpa_cases()[0]])
+def test_sdpa_dropin_matches_torch_and_routes(device, case, monkeypatch):
+    name, qs, ks, kwargs, ours = case
+    kwargs = dict(kwargs)
+    dtype = kwargs.pop("dtype", torch.bfloat16)
+    if "attn_mask" in kwargs:
+        kwargs["attn_mask"] = kwargs["attn_mask"].to(device)
+    q = torch.randn(qs, dtype=dtype, device=device)
+    k, v = torch.randn(ks, dtype=dtype, device=device), torch.randn(ks, dtype=dtype, device=device)
+    calls = []
+    real = torch.ops.tileops.flash_attn
+
+    class _Spy:
+        def __call__(self, *a, **kw):
+            calls.append(1)
+            return real(*a, **kw)
+
+    monkeypatch.setattr(torch.ops.tileops, "flash_attn", _Spy())
+    out = tilelang_ops.scaled_dot_product_attention(q, k, v, **kwargs)
+    assert bool(calls) == ours
+    ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), **{
+        kk: (vv.to(device) if isinstance(vv, torch.Tensor) else vv) for kk, vv in kwargs.items()
+    })
+    assert out.shape == ref.shape and rel_err(out, ref) <= 1e-2
+
+
+# ------------------------------------------------------------------------------- bad input
+def _bad(d):
+    bf = torch.bfloat16
+    r = lambda *s, dt=bf: torch.randn(*s, dtype=dt, device=d)  # noqa: E731
+    return [
+        ("wrong rank", (r(8, 2, 64), r(1, 8, 2, 64), r(1, 8, 2, 64)), {}, ValueError, "q: expected 4-D"),
+        ("float32", (r(1, 8, 2, 64, dt=torch.float32),) * 3, {}, TypeError, "supported: float16, bfloat16"),
+        ("dtype mix", (r(1, 8, 2, 64), r(1, 8, 2, 64, dt=torch.float16), r(1, 8, 2, 64)), {}, TypeError, "k: dtype"),
+        ("batch mismatch", (r(2, 8, 2, 64), r(1, 8, 2, 64), r(1, 8, 2, 64)), {}, ValueError, "k: batch 1 differs"),
+        ("k/v mismatch", (r(1, 8, 2, 64), r(1, 8, 2, 64), r(1, 9, 2, 64)), {}, ValueError, "v: shape"),
+        ("head dim mismatch", (r(1, 8, 2, 128), r(1, 8, 2, 64), r(1, 8, 2, 64)), {}, ValueError, "k: head dim 64 differs"),
+        ("head dim 96", (r(1, 8, 2, 96),) * 3, {}, ValueError, "head dim 96 is not supported"),
+        ("heads not multiple", (r(1, 8, 3, 64), r(1, 8, 2, 64), r(1, 8, 2, 64)), {}, ValueError, "not a multiple"),
+        ("bad scale", (r(1, 8, 2, 64),) * 3, {"softmax_scale": -1.0}, ValueError, "softmax_scale"),
+    ]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("idx", range(9))
+def test_flash_attn_bad_input(device, idx):
+    name, args, kwargs, exc, msg = _bad(device)[idx]
+    with pytest.raises(exc, match=msg):
+        torch.ops.tileops.flash_attn(*args, **kwargs)
+    with pytest.raises(exc, match=msg):
+        torch.ops.tileops.flash_attn_with_lse(*args, **kwargs)

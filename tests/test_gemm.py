@@ -1,0 +1,494 @@
+"""GEMM family: tileops.gemm / gemm_nt / gemm_tn / linear / linear_preact / act_grad, nn.Linear.
+
+Errors are relative Frobenius norms against float32 math on the same (rounded) inputs. On the GPU
+the static dims (K, N) come from a small pool — each pair is a compiled kernel, pre-built into
+the carried cache by benchmarks/warm_gemm_cache.py — while M (symbolic) is fuzzed freely.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.library import opcheck
+
+import tilelang_ops
+from tilelang_ops import nn as tnn
+from tilelang_ops import reference
+from tilelang_ops.ops import gemm as G
+
+from .helpers import DEVICES, HAS_CUDA, poisoned_cuda_allocation, rel_err, requires_cuda
+
+DTYPES = [torch.bfloat16, torch.float16]
+ACTS = list(reference.ACTIVATIONS)
+TOL = reference.GEMM_REL_ERR
+
+# (K, N) pairs the GPU tests use (kept few: each is a compiled kernel per layout and dtype).
+KN_POOL = [
+    (64, 128),  # one K step, one narrow N tile
+    (72, 200),  # K, N multiples of 8 but not of 16/64: ragged tiles through TMA zero-fill
+    (13, 5),  # neither a multiple of 8: host zero-pads to (16, 8)
+]
+LINEAR_IN_OUT = (72, 200)  # (in_features, out_features) for GPU linear tests
+M_CASES = [
+    1,  # a single token
+    7,  # fewer rows than one wgmma m-tile
+    128,  # exactly one block_M
+    300,  # several blocks + ragged tail
+]
+
+
+def _randn(*shape, dtype, device, scale=1.0):
+    return torch.randn(*shape, dtype=dtype, device=device) * scale
+
+
+def _check(out, ref, dtype, what=""):
+    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    assert torch.isfinite(out).all(), f"{what}: non-finite output"
+    err = rel_err(out, ref)
+    assert err <= TOL[dtype], f"{what}: rel err {err:.2e} > {TOL[dtype]:.0e}"
+
+
+# ---------------------------------------------------------------- forward: gemm and friends
+
+
+def _gemm_case(m, k, n, dtype, device, layout="nn", batch=None):
+    lead = (batch,) if batch else ()
+    if layout == "nn":
+        a, b = _randn(*lead, m, k, dtype=dtype, device=device), _randn(*lead, k, n, dtype=dtype, device=device)
+        return torch.ops.tileops.gemm, a, b, a.float() @ b.float()
+    if layout == "nt":
+        a, b = _randn(*lead, m, k, dtype=dtype, device=device), _randn(*lead, n, k, dtype=dtype, device=device)
+        return torch.ops.tileops.gemm_nt, a, b, a.float() @ b.float().transpose(-1, -2)
+    # tn: a (R, P), b (R, N) -> (P, N); R is the symbolic reduction
+    a, b = _randn(*lead, m, k, dtype=dtype, device=device), _randn(*lead, m, n, dtype=dtype, device=device)
+    return torch.ops.tileops.gemm_tn, a, b, a.float().transpose(-1, -2) @ b.float()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["nn", "nt", "tn"])
+@pytest.mark.parametrize("m", M_CASES)
+@pytest.mark.parametrize("kn", KN_POOL, ids=lambda kn: f"k{kn[0]}n{kn[1]}")
+def test_gemm_layouts_match_reference(device, dtype, layout, m, kn):
+    op, a, b, ref = _gemm_case(m, *kn, dtype, device, layout)
+    _check(op(a, b), ref, dtype, f"{layout} m={m} k,n={kn}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["nn", "nt", "tn"])
+def test_gemm_batched(device, layout):
+    op, a, b, ref = _gemm_case(100, 72, 200, torch.bfloat16, device, layout, batch=3)
+    _check(op(a, b), ref, torch.bfloat16, f"batched {layout}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gemm_3d_a_2d_b_folds_batch(device):
+    a, b = _randn(2, 50, 72, dtype=torch.bfloat16, device=device), _randn(72, 200, dtype=torch.bfloat16, device=device)
+    _check(torch.ops.tileops.gemm(a, b), a.float() @ b.float(), torch.bfloat16, "folded")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gemm_non_contiguous_inputs(device):
+    # Copied to contiguous on the host (documented); a transposed (N, K) weight is read in place.
+    big = _randn(300, 160, dtype=torch.bfloat16, device=device)
+    a = big[:, ::2]  # (300, 80) strided
+    w = _randn(200, 72, dtype=torch.bfloat16, device=device)
+    _check(torch.ops.tileops.gemm(a[:, :72], w.t()), a[:, :72].float() @ w.float().t(), torch.bfloat16, "strided a, transposed b")
+    offset = _randn(1, 72 * 128 + 1, dtype=torch.bfloat16, device=device)[0, 1:].view(72, 128)  # 2 bytes off 16-byte alignment
+    _check(torch.ops.tileops.gemm(a[:5, :72].contiguous(), offset), a[:5, :72].float() @ offset.float(), torch.bfloat16, "misaligned b")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gemm_empty(device):
+    a = torch.empty(0, 64, dtype=torch.bfloat16, device=device)
+    b = _randn(64, 128, dtype=torch.bfloat16, device=device)
+    assert torch.ops.tileops.gemm(a, b).shape == (0, 128)
+    # zero-length reduction: zeros, like torch
+    out = torch.ops.tileops.gemm(torch.empty(5, 0, dtype=torch.bfloat16, device=device), torch.empty(0, 8, dtype=torch.bfloat16, device=device))
+    assert out.shape == (5, 8) and (out == 0).all()
+
+
+@given(
+    m=st.integers(1, 700),
+    kn=st.sampled_from(KN_POOL) if HAS_CUDA else st.tuples(st.integers(1, 150), st.integers(1, 150)),
+    layout=st.sampled_from(["nn", "nt", "tn"]),
+    dtype=st.sampled_from(DTYPES),
+    device=st.sampled_from(DEVICES),
+)
+def test_gemm_fuzz_shapes(m, kn, layout, dtype, device):
+    if device == "cuda":
+        kn = kn if kn in KN_POOL else KN_POOL[1]
+    op, a, b, ref = _gemm_case(m, *kn, dtype, device, layout)
+    _check(op(a, b), ref, dtype, f"{layout} m={m} k,n={kn}")
+
+
+# ---------------------------------------------------------------- forward: linear + activation
+
+
+def _linear_ref(x, w, b, act):
+    return reference.activation(torch.nn.functional.linear(x.float(), w.float(), b.float() if b is not None else None), act)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("shape", [(1,), (7,), (3, 100)], ids=["one-token", "few-rows", "batched-3d"])
+def test_linear_matches_reference(device, act, shape):
+    in_f, out_f = LINEAR_IN_OUT
+    x = _randn(*shape, in_f, dtype=torch.bfloat16, device=device)
+    w = _randn(out_f, in_f, dtype=torch.bfloat16, device=device, scale=in_f**-0.5)
+    b = _randn(out_f, dtype=torch.bfloat16, device=device)
+    _check(torch.ops.tileops.linear(x, w, b, act), _linear_ref(x, w, b, act), torch.bfloat16, f"linear {act}")
+    y, z = torch.ops.tileops.linear_preact(x, w, b, act)
+    _check(y, _linear_ref(x, w, b, act), torch.bfloat16, f"linear_preact y {act}")
+    _check(z, _linear_ref(x, w, b, "none"), torch.bfloat16, f"linear_preact z {act}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_no_bias_and_fp16(device, dtype):
+    in_f, out_f = LINEAR_IN_OUT
+    x = _randn(300, in_f, dtype=dtype, device=device)
+    w = _randn(out_f, in_f, dtype=dtype, device=device, scale=in_f**-0.5)
+    _check(torch.ops.tileops.linear(x, w, None, "gelu_tanh"), _linear_ref(x, w, None, "gelu_tanh"), dtype, "no bias")
+
+
+# ---------------------------------------------------------------- backward
+
+
+def _grads(fn, inputs, g):
+    inputs = [t.detach().requires_grad_(True) if t is not None else None for t in inputs]
+    out = fn(*inputs)
+    out.backward(g)
+    return out, [t.grad if t is not None else None for t in inputs]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,batch", [(torch.bfloat16, None), (torch.float16, None), (torch.bfloat16, 2)], ids=["bf16", "fp16", "bf16-batched"])
+@pytest.mark.parametrize("layout", ["nn", "nt", "tn"])
+def test_gemm_backward(device, dtype, layout, batch):
+    op, a, b, _ = _gemm_case(77, 72, 200, dtype, device, layout, batch)
+    ref_op = {"nn": lambda a, b: a @ b, "nt": lambda a, b: a @ b.transpose(-1, -2), "tn": lambda a, b: a.transpose(-1, -2) @ b}[layout]
+    g = torch.randn(ref_op(a.float(), b.float()).shape, device=device).to(dtype)
+    out, (ga, gb) = _grads(op, [a, b], g)
+    _, (ra, rb) = _grads(ref_op, [a.float(), b.float()], g.float())
+    _check(ga, ra, dtype, f"{layout} da")
+    _check(gb, rb, dtype, f"{layout} db")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("entry", ["functional", "op"])
+def test_linear_backward(device, act, bias, entry):
+    # "functional" trains through linear_preact (z saved); "op" calls tileops.linear directly
+    # (gelu/silu then recompute z in backward).
+    dtype = torch.bfloat16
+    in_f, out_f = LINEAR_IN_OUT
+    x = _randn(3, 50, in_f, dtype=dtype, device=device)
+    w = _randn(out_f, in_f, dtype=dtype, device=device, scale=in_f**-0.5)
+    b = _randn(out_f, dtype=dtype, device=device) if bias else None
+    g = torch.randn(3, 50, out_f, device=device).to(dtype)
+    fn = tilelang_ops.linear if entry == "functional" else torch.ops.tileops.linear
+    _, grads = _grads(lambda x, w, b: fn(x, w, b, act), [x, w, b], g)
+    _, refs = _grads(lambda x, w, b: _linear_ref(x, w, b, act), [x.float(), w.float(), b.float() if bias else None], g.float())
+    for name, got, want in zip(("dx", "dweight", "dbias"), grads, refs):
+        if want is not None:
+            _check(got, want, dtype, f"{act} {name}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_linear_backward_fp16_and_frozen_weight(device):
+    dtype = torch.float16
+    in_f, out_f = LINEAR_IN_OUT
+    x = _randn(64, in_f, dtype=dtype, device=device, scale=0.5).requires_grad_()
+    w = _randn(out_f, in_f, dtype=dtype, device=device, scale=in_f**-0.5)  # frozen: no dW GEMM
+    b = _randn(out_f, dtype=dtype, device=device).requires_grad_()
+    g = torch.randn(64, out_f, device=device).to(dtype)
+    tilelang_ops.linear(x, w, b, "gelu_tanh").backward(g)
+    xr, br = x.detach().float().requires_grad_(), b.detach().float().requires_grad_()
+    _linear_ref(xr, w, br, "gelu_tanh").backward(g.float())
+    _check(x.grad, xr.grad, dtype, "dx")
+    _check(b.grad, br.grad, dtype, "db")
+    assert w.grad is None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("act", ["relu", "gelu", "gelu_tanh", "silu"])
+def test_act_grad(device, act):
+    dy = _randn(300, 200, dtype=torch.bfloat16, device=device)
+    z = _randn(300, 200, dtype=torch.bfloat16, device=device)
+    dz, db = torch.ops.tileops.act_grad(dy, z, act, True)
+    want = dy.float() * reference.activation_grad(z.float(), act)
+    _check(dz, want, torch.bfloat16, "dz")
+    _check(db, want.sum(0), torch.bfloat16, "db")
+    zr = z.float().requires_grad_()
+    reference.activation(zr, act).backward(dy.float())  # the analytic derivative agrees with autograd
+    _check(dz, zr.grad, torch.bfloat16, "dz vs autograd")
+
+
+# ---------------------------------------------------------------- GPU: poison, streams, configs
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("layout", ["nn", "nt", "tn"])
+@pytest.mark.parametrize("m", [1, 129, 700])
+@pytest.mark.parametrize("kn", KN_POOL, ids=lambda kn: f"k{kn[0]}n{kn[1]}")
+def test_gemm_cuda_poisoned_output(layout, m, kn):
+    op, a, b, ref = _gemm_case(m, *kn, torch.bfloat16, "cuda", layout)
+    out_shape = ref.shape if kn[1] % 8 == 0 and (layout != "tn" or kn[0] % 8 == 0) else None
+    if out_shape is None:
+        pytest.skip("padded path writes a padded buffer, then slices")
+    with poisoned_cuda_allocation(ref.numel() * 2) as ptr:
+        out = op(a, b)
+    assert out.data_ptr() == ptr, "poison did not reach the output"
+    _check(out, ref, torch.bfloat16, "poisoned")
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("act", ["none", "gelu_tanh"])
+def test_linear_cuda_poisoned_output(act):
+    in_f, out_f = LINEAR_IN_OUT
+    x = _randn(333, in_f, dtype=torch.bfloat16, device="cuda")
+    w = _randn(out_f, in_f, dtype=torch.bfloat16, device="cuda", scale=in_f**-0.5)
+    b = _randn(out_f, dtype=torch.bfloat16, device="cuda")
+    with poisoned_cuda_allocation(333 * out_f * 2) as ptr:
+        y = torch.ops.tileops.linear(x, w, b, act)
+    assert y.data_ptr() == ptr
+    _check(y, _linear_ref(x, w, b, act), torch.bfloat16, "poisoned linear")
+    dy = _randn(333, out_f, dtype=torch.bfloat16, device="cuda")
+    z = x @ w.t()
+    with poisoned_cuda_allocation(333 * out_f * 2) as ptr:
+        dz, db = torch.ops.tileops.act_grad(dy, z, "gelu_tanh", True)
+    assert dz.data_ptr() == ptr
+    want = dy.float() * reference.activation_grad(z.float(), "gelu_tanh")
+    _check(dz, want, torch.bfloat16, "poisoned act_grad dz")
+    _check(db, want.sum(0), torch.bfloat16, "poisoned act_grad db")
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gemm_layer_sized_and_last_config():
+    a = _randn(4096, 4096, dtype=torch.bfloat16, device="cuda")
+    b = _randn(4096, 4096, dtype=torch.bfloat16, device="cuda", scale=4096**-0.5)
+    for m in (1000, 4096, 8191):  # one compiled kernel serves every M
+        _check(torch.ops.tileops.gemm(a[:m], b), a[:m].float() @ b.float(), torch.bfloat16, f"m={m}")
+    name, cfg, static = G.last_config()
+    assert name == "matmul" and static["layout"] == "nn" and static["n"] == 4096 and static["k"] == 4096
+    from tilelang_ops.kernels.gemm import GemmConfig
+
+    assert isinstance(cfg, GemmConfig)  # the default table's unless `tileops tune` stored a winner
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gemm_generated_code_uses_wgmma_and_tma():
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("Hopper only")
+    from tilelang_ops.kernels import gemm as K
+
+    src = K.matmul_kernel.source(G.config_for("nn", 4096, 4096, torch.bfloat16), "sm_90a", layout="nn", n=4096, k=4096, rows=0, dtype="bfloat16", batched=False, bias=False, activation="none", save_preact=False)
+    assert "wgmma" in src and "tma_load" in src and "tma_store" in src
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_linear_runs_on_current_stream_and_in_cuda_graph():
+    in_f, out_f = LINEAR_IN_OUT
+    x = _randn(256, in_f, dtype=torch.bfloat16, device="cuda")
+    w = _randn(out_f, in_f, dtype=torch.bfloat16, device="cuda", scale=in_f**-0.5)
+    b = _randn(out_f, dtype=torch.bfloat16, device="cuda")
+    torch.ops.tileops.linear(x, w, b, "silu")  # compile + warm outside capture
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        out = torch.ops.tileops.linear(x, w, b, "silu")
+    torch.cuda.current_stream().wait_stream(s)
+    _check(out, _linear_ref(x, w, b, "silu"), torch.bfloat16, "side stream")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = torch.ops.tileops.linear(x, w, b, "silu")
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    _check(captured, _linear_ref(x, w, b, "silu"), torch.bfloat16, "graph replay")
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_gemm_mixed_devices():
+    with pytest.raises(ValueError, match="b: on device cpu"):
+        torch.ops.tileops.gemm(torch.ones(4, 8, device="cuda", dtype=torch.bfloat16), torch.ones(8, 8, dtype=torch.bfloat16))
+
+
+# ---------------------------------------------------------------- configs
+
+
+def test_config_table_and_search_space():
+    from tilelang_ops.kernels import gemm as K
+
+    big = G.config_for("nn", 4096, 4096, torch.bfloat16, "sm_90a")
+    assert (big.block_M, big.block_N, big.block_K, big.num_stages, big.threads) == (128, 256, 64, 3, 256)
+    assert G.config_for("nn", 128, 64, torch.bfloat16, "sm_90a").block_N == 128
+    assert G.config_for("tn", 4096, 0, torch.bfloat16, "sm_80", rows=4096).num_stages <= 2
+    assert len(K.SEARCH_SPACE) <= 12 and len(K.REPRESENTATIVE) <= 8
+    assert G.last_config("no-such-kernel") is None
+
+
+# ---------------------------------------------------------------- opcheck, fake, bad input
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemm_opcheck(device, dtype):
+    def t(*s, grad=True):
+        return _randn(*s, dtype=dtype, device=device).requires_grad_(grad)
+
+    opcheck(torch.ops.tileops.gemm.default, (t(33, 72), t(72, 200)))
+    opcheck(torch.ops.tileops.gemm.default, (t(2, 33, 72), t(2, 72, 200)))
+    opcheck(torch.ops.tileops.gemm_nt.default, (t(33, 72), t(200, 72)))
+    opcheck(torch.ops.tileops.gemm_tn.default, (t(33, 72), t(33, 200)))
+    in_f, out_f = LINEAR_IN_OUT
+    opcheck(torch.ops.tileops.linear.default, (t(5, in_f), t(out_f, in_f), t(out_f), "gelu_tanh"))
+    opcheck(torch.ops.tileops.linear.default, (t(2, 5, in_f), t(out_f, in_f), None, "none"))
+    opcheck(torch.ops.tileops.linear_preact.default, (t(5, in_f), t(out_f, in_f), t(out_f), "silu"))
+    opcheck(torch.ops.tileops.act_grad.default, (t(5, out_f, grad=False), t(5, out_f, grad=False), "gelu_tanh", True))
+
+
+def test_gemm_fake_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        a, b = torch.empty(7, 72, dtype=torch.bfloat16), torch.empty(72, 200, dtype=torch.bfloat16)
+        assert torch.ops.tileops.gemm(a, b).shape == (7, 200)
+        assert torch.ops.tileops.gemm_tn(a, torch.empty(7, 200, dtype=torch.bfloat16)).shape == (72, 200)
+        x, w = torch.empty(2, 7, 72, dtype=torch.bfloat16), torch.empty(200, 72, dtype=torch.bfloat16)
+        y, z = torch.ops.tileops.linear_preact(x, w, None, "gelu")
+        assert y.shape == z.shape == (2, 7, 200)
+
+
+BAD_INPUTS = [
+    ("dtype mix", lambda d: torch.ops.tileops.gemm(torch.ones(4, 8, device=d, dtype=torch.bfloat16), torch.ones(8, 8, device=d, dtype=torch.float16)), TypeError, "b: dtype"),
+    ("float32", lambda d: torch.ops.tileops.gemm(torch.ones(4, 8, device=d), torch.ones(8, 8, device=d)), TypeError, "supported: float16, bfloat16"),
+    ("shape mismatch", lambda d: torch.ops.tileops.gemm(torch.ones(4, 8, device=d, dtype=torch.bfloat16), torch.ones(9, 8, device=d, dtype=torch.bfloat16)), ValueError, "shape mismatch"),
+    ("wrong rank", lambda d: torch.ops.tileops.gemm(torch.ones(8, device=d, dtype=torch.bfloat16), torch.ones(8, 8, device=d, dtype=torch.bfloat16)), ValueError, "a: expected"),
+    ("batch mismatch", lambda d: torch.ops.tileops.gemm(torch.ones(2, 4, 8, device=d, dtype=torch.bfloat16), torch.ones(3, 8, 8, device=d, dtype=torch.bfloat16)), ValueError, "same batch"),
+    ("linear in_features", lambda d: torch.ops.tileops.linear(torch.ones(4, 8, device=d, dtype=torch.bfloat16), torch.ones(16, 9, device=d, dtype=torch.bfloat16)), ValueError, "in_features"),
+    ("bias shape", lambda d: torch.ops.tileops.linear(torch.ones(4, 8, device=d, dtype=torch.bfloat16), torch.ones(16, 8, device=d, dtype=torch.bfloat16), torch.ones(15, device=d, dtype=torch.bfloat16)), ValueError, "bias: shape"),
+    ("activation", lambda d: torch.ops.tileops.linear(torch.ones(4, 8, device=d, dtype=torch.bfloat16), torch.ones(16, 8, device=d, dtype=torch.bfloat16), None, "tanh"), ValueError, "activation: 'tanh' is not supported"),
+    ("module activation", lambda d: tnn.Linear(8, 16, activation="swish"), ValueError, "activation"),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
+def test_gemm_bad_input(device, case):
+    _, call, exc, msg = case
+    with pytest.raises(exc, match=msg):
+        call(device)
+
+
+# ---------------------------------------------------------------- modules, fusion, torch.compile
+
+
+def test_nn_linear_loads_nn_linear_state_dict():
+    ref = torch.nn.Sequential(torch.nn.Linear(72, 200), torch.nn.GELU(approximate="tanh"), torch.nn.Linear(200, 72))
+    ours = torch.nn.Sequential(tnn.Linear(72, 200, activation="gelu_tanh"), torch.nn.Identity(), tnn.Linear(200, 72))
+    assert list(ref.state_dict()) == list(ours.state_dict())
+    ours.load_state_dict(ref.state_dict())  # strict: same keys and shapes
+    ref, ours = ref.to(torch.bfloat16), ours.to(torch.bfloat16)
+    x = torch.randn(9, 72, dtype=torch.bfloat16)
+    _check(ours(x), ref.float()(x.float()), torch.bfloat16, "module")
+    assert "activation=gelu_tanh" in repr(ours)
+
+
+def test_fuse_linear_activations_reports_and_preserves_outputs():
+    class SwiGLU(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_proj, self.up_proj, self.down_proj = torch.nn.Linear(64, 96, bias=False), torch.nn.Linear(64, 96, bias=False), torch.nn.Linear(96, 64, bias=False)
+            self.act_fn = torch.nn.SiLU()
+
+        def forward(self, x):
+            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+    class Residual(torch.nn.Module):  # act applied to a sum, not to a Linear alone: not fusable
+        def __init__(self):
+            super().__init__()
+            self.fc, self.act = torch.nn.Linear(64, 64), torch.nn.ReLU()
+
+        def forward(self, x):
+            return self.act(self.fc(x) + x)
+
+    model = torch.nn.Sequential(
+        torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64), torch.nn.ReLU()),
+        SwiGLU(),
+        Residual(),
+    ).to(torch.bfloat16)
+    keys = list(model.state_dict())
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    before = model(x).float()
+    report = tnn.fuse_linear_activations(model)
+    assert [(lin, kind) for lin, _, kind in report.fused] == [("0.0", "gelu"), ("0.2", "relu"), ("1.gate_proj", "silu")]
+    assert isinstance(model[0][0], tnn.Linear) and isinstance(model[0][1], torch.nn.Identity)
+    assert type(model[2].fc) is torch.nn.Linear  # untouched
+    assert list(model.state_dict()) == keys
+    _check(model(x), before, torch.bfloat16, "fused model")
+    assert "fused 3" in str(report)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_model_trains_without_graph_breaks(device):
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(tnn.Linear(72, 200, activation="gelu_tanh"), tnn.Linear(200, 72, bias=False)).to(device, torch.bfloat16)
+    ref = torch.nn.Sequential(torch.nn.Linear(72, 200), torch.nn.GELU(approximate="tanh"), torch.nn.Linear(200, 72, bias=False)).to(device, torch.bfloat16)
+    ref.load_state_dict({k.replace("1.", "2."): v for k, v in model.state_dict().items()})
+    x = torch.randn(3, 40, 72, device=device, dtype=torch.bfloat16)
+
+    def step(m, x):
+        return m(x).float().square().mean()
+
+    explain = torch._dynamo.explain(step)(model, x)
+    assert explain.graph_break_count == 0, explain.break_reasons
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
+    loss = compiled(model, x)
+    loss.backward()
+    step(ref, x).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        _check(p.grad, q.grad.float(), torch.bfloat16, f"grad {name}")
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses = []
+    for _ in range(4):
+        opt.zero_grad()
+        loss = compiled(model, x)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+
+
+def test_nn_linear_float32_falls_back_and_autocast_casts():
+    # float32 has no kernel: the module computes in PyTorch; under autocast inputs are cast first.
+    lin = tnn.Linear(72, 200, activation="silu")
+    x = torch.randn(4, 72)
+    torch.testing.assert_close(lin(x), torch.nn.functional.silu(torch.nn.functional.linear(x, lin.weight, lin.bias)))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = lin(x)
+    assert y.dtype == torch.bfloat16
+    _check(y, _linear_ref(x, lin.weight, lin.bias, "silu"), torch.bfloat16, "autocast")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_linear_1d_input(device):
+    in_f, out_f = LINEAR_IN_OUT
+    x = _randn(in_f, dtype=torch.bfloat16, device=device)
+    w = _randn(out_f, in_f, dtype=torch.bfloat16, device=device, scale=in_f**-0.5)
+    b = _randn(out_f, dtype=torch.bfloat16, device=device)
+    out = tilelang_ops.linear(x, w, b, "relu")
+    assert out.shape == (out_f,)
+    _check(out, _linear_ref(x, w, b, "relu"), torch.bfloat16, "1-D")

@@ -1,0 +1,419 @@
+"""torch.ops.tileops.softmax / log_softmax (+ backward ops): reference, edge values, opcheck, fake,
+torch.compile, bad input, and on the GPU every kernel schedule (short rows packed per CTA, a row in
+registers, split long rows) with poisoned outputs and gradients.
+
+Tolerances (vs a float64 reference, max |err| <= atol + rtol * |ref|), from reference.py:
+fp32 1e-5 / 1e-4, fp16 2e-3 / 2e-3, bf16 1.6e-2 / 1.6e-2 (one rounding of the output dominates;
+fp32's rtol covers the long-row sum, ~sqrt(N) * 2^-24);
+log_softmax's fp32 atol is 5e-5 (x - logsumexp cancels; PyTorch's own fp32 kernel needs it).
+Gradients are judged by relative Frobenius error: fp32 1e-4, fp16 5e-3, bf16 3e-2 (y is rounded
+to the input dtype before the backward, as in PyTorch).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.library import opcheck
+
+import tilelang_ops
+from tilelang_ops.reference import LOG_SOFTMAX_ATOL, LOG_SOFTMAX_RTOL, SOFTMAX_ATOL, SOFTMAX_RTOL
+
+from .helpers import DEVICES, poisoned_cuda_allocation, rel_err, requires_cuda
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+OPS = {"softmax": (torch.ops.tileops.softmax, torch.softmax), "log_softmax": (torch.ops.tileops.log_softmax, torch.log_softmax)}
+GRAD_RTOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+
+SHAPES_DIMS = [
+    ((1, 1), -1),  # one element: one row of one
+    ((17, 1000), -1),  # short rows, several per CTA, M not a multiple of the CTA's rows
+    ((17, 1000), 0),  # reduce over the first dim: moved last and back
+    ((4, 4097), -1),  # odd N: scalar accesses, padded register row
+    ((3, 5, 7), 0),
+    ((3, 5, 7), 1),  # middle dim of an n-D tensor
+    ((3, 5, 7), 2),
+]
+
+
+def _ref(name, x, dim):
+    return OPS[name][1](x.double(), dim)
+
+
+def _close(out, ref, dtype, name="softmax"):
+    atol, rtol = (SOFTMAX_ATOL, SOFTMAX_RTOL) if name == "softmax" else (LOG_SOFTMAX_ATOL, LOG_SOFTMAX_RTOL)
+    torch.testing.assert_close(out.double(), ref, atol=atol[dtype], rtol=rtol[dtype], equal_nan=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("shape,dim", SHAPES_DIMS, ids=[f"{'x'.join(map(str, s))}-dim{d}" for s, d in SHAPES_DIMS])
+def test_matches_reference(device, dtype, name, shape, dim):
+    x = (torch.randn(shape, device=device) * 3).to(dtype)
+    out = OPS[name][0](x, dim)
+    assert out.shape == x.shape and out.dtype == dtype and out.device == x.device and out.is_contiguous()
+    _close(out, _ref(name, x, dim), dtype, name)
+
+
+def _edge_rows(n: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Rows of length n with every edge value PyTorch defines: -inf, all -inf, +inf, NaN, +-1e4."""
+    rows = torch.randn(8, n, device=device)
+    rows[0, n // 2] = float("-inf")  # one -inf: that entry is 0 / -inf
+    rows[1] = float("-inf")  # all -inf: NaN row
+    rows[2, n - 1] = float("inf")  # +inf: NaN row
+    rows[3, 0] = float("nan")  # NaN: NaN row
+    rows[4, ::2] = 1e4  # huge values: exp underflows for the rest
+    rows[5, 1::2] = -1e4
+    rows[6, :] = 0.0  # uniform
+    rows[7, -1] = 1e4 if n > 1 else rows[7, -1]
+    return rows.to(dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("n", [1, 2, 128, 1000, 4097])
+def test_edge_values_like_pytorch(device, dtype, name, n):
+    x = _edge_rows(n, dtype, device)
+    out = OPS[name][0](x, -1)
+    expected = OPS[name][1](x.float(), -1).to(dtype)  # PyTorch's own semantics at fp32
+    assert torch.equal(torch.isnan(out), torch.isnan(expected)), "NaN pattern differs from PyTorch"
+    _close(out, expected.double(), dtype, name)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape,dim", [((0, 5), -1), ((5, 0), -1), ((0,), 0), ((2, 0, 3), 2), ((2, 0, 3), 1)])
+def test_empty_returns_empty(device, shape, dim):
+    x = torch.empty(shape, dtype=torch.bfloat16, device=device, requires_grad=True)
+    for name in OPS:
+        out = OPS[name][0](x, dim)
+        assert out.shape == x.shape and out.dtype == x.dtype
+        out.sum().backward()
+        assert x.grad.shape == x.shape
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_zero_dim_tensor(device):
+    x = torch.tensor(2.5, device=device)
+    assert torch.ops.tileops.softmax(x, 0).item() == 1.0
+    assert torch.ops.tileops.log_softmax(x, -1).item() == 0.0
+
+
+# Row lengths drawn from a fixed set: on CUDA each distinct N compiles a kernel.
+_FUZZ_N = [1, 3, 8, 17, 64, 100, 256, 1000, 2048, 4097]
+
+
+@given(
+    lead=st.lists(st.integers(0, 9), min_size=0, max_size=2),
+    n=st.sampled_from(_FUZZ_N),
+    pos=st.integers(0, 2),
+    dtype=st.sampled_from(DTYPES),
+    name=st.sampled_from(sorted(OPS)),
+    device=st.sampled_from(DEVICES),
+)
+def test_fuzz_shapes_dims_dtypes(lead, n, pos, dtype, name, device):
+    shape = list(lead)
+    pos = min(pos, len(shape))
+    shape.insert(pos, n)  # the reduced dim at any position
+    x = (torch.randn(shape, device=device) * 4).to(dtype)
+    dim = pos - len(shape) if pos % 2 else pos  # exercise negative dims too
+    _close(OPS[name][0](x, dim), _ref(name, x, dim), dtype, name)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_opcheck(device, dtype):
+    for shape, dim in [((17,), 0), ((33, 65), -1), ((4, 6, 5), 1)]:
+        x = torch.randn(shape, dtype=dtype, device=device, requires_grad=True)
+        opcheck(torch.ops.tileops.softmax.default, (x, dim))
+        opcheck(torch.ops.tileops.log_softmax.default, (x, dim))
+        y = torch.softmax(x.detach().float(), dim).to(dtype)
+        g = torch.randn(shape, dtype=dtype, device=device)
+        opcheck(torch.ops.tileops.softmax_backward.default, (g, y, dim))
+        opcheck(torch.ops.tileops.log_softmax_backward.default, (g, y.float().log().to(dtype), dim))
+
+
+def test_fake_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(7, 3, 5, dtype=torch.bfloat16)
+        for out in (
+            torch.ops.tileops.softmax(x, 1),
+            torch.ops.tileops.log_softmax(x.transpose(0, 2)),  # non-contiguous in, contiguous out
+            torch.ops.tileops.softmax_backward(x, x, -1),
+            torch.ops.tileops.log_softmax_backward(x, x, 0),
+        ):
+            assert out.dtype == torch.bfloat16 and out.is_contiguous()
+        assert out.shape == (7, 3, 5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", OPS)
+def test_backward_matches_autograd(device, name):
+    x = torch.randn(6, 300, device=device, dtype=torch.float64 if device == "cpu" else torch.float32, requires_grad=True)
+    g = torch.randn_like(x)
+    OPS[name][0](x.float() if device == "cpu" else x, -1).backward(g.float() if device == "cpu" else g)
+    xr = x.detach().double().requires_grad_()
+    OPS[name][1](xr, -1).backward(g.double())
+    assert rel_err(x.grad, xr.grad) < 1e-5
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", OPS)
+def test_torch_compile_fullgraph_no_graph_break(device, name):
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    op = OPS[name][0]
+
+    def f(x):
+        return (op(x * 2, -1) * op(x, 0)).sum()
+
+    x = torch.randn(16, 40, device=device, requires_grad=True)
+    explain = torch._dynamo.explain(f)(x)
+    assert explain.graph_break_count == 0
+    compiled = torch.compile(f, fullgraph=True)
+    out = compiled(x)
+    out.backward()
+    xr = x.detach().double().requires_grad_()
+    ref = OPS[name][1]
+    (ref(xr * 2, -1) * ref(xr, 0)).sum().backward()
+    assert rel_err(x.grad, xr.grad) < 1e-4
+    torch.testing.assert_close(out.double(), (ref(xr * 2, -1) * ref(xr, 0)).sum(), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nn_modules(device):
+    x = torch.randn(4, 9, 33, device=device)
+    for dim in (0, 1, -1):
+        _close(tilelang_ops.nn.Softmax(dim)(x), torch.nn.Softmax(dim)(x.double()), torch.float32)
+        _close(tilelang_ops.nn.LogSoftmax(dim)(x), torch.nn.LogSoftmax(dim)(x.double()), torch.float32, "log_softmax")
+    assert isinstance(tilelang_ops.nn.Softmax(1), torch.nn.Softmax)
+    with pytest.raises(ValueError, match="dim: None"):
+        tilelang_ops.nn.Softmax(None)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_non_contiguous_input_is_copied(device):
+    x = torch.randn(40, 64, device=device).t()  # (64, 40), stride (1, 64)
+    _close(torch.ops.tileops.softmax(x, -1), _ref("softmax", x, -1), torch.float32)
+    _close(torch.ops.tileops.log_softmax(x[:, ::3], 0), _ref("log_softmax", x[:, ::3], 0), torch.float32, "log_softmax")
+
+
+@pytest.mark.parametrize(
+    "n,m,kind,backward,schedule",
+    [
+        (128, 65536, "softmax", False, "rows"),  # short rows, many per CTA
+        (8192, 8, "softmax", True, "rows"),  # mid rows stay in registers at any M
+        (32768, 4096, "softmax", False, "rows"),  # register row, >= 2 rows per SM
+        (32768, 256, "softmax", False, "split"),  # register-sized but too few rows
+        (32768, 4096, "softmax", True, "loop"),  # backward: two fp32 rows do not fit registers
+        (65536, 128, "log_softmax", False, "split"),
+        (262144, 100000, "softmax", False, "loop"),
+    ],
+)
+def test_schedule_choice(n, m, kind, backward, schedule):
+    from tilelang_ops.kernels import softmax as K
+
+    for dtype in ("bfloat16", "float32", "float16"):
+        cfg = K.default_config(n, dtype, kind, backward, m, sms=132)
+        assert cfg.schedule == schedule
+        assert K.fits(cfg, n, dtype, kind, backward), cfg  # defaults are inside the tuner's filter
+
+
+def test_tunables_have_candidates():
+    from tilelang_ops.ops.softmax import TUNABLES
+
+    for name, t in TUNABLES.items():
+        for shape in t.presets["default"]:
+            assert len(t.search_space(shape, torch.bfloat16)) >= 4, (name, shape)
+            assert t.default(shape, torch.float32).schedule in ("rows", "loop", "split")
+
+
+BAD_INPUTS = [
+    ("integer dtype", lambda d: (torch.ones(4, 3, dtype=torch.int32, device=d), -1), TypeError, "x: dtype int32"),
+    ("float64", lambda d: (torch.ones(4, dtype=torch.float64, device=d), -1), TypeError, "supported: float32, float16, bfloat16"),
+    ("dim too large", lambda d: (torch.ones(4, 3, device=d), 2), IndexError, r"dim: 2 is out of range .* \[-2, 1\]"),
+    ("dim too small", lambda d: (torch.ones(4, 3, device=d), -3), IndexError, "dim: -3 is out of range"),
+    # rejected by the dispatcher's schema check before our code runs; its message names the argument
+    ("not a tensor", lambda d: ([1.0, 2.0], -1), RuntimeError, "argument 'x'"),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("case", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
+def test_bad_input(device, name, case):
+    _, make, exc, msg = case
+    with pytest.raises(exc, match=msg):
+        OPS[name][0](*make(device))
+
+
+BAD_BACKWARD = [
+    ("dtype mix", lambda d: (torch.ones(4, 3, device=d), torch.ones(4, 3, dtype=torch.bfloat16, device=d), -1), TypeError, "y: dtype"),
+    ("shape mismatch", lambda d: (torch.ones(4, 3, device=d), torch.ones(4, 2, device=d), -1), ValueError, "y: shape"),
+    ("integer grad", lambda d: (torch.ones(4, dtype=torch.int64, device=d), torch.ones(4, device=d), 0), TypeError, "grad: dtype int64"),
+    ("dim out of range", lambda d: (torch.ones(4, 3, device=d), torch.ones(4, 3, device=d), 5), IndexError, "dim: 5"),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", ["softmax_backward", "log_softmax_backward"])
+@pytest.mark.parametrize("case", BAD_BACKWARD, ids=[c[0] for c in BAD_BACKWARD])
+def test_bad_backward_input(device, op, case):
+    _, make, exc, msg = case
+    with pytest.raises(exc, match=msg):
+        getattr(torch.ops.tileops, op)(*make(device))
+
+
+# ------------------------------------------------------------------------------------ GPU only
+# (M, N) per kernel schedule for bf16 (see kernels/softmax.py default_config):
+GPU_SHAPES = [
+    (1, 1),  # one element
+    (1000, 7),  # tiny odd rows, 32 rows per CTA, scalar accesses
+    (1000, 128),  # short rows: 8 lanes per row, 16 rows per CTA, M % 16 != 0
+    (37, 1000),  # short rows, padded to the lane count
+    (5, 4097),  # odd N: scalar accesses, padded register row
+    (33, 8192),  # one row per CTA in registers
+    (300, 16384),  # a register row of 512 (log_softmax: 1024) threads; M >= 2 rows per SM
+    (3, 32768),  # register-sized row but too few rows to fill the SMs: split instead
+    (2, 65536),  # split: stats + apply, 8 chunks per row
+    (3, 100003),  # split with a ragged, odd last chunk
+    (2, 262144),  # split: 32 chunks per row
+]
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=["x".join(map(str, s)) for s in GPU_SHAPES])
+def test_cuda_poisoned_output(dtype, name, shape):
+    x = (torch.randn(shape, device="cuda") * 4).to(dtype)
+    with poisoned_cuda_allocation(x.numel() * x.element_size()) as ptr:
+        out = OPS[name][0](x, -1)
+    assert out.data_ptr() == ptr, "poison did not reach the output; the test would not catch unwritten elements"
+    assert torch.isfinite(out).all()
+    _close(out, _ref(name, x, -1), dtype, name)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("n", [40000, 65536])
+def test_cuda_loop_path_many_long_rows(dtype, name, n):
+    """M >= 4 rows per SM sends long rows to the loop schedule (one CTA walks its row twice)."""
+    m = 4 * torch.cuda.get_device_properties(0).multi_processor_count + 1
+    x = (torch.randn(m, n, device="cuda") * 4).to(dtype).requires_grad_()
+    x.data[0, : n // 2] = float("-inf")  # -inf-only first chunks: the running sum must stay 0, not NaN
+    x.data[1] = float("-inf")  # all -inf row: NaN like PyTorch
+    with poisoned_cuda_allocation(x.numel() * x.element_size()) as ptr:
+        out = OPS[name][0](x, -1)
+    assert out.data_ptr() == ptr
+    expected = OPS[name][1](x.detach().float(), -1)
+    assert torch.equal(torch.isnan(out), torch.isnan(expected))
+    _close(out, expected.double(), dtype, name)
+    g = torch.randn_like(out)
+    keep = slice(2, None)  # gradients of the finite rows
+    out.backward(g)
+    xr = x.detach()[keep].double().requires_grad_()
+    OPS[name][1](xr, -1).backward(g[keep].double())
+    assert rel_err(x.grad[keep], xr.grad) < GRAD_RTOL[dtype]
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("n", [7, 128, 1000, 4097, 8192, 65536, 100003])
+def test_cuda_edge_values_every_path(name, n):
+    x = _edge_rows(n, torch.bfloat16, "cuda")
+    out = OPS[name][0](x, -1)
+    expected = OPS[name][1](x.float(), -1).to(torch.bfloat16)
+    assert torch.equal(torch.isnan(out), torch.isnan(expected)), "NaN pattern differs from PyTorch"
+    _close(out, expected.double(), torch.bfloat16, name)
+    # a -inf-only chunk inside a finite row must not poison the split path's partial sums
+    y = torch.randn(2, n, device="cuda")
+    y[:, : n // 2] = float("-inf")
+    _close(OPS[name][0](y, -1), _ref(name, y, -1), torch.float32, name)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("shape", [(1000, 128), (37, 1000), (5, 4097), (33, 8192), (300, 16384), (3, 32768), (2, 262144)])
+def test_cuda_gradients(dtype, name, shape):
+    x = (torch.randn(shape, device="cuda") * 2).to(dtype).requires_grad_()
+    g = torch.randn(shape, device="cuda").to(dtype)
+    OPS[name][0](x, -1).backward(g)
+    xr = x.detach().double().requires_grad_()
+    OPS[name][1](xr, -1).backward(g.double())
+    assert x.grad.dtype == dtype and torch.isfinite(x.grad).all()
+    assert rel_err(x.grad, xr.grad) < GRAD_RTOL[dtype]
+    # and the backward op alone against the reference formula, from the same y
+    y = OPS[name][0](x.detach(), -1)
+    bwd = getattr(torch.ops.tileops, f"{name}_backward")
+    ref = getattr(tilelang_ops.reference, f"{name}_backward")
+    with poisoned_cuda_allocation(y.numel() * y.element_size()):
+        dx = bwd(g, y, -1)
+    assert rel_err(dx, ref(g.double(), y.double(), -1)) < GRAD_RTOL[dtype]
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("name", OPS)
+def test_cuda_other_dims_and_views(name):
+    x = torch.randn(6, 300, 10, device="cuda", dtype=torch.bfloat16)
+    for dim in (0, 1, 2, -2):
+        _close(OPS[name][0](x, dim), _ref(name, x, dim), torch.bfloat16, name)
+    base = torch.randn(64 * 1000 + 1, device="cuda", dtype=torch.bfloat16)
+    v = base[1:].view(64, 1000)  # contiguous but 2 bytes off a 16-byte boundary
+    _close(OPS[name][0](v, -1), _ref(name, v, -1), torch.bfloat16, name)
+    t = torch.randn(300, 64, device="cuda").t()  # non-contiguous
+    _close(OPS[name][0](t, -1), _ref(name, t, -1), torch.float32, name)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_cuda_new_batch_size_does_not_recompile():
+    from tilelang_ops import runtime
+
+    torch.ops.tileops.softmax(torch.randn(5, 2048, device="cuda"), -1)
+    before = runtime.compiled_count()
+    for m in (1, 7, 100, 3000):
+        x = torch.randn(m, 2048, device="cuda")
+        _close(torch.ops.tileops.softmax(x, -1), _ref("softmax", x, -1), torch.float32)
+    assert runtime.compiled_count() == before
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_cuda_mixed_devices_backward():
+    with pytest.raises(ValueError, match="y: on device cpu"):
+        torch.ops.tileops.softmax_backward(torch.ones(4, 3, device="cuda"), torch.ones(4, 3), -1)
+    with pytest.raises(ValueError, match="y: on device cpu"):
+        torch.ops.tileops.log_softmax_backward(torch.ones(4, 3, device="cuda"), torch.ones(4, 3), -1)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_cuda_runs_on_current_stream_and_in_cuda_graph():
+    x = torch.randn(64, 8192, device="cuda", dtype=torch.bfloat16)
+    torch.ops.tileops.softmax(x, -1)  # compile + warm outside capture
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        out = torch.ops.tileops.softmax(x, -1)
+    torch.cuda.current_stream().wait_stream(s)
+    _close(out, _ref("softmax", x, -1), torch.bfloat16)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        captured = torch.ops.tileops.softmax(x, -1)
+    x.copy_(torch.randn_like(x))
+    g.replay()
+    torch.cuda.synchronize()
+    _close(captured, _ref("softmax", x, -1), torch.bfloat16)

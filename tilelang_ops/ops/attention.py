@@ -1,0 +1,287 @@
+"""torch.ops.tileops.flash_attn / flash_attn_with_lse / flash_attn_backward.
+
+Layout as flash-attn's `flash_attn_func`: q (B, Sq, H, D), k and v (B, Sk, HK, D), H % HK == 0
+(GQA/MQA: query head h reads kv head h // (H // HK); K/V are never repeated in memory).
+Causal masks are bottom-right aligned: query i sees key j iff j <= i + Sk - Sq (flash-attn >= 2.1).
+A query row that sees no key (causal with Sq > Sk) gets output 0 and lse = -inf.
+LSE is fp32, natural log, (B, H, Sq).
+
+Reading order: validation → kernel resolution → forward op → CUDA impl → fake → backward op →
+CUDA impl → fake → autograd → out-only op.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from .. import reference, runtime, tuning
+from .._library import _LIB, NAMESPACE, _is_registered, custom_op
+from ._checks import check_same, check_tensor
+
+DTYPES = (torch.float16, torch.bfloat16)
+HEADDIMS = (64, 128, 256)
+_TL_DTYPE = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+# ------------------------------------------------------------------------------------ validation
+def _check_qkv(q, k, v, softmax_scale) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, t, DTYPES, ndim=4, contiguous=False)  # non-contiguous: copied on CUDA
+    check_same(("q", "k"), q, k)
+    check_same(("q", "v"), q, v)
+    if k.shape != v.shape:
+        raise ValueError(f"v: shape {tuple(v.shape)} differs from k's {tuple(k.shape)}; k and v must match (B, Sk, HK, D)")
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"k: batch {k.shape[0]} differs from q's {q.shape[0]} (layout is (batch, seqlen, nheads, headdim))")
+    if q.shape[3] != k.shape[3]:
+        raise ValueError(f"k: head dim {k.shape[3]} differs from q's {q.shape[3]}")
+    if q.shape[3] not in HEADDIMS:
+        raise ValueError(f"q: head dim {q.shape[3]} is not supported; supported: {', '.join(map(str, HEADDIMS))}")
+    if k.shape[2] == 0 or q.shape[2] % k.shape[2] != 0:
+        raise ValueError(
+            f"q: nheads {q.shape[2]} is not a multiple of k's nheads_kv {k.shape[2]} (GQA needs nheads % nheads_kv == 0)"
+        )
+    if softmax_scale is not None and not (math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise ValueError(f"softmax_scale: must be a finite positive float or None, got {softmax_scale}")
+
+
+def _scale(q: torch.Tensor, softmax_scale: Optional[float]) -> float:
+    return 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+
+
+# ----------------------------------------------------------------------------- kernel resolution
+# (kernel name, dtype, device index, static) -> compiled kernel. Resolved once per key, so a call
+# is a dict lookup and a launch. Forward and backward-main configs: tuned cache ▸ default table,
+# one per (headdim, causal, GQA ratio) since one kernel serves every length.
+_kernels: dict[tuple, object] = {}
+
+
+def _tune_shape(static: dict) -> tuple:
+    # (B, S, H, HK, D, causal) at which `tileops tune` / TILEOPS_AUTOTUNE time a static key
+    return (4, 4096, 8 * static["groups"], 8, static["headdim"], int(static["causal"]))
+
+
+def _compile(name: str, config, dtype: torch.dtype, device: torch.device, **static):
+    from ..kernels import attention as K
+
+    kdef = {"fwd": K.flash_fwd_kernel, "bwd": K.flash_bwd_kernel, "prep": K.flash_bwd_prep_kernel, "cast": K.cast_f32_kernel}[name]
+    return kdef.compile(config, runtime.arch_for_device(device), dtype=_TL_DTYPE[dtype], **static)
+
+
+def _kernel(name: str, dtype: torch.dtype, device: torch.device, **static):
+    key = (name, dtype, device.index, tuple(sorted(static.items())))
+    k = _kernels.get(key)
+    if k is None:
+        from ..kernels import attention as K
+
+        if name in ("fwd", "bwd"):
+            config = tuning.resolve_config(TUNABLES[name], _tune_shape(static), dtype, device)
+        else:
+            config = K.PrepConfig() if name == "prep" else K.CastConfig()
+        k = _kernels[key] = _compile(name, config, dtype, device, **static)
+    return k
+
+
+def _tune_key(shape, dtype, device):
+    B, S, H, HK, D, causal = shape
+    return {"headdim": D, "causal": bool(causal), "groups": H // HK}, "any"
+
+
+def _tune_default(kind):
+    def default(shape, dtype):
+        from ..kernels import attention as K
+
+        arch = runtime.arch_for_device(torch.cuda.current_device()) if torch.cuda.is_available() else "sm_90a"
+        return K.default_config(shape[4], bool(shape[5]), arch, kind)
+
+    return default
+
+
+def _tune_space(kind):
+    def space(shape, dtype):
+        from ..kernels import attention as K
+
+        return K.SEARCH_SPACE[kind]
+
+    return space
+
+
+def _tune_inputs(shape, dtype, device):
+    B, S, H, HK, D, causal = shape
+    q = torch.randn(B, S, H, D, dtype=dtype, device=device)
+    k, v = (torch.randn(B, S, HK, D, dtype=dtype, device=device) for _ in range(2))
+    return q, k, v, dict(headdim=D, causal=bool(causal), groups=H // HK, scale=1.0 / math.sqrt(D))
+
+
+def _fwd_runner(config, shape, dtype, device):
+    q, k, v, static = _tune_inputs(shape, dtype, device)
+    kern = _compile("fwd", config, dtype, device, **static)
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32, device=device)
+    return lambda: kern(q, k, v, out, lse)
+
+
+def _bwd_runner(config, shape, dtype, device):
+    q, k, v, static = _tune_inputs(shape, dtype, device)
+    kern = _compile("bwd", config, dtype, device, **static)
+    out, lse = torch.ops.tileops.flash_attn_with_lse(q, k, v, static["causal"])
+    dout = torch.randn_like(out)
+    B, S, H, D = q.shape
+    delta = torch.empty(B, H, (S + 3) // 4 * 4, dtype=torch.float32, device=device)
+    lse2 = torch.empty_like(delta)
+    _kernel("prep", dtype, device, headdim=D)(out, dout, lse, delta, lse2)
+    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=device)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    return lambda: kern(q, k, v, dout, lse2, delta, dq_acc, dk, dv)
+
+
+_PRESETS = {"default": [(8, 4096, 32, 32, 128, c) for c in (0, 1)] + [(16, 2048, 32, 32, 64, c) for c in (0, 1)]}
+TUNABLES = {
+    "fwd": tuning.Tunable("flash_attn", _PRESETS, DTYPES[1:], _tune_key, _tune_space("fwd"), _tune_default("fwd"), _fwd_runner),
+    "bwd": tuning.Tunable("flash_attn_backward", _PRESETS, DTYPES[1:], _tune_key, _tune_space("bwd"), _tune_default("bwd"), _bwd_runner),
+}
+
+
+def _ready(t: torch.Tensor) -> torch.Tensor:
+    # TileLang's kernels take compact tensors, and TMA needs 16-byte aligned base addresses.
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+# ------------------------------------------------------------------------------------- forward
+@custom_op("flash_attn_with_lse")
+def flash_attn_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False, softmax_scale: Optional[float] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_qkv(q, k, v, softmax_scale)
+    out, lse = reference.flash_attn(q, k, v, causal, _scale(q, softmax_scale))
+    return out.to(q.dtype).contiguous(), lse.float().contiguous()
+
+
+@flash_attn_with_lse.register_kernel("cuda")
+def _(q, k, v, causal=False, softmax_scale=None):
+    _check_qkv(q, k, v, softmax_scale)
+    B, Sq, H, D = q.shape
+    Sk, HK = k.shape[1], k.shape[2]
+    out = torch.empty((B, Sq, H, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse
+    if Sk == 0:  # nothing to attend to
+        return out.zero_(), lse.fill_(float("-inf"))
+    kern = _kernel("fwd", q.dtype, q.device, headdim=D, causal=causal, groups=H // HK, scale=_scale(q, softmax_scale))
+    kern(_ready(q), _ready(k), _ready(v), out, lse)
+    return out, lse
+
+
+@flash_attn_with_lse.register_fake
+def _(q, k, v, causal=False, softmax_scale=None):
+    _check_qkv(q, k, v, softmax_scale)
+    B, Sq, H, D = q.shape
+    return q.new_empty((B, Sq, H, D)), q.new_empty((B, H, Sq), dtype=torch.float32)
+
+
+# ------------------------------------------------------------------------------------ backward
+def _check_bwd(dout, q, k, v, out, lse, softmax_scale, dlse) -> None:
+    _check_qkv(q, k, v, softmax_scale)
+    check_tensor("dout", dout, DTYPES, ndim=4, contiguous=False)
+    check_tensor("out", out, DTYPES, ndim=4, contiguous=False)
+    check_same(("q", "dout"), q, dout, shape=True)
+    check_same(("q", "out"), q, out, shape=True)
+    B, Sq, H, _ = q.shape
+    for name, t in (("lse", lse), ("dlse", dlse)):
+        if t is None:
+            continue
+        check_tensor(name, t, (torch.float32,), ndim=3, contiguous=False)
+        check_same(("q", name), q, t, dtype=False)
+        if tuple(t.shape) != (B, H, Sq):
+            raise ValueError(f"{name}: shape {tuple(t.shape)} != (batch, nheads, seqlen_q) = {(B, H, Sq)}")
+
+
+@custom_op("flash_attn_backward")
+def flash_attn_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    dlse: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of flash_attn_with_lse: (dq, dk, dv) from dout (and dlse, the gradient of lse)."""
+    _check_bwd(dout, q, k, v, out, lse, softmax_scale, dlse)
+    grads = reference.flash_attn_backward(dout, q, k, v, out, lse, causal, _scale(q, softmax_scale), dlse)
+    return tuple(g.contiguous() for g in grads)
+
+
+@flash_attn_backward.register_kernel("cuda")
+def _(dout, q, k, v, out, lse, causal=False, softmax_scale=None, dlse=None):
+    _check_bwd(dout, q, k, v, out, lse, softmax_scale, dlse)
+    B, Sq, H, D = q.shape
+    Sk, HK = k.shape[1], k.shape[2]
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)  # every row written by the kernel
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if q.numel() == 0 or Sk == 0:
+        return torch.zeros(q.shape, dtype=q.dtype, device=q.device), dk.zero_(), dv.zero_()
+    dev, scale = q.device, _scale(q, softmax_scale)
+    dout = _ready(dout)
+    sqp = (Sq + 3) // 4 * 4  # lse2/delta rows padded: TMA needs 16-byte global strides
+    delta = torch.empty((B, H, sqp), dtype=torch.float32, device=dev)
+    lse2 = torch.empty((B, H, sqp), dtype=torch.float32, device=dev)
+    _kernel("prep", q.dtype, dev, headdim=D)(_ready(out), dout, _ready(lse), delta, lse2)
+    if dlse is not None:  # d lse_i / d s_ij = P_ij, so dlse folds into Delta: dS = P (dP - (Delta - dlse))
+        delta[:, :, :Sq].sub_(dlse)
+    dq_acc = torch.zeros((B, Sq, H, D), dtype=torch.float32, device=dev)  # fp32 atomics target
+    kern = _kernel("bwd", q.dtype, dev, headdim=D, causal=causal, groups=H // HK, scale=scale)
+    kern(_ready(q), _ready(k), _ready(v), dout, lse2, delta, dq_acc, dk, dv)
+    dq = torch.empty((B, Sq, H, D), dtype=q.dtype, device=dev)
+    _kernel("cast", q.dtype, dev)(dq_acc.view(-1), dq.view(-1))
+    return dq, dk, dv
+
+
+@flash_attn_backward.register_fake
+def _(dout, q, k, v, out, lse, causal=False, softmax_scale=None, dlse=None):
+    _check_bwd(dout, q, k, v, out, lse, softmax_scale, dlse)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+# ------------------------------------------------------------------------------------ autograd
+def _setup(ctx, inputs, output):
+    q, k, v, causal, softmax_scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.causal, ctx.softmax_scale = causal, softmax_scale
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    if dout is None:  # only lse was used
+        dout = torch.zeros_like(out)
+    dq, dk, dv = torch.ops.tileops.flash_attn_backward(dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale, dlse)
+    return dq, dk, dv, None, None
+
+
+flash_attn_with_lse.register_autograd(_backward, setup_context=_setup)
+
+
+# ----------------------------------------------------------------------------- out-only op
+# A composite op: it decomposes into flash_attn_with_lse, whose autograd saves the lse the
+# backward needs; under torch.compile it traces straight through to that op.
+_FLASH_ATTN = "flash_attn"
+if _is_registered(_FLASH_ATTN):
+    raise RuntimeError(
+        f"torch.ops.{NAMESPACE}.{_FLASH_ATTN} is already registered by another library or an earlier import; "
+        f"tilelang_ops refuses to shadow it."
+    )
+_LIB.define(f"{_FLASH_ATTN}(Tensor q, Tensor k, Tensor v, bool causal=False, float? softmax_scale=None) -> Tensor")
+
+
+def _flash_attn(q, k, v, causal=False, softmax_scale=None):
+    return torch.ops.tileops.flash_attn_with_lse(q, k, v, causal, softmax_scale)[0]
+
+
+_LIB.impl(_FLASH_ATTN, _flash_attn, "CompositeImplicitAutograd")
