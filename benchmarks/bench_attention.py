@@ -26,7 +26,7 @@ CASES = [
     (8, 32, 8, 4096, 128),  # GQA: 32 query heads, 8 kv heads
 ]
 QUICK = [(8, 32, 32, 4096, 128), (8, 32, 8, 4096, 128)]
-FLEX_BUDGET_S = 150  # stop starting FlexAttention compiles past this wall time (the run must stay < 4 min)
+FLEX_BUDGET_S = 100  # start no FlexAttention compile past this wall time (the run must stay < 4 min)
 
 
 def _flops(B, H, S, D, causal):
@@ -68,8 +68,13 @@ def _impls(B, H, HK, S, D, causal, flex: bool):
         "sdpa_flash": (bhsd, sdpa(SDPBackend.FLASH_ATTENTION)),
     }
     if flex:
+        import torch._dynamo
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+        # one compile per case and grad mode: past the default limit (8) dynamo silently runs eager
+        for name in ("recompile_limit", "cache_size_limit"):
+            if hasattr(torch._dynamo.config, name):
+                setattr(torch._dynamo.config, name, 64)
         compiled = torch.compile(flex_attention)
         mask = None
         if causal:

@@ -7,6 +7,11 @@ Fills TileLang's disk cache for sm_90a (the H200) with the exact kernels the op 
 turns each first call into a cache load instead of a ~5 s nvcc compile. `--quick` covers only the
 benchmark's kernels; `--tune` the search spaces `tileops tune --op flash_attn --op
 flash_attn_backward` times (bf16, head dims 64 and 128, causal and not, MHA).
+
+`--manifest FILE` lists the cache entries used (relative to the cache root; each entry's
+executable.so embeds the cubin). They compress ~50x with xz (near-identical host wrappers):
+    tar -C "$TILELANG_CACHE_DIR" -cJf attn-cache.txz -T FILE     # here
+    tar -C "$TILELANG_CACHE_DIR" -xJf attn-cache.txz             # on the GPU host
 """
 from __future__ import annotations
 
@@ -91,9 +96,12 @@ def main(argv=None) -> int:
             print(f"[{i}/{len(jobs)}] {job} {dt}", flush=True)
             if path:
                 dirs.append(path)
-    if args.manifest:
+    if args.manifest:  # paths relative to the cache root: tar -C "$TILELANG_CACHE_DIR" -cJf x.txz -T MANIFEST
+        import os
+
+        root = os.environ.get("TILELANG_CACHE_DIR") or os.path.expanduser("~/.tilelang/cache")
         with open(args.manifest, "w") as f:
-            f.write("".join(d + "\n" for d in sorted(set(dirs))))
+            f.write("".join(os.path.relpath(d, root) + "\n" for d in sorted(set(dirs))))
         print(f"wrote {len(set(dirs))} cache directories to {args.manifest}")
     print(f"warmed {len(jobs)} kernels for {ARCH} in {time.time() - t0:.0f}s")
     return 0
