@@ -5,7 +5,8 @@ host loads cubins instead of compiling.
     export TILELANG_CACHE_DIR=$PWD/.tl-cache
     python -m benchmarks.warm_gemm_cache [--no-tune] [--only tests|check|bench|tune] [--arch sm_90a]
 
-Configs come from the op layer's own `config_for`, so the cache keys match what the ops request.
+Configs come from the op layer's own `config_for` (every symbolic-M bucket's, deduplicated), so the
+cache keys match what the ops request. benchmarks/sweep_gemm.py has its own `--warm`.
 TEST_* lists the static dims tests/test_gemm.py requests on a GPU (recorded by running the tests
 with the kernel launch replaced by a shape-checking CPU emulation); update it when the test shapes
 change — a missing entry only costs a ~2 s compile on the GPU host, it does not fail.
@@ -170,8 +171,9 @@ def main(argv=None) -> int:
         mm, acts = mm + b_mm, acts + b_act
     for t in dict.fromkeys(mm):
         s = _static(t)
-        cfg = G.config_for(s["layout"], s["n"], s["k"], getattr(torch, s["dtype"]), args.arch, s["rows"])
-        jobs.append((K.matmul_kernel, cfg, s))
+        # one kernel per distinct config over the three symbolic-M buckets (usually just one)
+        for cfg in dict.fromkeys(G.config_for(s["layout"], s["n"], s["k"], getattr(torch, s["dtype"]), args.arch, s["rows"], m=m) for m in K.M_BUCKET_REP):
+            jobs.append((K.matmul_kernel, cfg, s))
     for n, dt, act in dict.fromkeys(acts):
         jobs.append((K.act_grad_kernel, K.default_act_grad_config(args.arch, n), dict(n=n, dtype=dt, activation=act)))
     if "tune" in want:

@@ -63,18 +63,35 @@ def _ref(q, k, v, causal, scale=None, dout=None, dlse=None):
     return out, lse, torch.autograd.grad(outs, (q64, k64, v64), grads)
 
 
-def _check(out, lse, ref_out, ref_lse, dtype, grads=None, ref_grads=None):
-    tol = ATTENTION_REL_ERR[dtype]
+def _baseline_errors(q, k, v, causal, scale, dout, ref_out, ref_lse, ref_grads):
+    """Errors any bf16/fp16 attention has, per (out, dq, dk, dv): the larger of PyTorch's own error
+    when it computes in q's dtype, and the error of exact FlashAttention math fed the output
+    rounded to q's dtype (Delta = rowsum(dO * O) then cancels against dP = dO . v)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    ql, kl, vl = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out, _ = reference.flash_attn(ql, kl, vl, causal, scale, q.dtype)
+    torch_errs = [rel_err(a, b) for a, b in zip((out, *torch.autograd.grad(out, (ql, kl, vl), dout)), (ref_out, *ref_grads))]
+    o_lp = ref_out.to(q.dtype)
+    fa = reference.flash_attn_backward(dout, q.detach(), k.detach(), v.detach(), o_lp, ref_lse.float(), causal, scale)
+    fa_errs = [rel_err(a, b) for a, b in zip((o_lp, *fa), (ref_out, *ref_grads))]
+    return [max(a, b) for a, b in zip(torch_errs, fa_errs)]
+
+
+def _check(out, lse, ref_out, ref_lse, dtype, grads=None, ref_grads=None, base_errs=None):
+    """Relative error within the dtype's table value, or within 2x the baseline error at the same
+    precision where that is larger (flash-attention's rule; it matters for tiny, cancellation-
+    dominated gradients such as dq of a row that sees two keys)."""
+    tols = [max(ATTENTION_REL_ERR[dtype], 2 * e) for e in (base_errs or [0.0] * 4)]
     assert out.dtype == dtype and lse.dtype == torch.float32
-    assert rel_err(out, ref_out) <= tol, f"out rel err {rel_err(out, ref_out):.2e} > {tol}"
+    assert rel_err(out, ref_out) <= tols[0], f"out rel err {rel_err(out, ref_out):.2e} > {tols[0]:.2e}"
     empty = torch.isinf(ref_lse)  # rows that see no key
     assert torch.equal(torch.isneginf(lse), empty), "lse must be -inf exactly on rows that see no key"
     assert (out.transpose(1, 2)[empty] == 0).all(), "rows that see no key must output 0"
     torch.testing.assert_close(lse[~empty].double(), ref_lse[~empty], atol=2e-3, rtol=1e-3)
-    for name, g, r in zip(("dq", "dk", "dv"), grads or (), ref_grads or ()):
+    for name, g, r, tol in zip(("dq", "dk", "dv"), grads or (), ref_grads or (), tols[1:]):
         assert g.dtype == dtype and torch.isfinite(g).all(), f"{name}: non-finite"
         if r.abs().max() > 1e-6:
-            assert rel_err(g, r) <= tol, f"{name} rel err {rel_err(g, r):.2e} > {tol}"
+            assert rel_err(g, r) <= tol, f"{name} rel err {rel_err(g, r):.2e} > {tol:.2e}"
         else:  # e.g. dq with one key: exactly 0 in theory, rounding noise of O in practice
             assert g.abs().max() <= 1e-4, f"{name}: expected ~0, got max {g.abs().max().item():.2e}"
 
@@ -85,7 +102,8 @@ def _run_and_check(shape, dtype, device, causal, scale=None):
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     ref_out, ref_lse, ref_grads = _ref(q, k, v, causal, scale, dout)
-    _check(out, lse, ref_out, ref_lse, dtype, grads, ref_grads)
+    base = _baseline_errors(q, k, v, causal, scale, dout, ref_out, ref_lse, ref_grads)
+    _check(out, lse, ref_out, ref_lse, dtype, grads, ref_grads, base)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -184,7 +202,8 @@ def test_flash_attn_cuda_poisoned_outputs(shape, causal):
     missed = [n for n, t in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads)) if not poisoned(t)]
     if missed:  # the allocator placed them elsewhere: the test still checks values, just less strictly
         warnings.warn(f"poison did not reach {missed}; allocator layout differs from the test's assumption")
-    _check(out, lse, ref_out, ref_lse, dtype, grads, ref_grads)
+    base = _baseline_errors(q, k, v, causal, None, dout, ref_out, ref_lse, ref_grads)
+    _check(out, lse, ref_out, ref_lse, dtype, grads, ref_grads, base)
 
 
 @pytest.mark.gpu

@@ -43,20 +43,47 @@ class GemmConfig:
     policy: str = "Square"  # T.GemmWarpPolicy member: Square | FullRow | FullCol
 
 
-# Defaults per (arch, shape class). The shape class only looks at static dims (N, and the
-# output rows for "tn"), never at the symbolic token count, so a layer keeps one kernel.
+# Defaults per (arch, shape class). The static dims (N, K; output rows for "tn") are baked into
+# a kernel; the symbolic token count M only selects one of three buckets (`m_bucket`), each with
+# its own lazily compiled kernel, so a layer still compiles at most three kernels.
 _HOPPER_LARGE = GemmConfig(128, 256, 64, 3, 256, 8, "Square")  # 760 TFLOP/s at 8192³ (cuBLAS 783)
 _HOPPER_NARROW = GemmConfig(128, 128, 64, 4, 256, 8, "Square")  # N ≤ 128: a 256-wide tile would be half empty
 _AMPERE = GemmConfig(128, 128, 32, 3, 256, 8, "Square")  # no wgmma/TMA: mma.sync + cp.async, 164 KB smem
 _AMPERE_TN = GemmConfig(128, 128, 32, 2, 256, 8, "Square")  # 3 cp.async stages over a symbolic trip count fail to lower
 
+# Symbolic-M buckets: bucket b serves M <= M_BUCKET_BOUNDS[b] (the last one: everything larger).
+# For "nn"/"nt" M is the row count (times the batch); for "tn" it is the token (reduction) count.
+M_BUCKET_BOUNDS = (1536, 6144)
+M_BUCKET_NAMES = ("m<=1536", "m<=6144", "m>6144")
+M_BUCKET_REP = (1024, 4096, 16384)  # representative M per bucket: wave counts, tuning shapes
 
-def default_config(arch: str, n: int, layout: str = "nn") -> GemmConfig:
-    """Schedule for an output with `n` (static) columns in the given operand layout."""
+
+def m_bucket(m: int) -> int:
+    return 0 if m <= 1536 else (1 if m <= 6144 else 2)
+
+
+# Measured winners that override the rule below, looked up most specific first:
+# ("sm_9", layout, bucket, n, k), then ("sm_9", layout, bucket, None, k) (any n), then
+# ("sm_9", layout, bucket, None, None) (whole bucket). k is the output rows for "tn".
+# Fill from `python -m benchmarks.sweep_gemm` (its "OVERRIDE" lines paste here).
+DEFAULT_OVERRIDES: dict[tuple, GemmConfig] = {}
+
+
+def default_config(arch: str, n: int, layout: str = "nn", k: int = 0, bucket: int = 2) -> GemmConfig:
+    """Schedule for an output with `n` (static) columns, reduction `k` ("nn"/"nt"; output rows
+    for "tn") and symbolic-M bucket `bucket` (see `m_bucket`)."""
     if not arch.startswith("sm_9"):
         return _AMPERE_TN if layout == "tn" else _AMPERE
+    if DEFAULT_OVERRIDES:
+        for key in (("sm_9", layout, bucket, n, k), ("sm_9", layout, bucket, None, k), ("sm_9", layout, bucket, None, None)):
+            hit = DEFAULT_OVERRIDES.get(key)
+            if hit is not None:
+                return hit
     if n <= 128:
         return _HOPPER_NARROW
+    # No rule by wave count: 128×128 tiles just double the CTAs per wave (one CTA per SM either
+    # way, smem and setmaxnreg-bound), so at M=1024, N=4096 the 128 CTAs of 128×256 are already
+    # ~one full wave. Measured per-bucket winners go into DEFAULT_OVERRIDES.
     return _HOPPER_LARGE
 
 
@@ -84,8 +111,11 @@ def _act(x, activation: str):
     if activation == "gelu":
         return T.float32(0.5) * x * (T.float32(1) + T.erf(x * T.float32(1 / math.sqrt(2))))
     if activation == "gelu_tanh":
-        inner = T.float32(math.sqrt(2 / math.pi)) * (x + T.float32(0.044715) * x * x * x)
-        return T.float32(0.5) * x * (T.float32(1) + T.tanh(inner))
+        # 0.5·x·(1 + tanh(u)) = x·sigmoid(2u) = x / (1 + e^(-2u)): ex2.approx + rcp.approx (4
+        # instructions) instead of tanhf's ~20; ~1e-6 relative error, far below bf16/fp16 rounding.
+        # Saturates cleanly: e^(-2u) → inf gives x·0, e^(-2u) → 0 gives x.
+        u2 = x * (T.float32(2 * math.sqrt(2 / math.pi)) + T.float32(2 * math.sqrt(2 / math.pi) * 0.044715) * x * x)
+        return x * T.fast_rcp(T.float32(1) + T.__exp(-u2))
     if activation == "silu":
         return x / (T.float32(1) + T.exp(-x))
     raise ValueError(f"unknown activation {activation!r}")

@@ -56,6 +56,10 @@ class SoftmaxConfig:
     block_m: int = 1  # rows: rows per CTA; threads // block_m lanes share a row
     threads: int = 256
     chunk: int = 0  # loop / split: row elements per chunk, a multiple of threads * vec
+    # __launch_bounds__ min blocks per SM (0: unset). Caps registers at 64K / (threads * this) so
+    # that many CTAs stay resident: ptxas otherwise spends registers freely (a 1024-thread `rows`
+    # CTA at 48 registers leaves 1 CTA per SM).
+    min_blocks: int = 0
 
 
 # Registers per thread: 32 fp32 row values (64 bytes of bf16 loads in flight per thread) keeps
@@ -115,10 +119,11 @@ def default_config(
 def fits(cfg: SoftmaxConfig, n: int, dtype: str, kind: str = "softmax", backward: bool = False) -> bool:
     """Whether `cfg` is a sensible candidate for rows of length n (registers, not spills)."""
     vec = vec_width(n, dtype)
-    if cfg.schedule == "rows":
+    if cfg.schedule in ("rows", "rowsh"):
         k, lanes, _ = _row_tile(cfg, n, dtype)
         idle = lanes * vec >= 2 * n  # more than half of a row's lanes would hold only padding
-        return cfg.block_m <= cfg.threads and not idle and k * vec * _arrays(kind, backward) <= 2 * _PER_THREAD
+        held = k * vec * _arrays(kind, backward) * (_ESIZE[dtype] if cfg.schedule == "rowsh" else 4) // 4  # 32-bit registers
+        return cfg.block_m <= cfg.threads and not idle and held <= 2 * _PER_THREAD
     return cfg.chunk % (cfg.threads * vec) == 0 and cfg.chunk < 2 * n
 
 
@@ -127,6 +132,8 @@ def schedule_kernels(cfg: SoftmaxConfig, n: int, dtype: str, kind: str, backward
     st = {"n": n, "dtype": dtype, "kind": kind}
     if cfg.schedule == "rows":
         return [(rows_bwd if backward else rows_fwd, cfg, st)]
+    if cfg.schedule == "rowsh":
+        return [(rowsh_bwd if backward else rowsh_fwd, cfg, st)]
     if cfg.schedule == "loop":
         return [(loop_bwd if backward else loop_fwd, cfg, st)]
     return [(split_stats, cfg, {**st, "backward": backward}), (split_apply, cfg, {**st, "backward": backward})]
@@ -164,6 +171,8 @@ def rows_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str):
     @T.prim_func
     def fwd(X: T.Tensor((M, n), dtype), Y: T.Tensor((M, n), dtype)):
         with T.Kernel(T.ceildiv(M, bm), threads=threads) as bx:
+            if config.min_blocks:
+                T.annotate_min_blocks_per_sm(config.min_blocks)
             x = T.alloc_fragment((k, bm, w), _ACC)
             part = T.alloc_fragment((bm, w), _ACC)
             mx = T.alloc_fragment((bm,), _ACC)
@@ -210,6 +219,8 @@ def rows_bwd(config: SoftmaxConfig, n: int, dtype: str, kind: str):
     @T.prim_func
     def bwd(DY: T.Tensor((M, n), dtype), Yt: T.Tensor((M, n), dtype), DX: T.Tensor((M, n), dtype)):
         with T.Kernel(T.ceildiv(M, bm), threads=threads) as bx:
+            if config.min_blocks:
+                T.annotate_min_blocks_per_sm(config.min_blocks)
             dy = T.alloc_fragment((k, bm, w), _ACC)
             y = T.alloc_fragment((k, bm, w), _ACC)
             part = T.alloc_fragment((bm, w), _ACC)
@@ -242,6 +253,98 @@ def rows_bwd(config: SoftmaxConfig, n: int, dtype: str, kind: str):
 
 
 # ---------------------------------------------------------------------------------------------
+# rowsh: `rows` with the row held in the input dtype (bf16/fp16: half the registers), so more
+# threads stay resident per SM (one wave where `rows` needs 1.5); fp32 sums, exp computed twice.
+# ---------------------------------------------------------------------------------------------
+@kernel("softmax", "softmax_rowsh_fwd", out_idx=[1])
+def rowsh_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str):
+    M = T.dynamic("M")
+    bm, threads = config.block_m, config.threads
+    k, _, w = _row_tile(config, n, dtype)
+    log = kind == "log_softmax"
+
+    @T.prim_func
+    def fwd(X: T.Tensor((M, n), dtype), Y: T.Tensor((M, n), dtype)):
+        with T.Kernel(T.ceildiv(M, bm), threads=threads) as bx:
+            if config.min_blocks:
+                T.annotate_min_blocks_per_sm(config.min_blocks)
+            x = T.alloc_fragment((k, bm, w), dtype)
+            part = T.alloc_fragment((bm, w), _ACC)
+            mx = T.alloc_fragment((bm,), _ACC)
+            s = T.alloc_fragment((bm,), _ACC)
+            for kk, i, j in T.Parallel(k, bm, w):  # reads bm*n
+                x[kk, i, j] = T.if_then_else(
+                    (bx * bm + i < M) and (kk * w + j < n), X[bx * bm + i, kk * w + j], T.Cast(dtype, -T.infinity(_ACC))
+                )
+            for i, j in T.Parallel(bm, w):
+                part[i, j] = -T.infinity(_ACC)
+                for kk in T.serial(k):
+                    part[i, j] = T.max(part[i, j], T.Cast(_ACC, x[kk, i, j]))
+            T.reduce_max(part, mx, dim=1)
+            for i, j in T.Parallel(bm, w):
+                part[i, j] = 0.0
+                for kk in T.serial(k):
+                    part[i, j] = part[i, j] + T.exp2((T.Cast(_ACC, x[kk, i, j]) - mx[i]) * LOG2E)
+            T.reduce_sum(part, s, dim=1)
+            for i in T.Parallel(bm):
+                s[i] = mx[i] + T.log2(s[i]) * LN2 if log else 1.0 / s[i]
+            for kk, i, j in T.Parallel(k, bm, w):  # writes bm*n
+                if (bx * bm + i < M) and (kk * w + j < n):
+                    if log:
+                        Y[bx * bm + i, kk * w + j] = T.Cast(dtype, T.Cast(_ACC, x[kk, i, j]) - s[i])
+                    else:
+                        Y[bx * bm + i, kk * w + j] = T.Cast(dtype, T.exp2((T.Cast(_ACC, x[kk, i, j]) - mx[i]) * LOG2E) * s[i])
+
+    return fwd
+
+
+@kernel("softmax", "softmax_rowsh_bwd", out_idx=[2])
+def rowsh_bwd(config: SoftmaxConfig, n: int, dtype: str, kind: str):
+    M = T.dynamic("M")
+    bm, threads = config.block_m, config.threads
+    k, _, w = _row_tile(config, n, dtype)
+    log = kind == "log_softmax"
+
+    @T.prim_func
+    def bwd(DY: T.Tensor((M, n), dtype), Yt: T.Tensor((M, n), dtype), DX: T.Tensor((M, n), dtype)):
+        with T.Kernel(T.ceildiv(M, bm), threads=threads) as bx:
+            if config.min_blocks:
+                T.annotate_min_blocks_per_sm(config.min_blocks)
+            dy = T.alloc_fragment((k, bm, w), dtype)
+            y = T.alloc_fragment((k, bm, w), dtype)
+            part = T.alloc_fragment((bm, w), _ACC)
+            dot = T.alloc_fragment((bm,), _ACC)
+            for kk, i, j in T.Parallel(k, bm, w):  # reads 2*bm*n
+                dy[kk, i, j] = T.if_then_else(
+                    (bx * bm + i < M) and (kk * w + j < n), DY[bx * bm + i, kk * w + j], T.Cast(dtype, 0.0)
+                )
+            for kk, i, j in T.Parallel(k, bm, w):
+                y[kk, i, j] = T.if_then_else(
+                    (bx * bm + i < M) and (kk * w + j < n), Yt[bx * bm + i, kk * w + j], T.Cast(dtype, 0.0)
+                )
+            for i, j in T.Parallel(bm, w):
+                part[i, j] = 0.0
+                for kk in T.serial(k):
+                    if log:
+                        part[i, j] = part[i, j] + T.Cast(_ACC, dy[kk, i, j])
+                    else:
+                        part[i, j] = part[i, j] + T.Cast(_ACC, dy[kk, i, j]) * T.Cast(_ACC, y[kk, i, j])
+            T.reduce_sum(part, dot, dim=1)
+            for kk, i, j in T.Parallel(k, bm, w):  # writes bm*n
+                if (bx * bm + i < M) and (kk * w + j < n):
+                    if log:
+                        DX[bx * bm + i, kk * w + j] = T.Cast(
+                            dtype, T.Cast(_ACC, dy[kk, i, j]) - T.exp2(T.Cast(_ACC, y[kk, i, j]) * LOG2E) * dot[i]
+                        )
+                    else:
+                        DX[bx * bm + i, kk * w + j] = T.Cast(
+                            dtype, T.Cast(_ACC, y[kk, i, j]) * (T.Cast(_ACC, dy[kk, i, j]) - dot[i])
+                        )
+
+    return bwd
+
+
+# ---------------------------------------------------------------------------------------------
 # split: long rows, one CTA per (row, chunk); stats then apply
 # ---------------------------------------------------------------------------------------------
 @kernel("softmax", "softmax_split_stats")
@@ -252,6 +355,8 @@ def split_stats(config: SoftmaxConfig, n: int, dtype: str, kind: str, backward: 
     c, threads = config.chunk, config.threads
     nc = _split_chunks(n, c)
     log = kind == "log_softmax"
+    w = threads * vec_width(n, dtype)
+    kc = c // w
 
     @T.prim_func
     def stats(
@@ -261,29 +366,49 @@ def split_stats(config: SoftmaxConfig, n: int, dtype: str, kind: str, backward: 
         P1: T.Tensor((M, nc), _ACC),
     ):
         with T.Kernel(M, nc, threads=threads) as (row, ch):
+            if config.min_blocks:
+                T.annotate_min_blocks_per_sm(config.min_blocks)
             base = ch * c
-            a = T.alloc_fragment((c,), _ACC)
+            # (kc, w): w = threads * vec lanes' worth, so dim 1 is spread over the CTA and each
+            # thread folds its kc vectors serially (no fp32 copy of the chunk in registers).
+            a = T.alloc_fragment((kc, w), dtype)
+            part = T.alloc_fragment((w,), _ACC)
             r0 = T.alloc_fragment((1,), _ACC)
             if backward:
-                if log:
-                    for j in T.Parallel(c):  # reads c
-                        a[j] = T.if_then_else(base + j < n, T.Cast(_ACC, A[row, base + j]), 0.0)
-                else:
-                    for j in T.Parallel(c):  # reads 2*c
-                        a[j] = T.if_then_else(
-                            base + j < n, T.Cast(_ACC, A[row, base + j]) * T.Cast(_ACC, B[row, base + j]), 0.0
-                        )
-                T.reduce_sum(a, r0, dim=0)
+                bb = T.alloc_fragment((kc, w), dtype)
+                for kk, j in T.Parallel(kc, w):  # reads c (2c for softmax)
+                    a[kk, j] = T.if_then_else(base + kk * w + j < n, A[row, base + kk * w + j], T.Cast(dtype, 0.0))
+                if not log:
+                    for kk, j in T.Parallel(kc, w):
+                        bb[kk, j] = T.if_then_else(base + kk * w + j < n, B[row, base + kk * w + j], T.Cast(dtype, 0.0))
+                for j in T.Parallel(w):
+                    part[j] = 0.0
+                    for kk in T.serial(kc):
+                        if log:
+                            part[j] = part[j] + T.Cast(_ACC, a[kk, j])
+                        else:
+                            part[j] = part[j] + T.Cast(_ACC, a[kk, j]) * T.Cast(_ACC, bb[kk, j])
+                T.reduce_sum(part, r0, dim=0)
                 P0[row, ch] = r0[0]
             else:
                 r1 = T.alloc_fragment((1,), _ACC)
-                for j in T.Parallel(c):  # reads c
-                    a[j] = T.if_then_else(base + j < n, T.Cast(_ACC, A[row, base + j]), -T.infinity(_ACC))
-                T.reduce_max(a, r0, dim=0)
+                for kk, j in T.Parallel(kc, w):  # reads c
+                    a[kk, j] = T.if_then_else(
+                        base + kk * w + j < n, A[row, base + kk * w + j], T.Cast(dtype, -T.infinity(_ACC))
+                    )
+                for j in T.Parallel(w):
+                    part[j] = -T.infinity(_ACC)
+                    for kk in T.serial(kc):
+                        part[j] = T.max(part[j], T.Cast(_ACC, a[kk, j]))
+                T.reduce_max(part, r0, dim=0)
                 # An all -inf chunk must contribute sum 0, not NaN (-inf - -inf): shift by 0 there.
-                for j in T.Parallel(c):
-                    a[j] = T.exp2((a[j] - T.if_then_else(r0[0] == -T.infinity(_ACC), 0.0, r0[0])) * LOG2E)
-                T.reduce_sum(a, r1, dim=0)
+                for j in T.Parallel(w):
+                    part[j] = 0.0
+                    for kk in T.serial(kc):
+                        part[j] = part[j] + T.exp2(
+                            (T.Cast(_ACC, a[kk, j]) - T.if_then_else(r0[0] == -T.infinity(_ACC), 0.0, r0[0])) * LOG2E
+                        )
+                T.reduce_sum(part, r1, dim=0)
                 P0[row, ch] = r0[0]
                 P1[row, ch] = r1[0]
 
@@ -307,24 +432,29 @@ def split_apply(config: SoftmaxConfig, n: int, dtype: str, kind: str, backward: 
         O: T.Tensor((M, n), dtype),
     ):
         with T.Kernel(M, nc, threads=threads) as (row, rch):
+            if config.min_blocks:
+                T.annotate_min_blocks_per_sm(config.min_blocks)
             # CTAs dispatch chunk-major; start from the chunks `stats` read last, still in L2.
             base = (nc - 1 - rch) * c
             acc0 = T.alloc_var(_ACC)
             acc1 = T.alloc_var(_ACC)
+            a = T.alloc_fragment((c,), dtype)
+            # The chunk's loads go out first, so their latency overlaps the partials' fold.
+            for j in T.Parallel(c):
+                a[j] = T.if_then_else(base + j < n, A[row, base + j], T.Cast(dtype, 0.0))
             if backward:
+                b = T.alloc_fragment((c,), dtype)
+                for j in T.Parallel(c):
+                    b[j] = T.if_then_else(base + j < n, B[row, base + j], T.Cast(dtype, 0.0))
                 acc0 = 0.0
                 for k in T.serial(nc):
                     acc0 = acc0 + P0[row, k]
                 for j in T.Parallel(c):  # reads 2*c, writes c
                     if base + j < n:
                         if log:
-                            O[row, base + j] = T.Cast(
-                                dtype, T.Cast(_ACC, A[row, base + j]) - T.exp2(T.Cast(_ACC, B[row, base + j]) * LOG2E) * acc0
-                            )
+                            O[row, base + j] = T.Cast(dtype, T.Cast(_ACC, a[j]) - T.exp2(T.Cast(_ACC, b[j]) * LOG2E) * acc0)
                         else:
-                            O[row, base + j] = T.Cast(
-                                dtype, T.Cast(_ACC, B[row, base + j]) * (T.Cast(_ACC, A[row, base + j]) - acc0)
-                            )
+                            O[row, base + j] = T.Cast(dtype, T.Cast(_ACC, b[j]) * (T.Cast(_ACC, a[j]) - acc0))
             else:
                 acc0 = -T.infinity(_ACC)
                 for k in T.serial(nc):
@@ -340,11 +470,9 @@ def split_apply(config: SoftmaxConfig, n: int, dtype: str, kind: str, backward: 
                 for j in T.Parallel(c):  # reads c (L2 when it fits), writes c
                     if base + j < n:
                         if log:
-                            O[row, base + j] = T.Cast(dtype, T.Cast(_ACC, A[row, base + j]) - acc1)
+                            O[row, base + j] = T.Cast(dtype, T.Cast(_ACC, a[j]) - acc1)
                         else:
-                            O[row, base + j] = T.Cast(
-                                dtype, T.exp2((T.Cast(_ACC, A[row, base + j]) - acc0) * LOG2E) * acc1
-                            )
+                            O[row, base + j] = T.Cast(dtype, T.exp2((T.Cast(_ACC, a[j]) - acc0) * LOG2E) * acc1)
 
     return apply
 
@@ -364,6 +492,8 @@ def loop_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str):
     @T.prim_func
     def fwd(X: T.Tensor((M, n), dtype), Y: T.Tensor((M, n), dtype)):
         with T.Kernel(M, threads=threads) as row:
+            if config.min_blocks:
+                T.annotate_min_blocks_per_sm(config.min_blocks)
             a = T.alloc_fragment((c,), _ACC)
             cm = T.alloc_fragment((1,), _ACC)
             cs = T.alloc_fragment((1,), _ACC)
@@ -410,6 +540,8 @@ def loop_bwd(config: SoftmaxConfig, n: int, dtype: str, kind: str):
     @T.prim_func
     def bwd(DY: T.Tensor((M, n), dtype), Yt: T.Tensor((M, n), dtype), DX: T.Tensor((M, n), dtype)):
         with T.Kernel(M, threads=threads) as row:
+            if config.min_blocks:
+                T.annotate_min_blocks_per_sm(config.min_blocks)
             a = T.alloc_fragment((c,), _ACC)
             cs = T.alloc_fragment((1,), _ACC)
             dot = T.alloc_var(_ACC)

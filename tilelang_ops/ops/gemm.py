@@ -33,9 +33,13 @@ _ALIGN = 8  # elements: 16 bytes of fp16/bf16, TMA's row-stride granule
 
 # ---------------------------------------------------------------- config
 
-# Config resolution (cold path, once per static key): pinned by `set_config` ▸ tuned-config cache
-# (`tileops tune --op gemm`, tilelang_ops/tuning.py) ▸ the kernel family's default table.
-# Tuning key: (layout, N, K; rows for "tn") after padding; the symbolic M shares one config.
+# Config resolution (cold path, once per static key and M bucket): pinned by `set_config` ▸
+# tuned-config cache (`tileops tune --op gemm`, tilelang_ops/tuning.py) ▸ the kernel family's
+# default table (kernels/gemm.py: default_config, DEFAULT_OVERRIDES).
+# Tuning key: (layout, N, K; rows for "tn") after padding, plus the bucket of the symbolic M
+# (tokens: rows for "nn"/"nt", the reduction for "tn"): M <= 1536, <= 6144, larger. Each bucket
+# resolves its own kernel lazily (at most 3 per static key; equal configs share one compile); a
+# call pays two integer compares to pick it.
 TUNED: dict[tuple, object] = {}
 _last: dict[str, tuple] = {}
 
@@ -44,22 +48,30 @@ def _default_arch() -> str:
     return runtime.arch_for_device(torch.cuda.current_device()) if torch.cuda.is_available() else "sm_90a"
 
 
-def config_for(layout: str, n: int, k: int, dtype: torch.dtype, arch: str | None = None, rows: int = 0):
+def _bucket(m: int) -> int:
+    # Same thresholds as kernels.gemm.m_bucket / M_BUCKET_BOUNDS (inlined: this is the hot path).
+    return 0 if m <= 1536 else (1 if m <= 6144 else 2)
+
+
+def config_for(layout: str, n: int, k: int, dtype: torch.dtype, arch: str | None = None, rows: int = 0, m: int | None = None):
     """The default-table (or `set_config`-pinned) GemmConfig for these static dims.
 
-    n: output columns; k: reduction length ("nn"/"nt"); rows: output rows ("tn"). The config a
+    n: output columns; k: reduction length ("nn"/"nt"); rows: output rows ("tn"); m: the symbolic
+    token count (rows for "nn"/"nt", reduction for "tn"; None = the largest bucket). The config a
     CUDA call actually used, tuned cache included, is `last_config()`.
     """
     from ..kernels import gemm as K
 
     arch = arch or _default_arch()
-    cfg = TUNED.get((arch, layout, rows, n, k, dtype))
-    return cfg if cfg is not None else K.default_config(arch, n, layout)
+    bucket = 2 if m is None else _bucket(m)
+    cfg = TUNED.get((arch, layout, rows, n, k, dtype, bucket)) or TUNED.get((arch, layout, rows, n, k, dtype))
+    return cfg if cfg is not None else K.default_config(arch, n, layout, rows if layout == "tn" else k, bucket)
 
 
-def set_config(layout: str, n: int, k: int, dtype: torch.dtype, config, arch: str = "sm_90a", rows: int = 0) -> None:
-    """Pin `config` for these static dims in this process (and drop resolved kernels so it applies)."""
-    TUNED[(arch, layout, rows, n, k, dtype)] = config
+def set_config(layout: str, n: int, k: int, dtype: torch.dtype, config, arch: str = "sm_90a", rows: int = 0, bucket: int | None = None) -> None:
+    """Pin `config` for these static dims in this process (and drop resolved kernels so it applies):
+    for every M bucket, or only for `bucket` (0: M <= 1536, 1: <= 6144, 2: larger)."""
+    TUNED[(arch, layout, rows, n, k, dtype) + (() if bucket is None else (bucket,))] = config
     _kernels.clear()
 
 
@@ -91,13 +103,22 @@ def _tune_runner(config, shape, dtype, device):
 def _tune_default(shape, dtype):
     from ..kernels import gemm as K
 
-    return K.default_config(_default_arch(), _up(shape[2]), shape[0])
+    layout, m, n, k = shape
+    st = _tune_static(shape)
+    return K.default_config(_default_arch(), st["n"], layout, st["rows"] if layout == "tn" else st["k"], _bucket(k if layout == "tn" else m))
 
 
 def _tune_space(shape, dtype):
     from ..kernels import gemm as K
 
     return K.SEARCH_SPACE
+
+
+def _bucket_name(shape) -> str:
+    from ..kernels import gemm as K
+
+    layout, m, n, k = shape
+    return K.M_BUCKET_NAMES[_bucket(k if layout == "tn" else m)]
 
 
 TUNABLE = tuning.Tunable(
@@ -109,7 +130,7 @@ TUNABLE = tuning.Tunable(
                 ("tn", 14336, 4096, 8192), ("tn", 4096, 14336, 8192)],
     },
     dtypes=(torch.bfloat16, torch.float16),
-    key=lambda shape, dtype, device: (_tune_static(shape), "any"),
+    key=lambda shape, dtype, device: (_tune_static(shape), _bucket_name(shape)),
     search_space=_tune_space,
     default=_tune_default,
     runner=_tune_runner,
@@ -118,20 +139,24 @@ TUNABLE = tuning.Tunable(
 
 # ---------------------------------------------------------------- kernel call
 
-# static key -> (compiled kernel, config). Resolved once; a call is then a dict lookup and a launch.
+# (static key, M bucket) -> (compiled kernel, config). Resolved once per bucket; a call is then
+# two integer compares, a dict lookup and a launch.
 _kernels: dict[tuple, tuple] = {}
 
 
-def _matmul_kernel(device, layout, n, k, dtype, rows=0, batched=False, bias=False, activation="none", save_preact=False):
-    key = (device.index, layout, n, k, dtype, rows, batched, bias, activation, save_preact)
+def _matmul_kernel(device, layout, n, k, dtype, rows=0, batched=False, bias=False, activation="none", save_preact=False, m=16384):
+    """m: the symbolic token count of this call (rows × batch for "nn"/"nt", the reduction for "tn")."""
+    bucket = 0 if m <= 1536 else (1 if m <= 6144 else 2)
+    key = (device.index, layout, n, k, dtype, rows, batched, bias, activation, save_preact, bucket)
     hit = _kernels.get(key)
     if hit is None:
         from ..kernels import gemm as K
 
         arch = runtime.arch_for_device(device)
-        cfg = TUNED.get((arch, layout, rows, n, k, dtype))
-        if cfg is None:  # representative M/K only feed an autotune run (TILEOPS_AUTOTUNE=1); the key ignores them
-            shape = (layout, rows, n, 8192) if layout == "tn" else (layout, 8192, n, k)
+        cfg = TUNED.get((arch, layout, rows, n, k, dtype, bucket)) or TUNED.get((arch, layout, rows, n, k, dtype))
+        if cfg is None:  # the bucket's representative M/K feed the tuned-cache key and an autotune run (TILEOPS_AUTOTUNE=1)
+            rep = K.M_BUCKET_REP[bucket]
+            shape = (layout, rows, n, rep) if layout == "tn" else (layout, rep, n, k)
             cfg = tuning.resolve_config(TUNABLE, shape, dtype, device)
         static = dict(layout=layout, n=n, k=k, rows=rows, dtype=_TL_DTYPE[dtype], batched=batched, bias=bias, activation=activation, save_preact=save_preact)
         hit = _kernels[key] = (K.matmul_kernel.compile(cfg, arch, **static), ("matmul", cfg, static))
@@ -190,7 +215,8 @@ def _launch_matmul(layout, a, b, bias=None, activation="none", save_preact=False
     c = torch.empty(out_shape, dtype=a.dtype, device=a.device)
     z = torch.empty(out_shape, dtype=a.dtype, device=a.device) if save_preact else None
     if c.numel():
-        kern = _matmul_kernel(a.device, layout, n, k, a.dtype, rows, batched, bias is not None, activation, save_preact)
+        tokens = a.shape[-2] if layout == "tn" else a.numel() // a.shape[-1]  # K symbolic for "tn"; batch × M otherwise
+        kern = _matmul_kernel(a.device, layout, n, k, a.dtype, rows, batched, bias is not None, activation, save_preact, tokens)
         args = [a_p, b_p]
         if bias is not None:
             args.append(_prep(bias, {0: n}))

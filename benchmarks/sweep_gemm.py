@@ -1,0 +1,231 @@
+"""Candidate GEMM schedules at the shapes where we trail cuBLAS; picks the per-M-bucket defaults.
+
+    python -m benchmarks.sweep_gemm            # on the H200: < 3 min with the cache warmed here
+    python -m benchmarks.sweep_gemm --warm     # on any machine: pre-compile every kernel (sm_90a)
+
+For each shape it times every candidate config of that shape's kernel (the raw TileLang kernel,
+no op layer) next to cuBLAS, in two ways:
+
+- `gpu`: a CUDA graph of `GRAPH_N` back-to-back launches, replayed and timed with CUDA events
+  (median of `REP` replays / GRAPH_N): GPU time only, no host launch cost. Same for torch.
+- `call` (one row per shape, `config=op default`): `torch.ops.tileops.gemm/linear` timed the way
+  bench_gemm times it (CUDA events around each call), next to torch timed the same way, plus the
+  host µs per call of our op, of the raw kernel and of torch. When `call` is far below `gpu`, the
+  gap is host overhead, not the schedule.
+
+Correctness: relative Frobenius error of every candidate's output vs torch (bf16; rows above
+2e-2 are marked BAD and never chosen).
+
+Output: a table per shape, `BEST` per shape, and `OVERRIDE` lines for
+`tilelang_ops/kernels/gemm.py: DEFAULT_OVERRIDES` (only where a candidate beats the current
+default by more than 2%); JSON to $OUT/sweep_gemm.json (benchmarks/_timing.write_json).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+ARCH = "sm_90a"
+DT = torch.bfloat16
+GRAPH_N = 10
+REP = 10
+
+
+def _cfg(bm, bn, bk, st, th=256, sw=8, pol="Square"):
+    from tilelang_ops.kernels.gemm import GemmConfig
+
+    return GemmConfig(bm, bn, bk, st, th, sw, pol)
+
+
+def candidates():
+    """{group: (static kwargs, [configs], [(what, m)])}: one kernel per (group, config); M is symbolic."""
+    C0 = _cfg(128, 256, 64, 3)  # the current default
+    big = [C0, _cfg(128, 256, 64, 4, pol="FullRow"), _cfg(128, 256, 64, 4), _cfg(256, 128, 64, 3)]
+    small = [_cfg(128, 128, 64, 4), _cfg(128, 128, 64, 3), _cfg(128, 128, 128, 3), _cfg(64, 256, 64, 4, th=128)]
+    gemm = dict(layout="nn", rows=0, dtype="bfloat16", batched=False, bias=False, activation="none", save_preact=False)
+    lin = dict(layout="nt", rows=0, dtype="bfloat16", batched=False, bias=True, activation="gelu_tanh", save_preact=False)
+    nt_plain = dict(lin, bias=False, activation="none")
+    return {
+        "nn_4096_4096": (dict(gemm, n=4096, k=4096), big + small + [_cfg(128, 256, 64, 3, sw=0)], [("gemm", 1024), ("gemm", 4096)]),
+        # K=768: 12 k-steps of 64 (6 of 128): shallow pipelines, wide K tiles
+        "nn_3072_768": (dict(gemm, n=3072, k=768), big[:2] + small + [_cfg(128, 256, 128, 2), _cfg(128, 256, 64, 2), _cfg(128, 128, 64, 2), _cfg(128, 128, 128, 2)],
+                        [("gemm", 1024), ("gemm", 4096), ("gemm", 16384)]),
+        "nn_11008_4096": (dict(gemm, n=11008, k=4096), big + [_cfg(128, 128, 64, 4), _cfg(128, 192, 64, 4)], [("gemm", 1024), ("gemm", 4096)]),
+        "nn_14336_4096": (dict(gemm, n=14336, k=4096), big[:3] + [_cfg(128, 128, 64, 4)], [("gemm", 1024)]),
+        "lin_14336_4096": (dict(lin, n=14336, k=4096), big + [_cfg(128, 128, 64, 4)], [("linear", 8192)]),
+        "lin_4096_4096": (dict(lin, n=4096, k=4096), big + [_cfg(128, 128, 64, 4)], [("linear", 4096)]),
+        # the same GEMM without bias/activation: the epilogue's cost is the difference
+        "ntplain_14336_4096": (dict(nt_plain, n=14336, k=4096), [C0], [("linear_noepi", 8192)]),
+        "ntplain_4096_4096": (dict(nt_plain, n=4096, k=4096), [C0], [("linear_noepi", 4096)]),
+    }
+
+
+def _jobs():
+    """(kernel def, config, static) for every candidate plus what the ops' default path loads."""
+    from tilelang_ops.kernels import gemm as K
+    from tilelang_ops.ops import gemm as G
+
+    jobs = {}
+    for static, cfgs, shapes in candidates().values():
+        for c in cfgs:
+            jobs[(c, tuple(sorted(static.items())))] = (K.matmul_kernel, c, static)
+        for _, m in shapes:  # the op-level call path: the default config of the call's bucket
+            c = G.config_for(static["layout"], static["n"], static["k"], DT, ARCH, m=m)
+            jobs[(c, tuple(sorted(static.items())))] = (K.matmul_kernel, c, static)
+    return list(jobs.values())
+
+
+def warm() -> int:
+    jobs, failed, t0 = _jobs(), 0, time.time()
+    for i, (kdef, cfg, static) in enumerate(jobs):
+        t1 = time.time()
+        try:
+            kdef.compile(cfg, ARCH, **static)
+            status = "ok"
+        except Exception as e:  # report and go on
+            failed += 1
+            status = f"FAILED {type(e).__name__}: {str(e)[-300:]}"
+        print(f"[{i + 1}/{len(jobs)}] {static['layout']} n={static['n']} k={static['k']} {static['activation']} {cfg}: {status} ({time.time() - t1:.1f} s)", flush=True)
+    print(f"{len(jobs)} kernels ({failed} failed) in {time.time() - t0:.0f} s")
+    return 1 if failed else 0
+
+
+def _graph_ms(fn) -> float:
+    """GPU ms per fn() from a CUDA graph of GRAPH_N calls (host cost excluded)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(GRAPH_N):
+            fn()
+    for _ in range(2):
+        g.replay()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(REP)]
+    for a, b in ev:
+        a.record()
+        g.replay()
+        b.record()
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in ev) / GRAPH_N
+
+
+def _rel_err(out, ref):
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def run(groups=None) -> int:
+    import torch.nn.functional as F
+
+    import tilelang_ops  # noqa: F401
+    from benchmarks._timing import bench, host_us, table, write_json
+    from tilelang_ops.kernels import gemm as K
+    from tilelang_ops.ops import gemm as G
+    from tilelang_ops.runtime import arch_for_device, config_str
+
+    arch = arch_for_device(torch.cuda.current_device())
+    t_start = time.time()
+    rows, best_rows, overrides = [], [], []
+    for gname, (static, cfgs, shapes) in candidates().items():
+        if groups and gname not in groups:
+            continue
+        n, k = static["n"], static["k"]
+        for what, m in shapes:
+            torch.manual_seed(0)
+            a = torch.randn(m, k, device="cuda", dtype=DT)
+            w = torch.randn(n, k, device="cuda", dtype=DT) * k**-0.5  # nt: (N, K)
+            b = w.t().contiguous() if static["layout"] == "nn" else w  # nn: (K, N)
+            bias = torch.randn(n, device="cuda", dtype=DT) if static["bias"] else None
+            c = torch.empty(m, n, device="cuda", dtype=DT)
+            if what == "gemm":
+                ref_fn = lambda: torch.matmul(a, b)  # noqa: E731
+                op_fn = lambda: torch.ops.tileops.gemm(a, b)  # noqa: E731
+            elif what == "linear":
+                ref_fn = lambda: torch._addmm_activation(bias, a, w.t(), use_gelu=True)  # noqa: E731
+                op_fn = lambda: torch.ops.tileops.linear(a, w, bias, "gelu_tanh")  # noqa: E731
+            else:
+                ref_fn = lambda: torch.matmul(a, w.t())  # noqa: E731
+                op_fn = lambda: torch.ops.tileops.gemm_nt(a, w)  # noqa: E731
+            ref = F.gelu(F.linear(a, w, bias), approximate="tanh") if what == "linear" else ref_fn()
+            flop = 2.0 * m * n * k
+            shape = f"{what} {m}x{n}x{k}"
+            t_ref = _graph_ms(ref_fn)
+            default = G.config_for(static["layout"], n, k, DT, arch, m=m)
+            res = []
+            for cfg in dict.fromkeys(cfgs):
+                row = dict(shape=shape, group=gname, config=config_str(cfg), default=cfg == default, torch_TFLOPs=flop / t_ref / 1e9)
+                try:
+                    kern = K.matmul_kernel.compile(cfg, arch, **static)
+                    args = (a, b, bias, c) if bias is not None else (a, b, c)
+                    kern(*args)
+                    torch.cuda.synchronize()
+                    row["rel_err"] = _rel_err(c, ref)
+                    t = _graph_ms(lambda: kern(*args))
+                    row.update(gpu_ms=t, TFLOPs=flop / t / 1e9, ratio=t_ref / t, ok=row["rel_err"] < 2e-2)
+                    res.append((t if row["ok"] else float("inf"), cfg, row))
+                except Exception as e:  # one failing candidate must not stop the sweep
+                    row.update(error=f"{type(e).__name__}: {e}"[:160], ok=False)
+                rows.append(row)
+            # the op path as bench_gemm sees it: per-call events (host cost included) and host µs
+            op_fn()
+            torch.cuda.synchronize()
+            t_op, t_ref_call = bench(op_fn, rep=30), bench(ref_fn, rep=30)
+            kd = K.matmul_kernel.compile(default, arch, **static)
+            args_d = (a, b, bias, c) if bias is not None else (a, b, c)
+            rows.append(dict(shape=shape, group=gname, config="op default (per call)", default=True, TFLOPs=flop / t_op / 1e9,
+                             torch_TFLOPs=flop / t_ref_call / 1e9, ratio=t_ref_call / t_op, gpu_ms=t_op,
+                             op_host_us=host_us(op_fn, n=300, warmup=30), kernel_host_us=host_us(lambda: kd(*args_d), n=300, warmup=30),
+                             torch_host_us=host_us(ref_fn, n=300, warmup=30)))
+            if res:
+                t_best, cfg_best, row_best = min(res, key=lambda r: r[0])
+                t_def = next((r[0] for r in res if r[1] == default), None)
+                gain = (t_def / t_best) if t_def else float("nan")
+                best_rows.append(dict(shape=shape, best=config_str(cfg_best), TFLOPs=row_best["TFLOPs"], ratio=row_best["ratio"], vs_default=gain))
+                if what != "linear_noepi" and t_def and gain > 1.02:
+                    key = ("sm_9", static["layout"], K.m_bucket(m), n, k)
+                    overrides.append(f"    {key!r}: {cfg_best!r},  # {shape}: {gain:.3f}x the default, {row_best['ratio']:.3f}x cuBLAS")
+            del a, w, b, c, bias, ref
+            torch.cuda.empty_cache()
+    cols = ["shape", "config", "default", "TFLOPs", "torch_TFLOPs", "ratio", "rel_err", "op_host_us", "kernel_host_us", "torch_host_us", "error"]
+    print(table(rows, cols))
+    print()
+    print(table(best_rows, ["shape", "best", "TFLOPs", "ratio", "vs_default"]))
+    for r in best_rows:
+        print(f"BEST {r['shape']}: {r['best']} {r['TFLOPs']:.0f} TFLOP/s, {r['ratio']:.3f}x cuBLAS, {r['vs_default']:.3f}x default")
+    print("# paste into tilelang_ops/kernels/gemm.py DEFAULT_OVERRIDES (one key per (layout, M bucket, n, k);")
+    print("# when two shapes of one bucket disagree keep the larger-M one):")
+    for line in overrides:
+        print("OVERRIDE" + line)
+    path = write_json("sweep_gemm", rows, {"best": best_rows, "overrides": overrides, "wall_s": time.time() - t_start})
+    print(f"wrote {path} in {time.time() - t_start:.0f} s")
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--warm", action="store_true", help="only compile every kernel for sm_90a (no GPU needed)")
+    p.add_argument("--list", action="store_true", help="print the kernels and exit")
+    p.add_argument("--group", action="append", help="only these candidate groups (see candidates())")
+    args = p.parse_args(argv)
+    if args.list:
+        for _, cfg, static in _jobs():
+            print(static["layout"], static["n"], static["k"], static["activation"], cfg)
+        print(len(_jobs()), "kernels")
+        return 0
+    if args.warm:
+        return warm()
+    if not torch.cuda.is_available():
+        print("no CUDA device: use --warm here, run the sweep on the GPU host", file=sys.stderr)
+        return 2
+    return run(args.group)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
