@@ -68,13 +68,17 @@ def _impls(B, H, HK, S, D, causal, flex: bool):
         "sdpa_flash": (bhsd, sdpa(SDPBackend.FLASH_ATTENTION)),
     }
     if flex:
-        import torch._dynamo
+        import torch._dynamo as dynamo
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
         # one compile per case and grad mode: past the default limit (8) dynamo silently runs eager
         for name in ("recompile_limit", "cache_size_limit"):
-            if hasattr(torch._dynamo.config, name):
-                setattr(torch._dynamo.config, name, 64)
+            if hasattr(dynamo.config, name):
+                setattr(dynamo.config, name, 64)
+        import torch._functorch.config as functorch_config
+
+        # the benchmark runs backward repeatedly on one graph: donated buffers forbid that
+        functorch_config.donated_buffer = False
         compiled = torch.compile(flex_attention)
         mask = None
         if causal:

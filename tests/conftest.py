@@ -10,7 +10,23 @@ import tilelang_ops  # noqa: F401  (registers torch.ops.tileops.*)
 
 # Hypothesis: deterministic in CI so a red run reproduces; fewer examples where no GPU speeds things up.
 try:
-    from hypothesis import settings
+    from hypothesis import register_random, settings
+
+    class _TorchRNG:
+        """Lets hypothesis seed torch per example, so a failing example replays the same tensors
+        (otherwise hypothesis reports every tensor-valued failure as flaky)."""
+
+        def seed(self, s):
+            torch.manual_seed(s)
+
+        def getstate(self):
+            return torch.random.get_rng_state()
+
+        def setstate(self, state):
+            torch.random.set_rng_state(state)
+
+    _TORCH_RNG = _TorchRNG()  # hypothesis keeps only a weak reference
+    register_random(_TORCH_RNG)
 
     settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True)
     settings.register_profile("dev", max_examples=50, deadline=None)

@@ -52,7 +52,7 @@ def vec_width(n: int, dtype: str) -> int:
 
 @dataclass(frozen=True)
 class SoftmaxConfig:
-    schedule: str = "rows"  # "rows" | "loop" | "split" (see the module docstring)
+    schedule: str = "rows"  # "rows" | "rowsh" | "loop" | "split" (see the module docstring)
     block_m: int = 1  # rows: rows per CTA; threads // block_m lanes share a row
     threads: int = 256
     chunk: int = 0  # loop / split: row elements per chunk, a multiple of threads * vec
@@ -85,12 +85,37 @@ def _row_limit(dtype: str, backward: bool, kind: str) -> int:
     return _MAX_THREADS * _PER_THREAD // _arrays(kind, backward)
 
 
+# Measured winners, consulted before the heuristic below: (direction, n, M bucket) -> config, for
+# 16-bit dtypes and kind "softmax" (log_softmax keeps the heuristic: another register budget).
+# direction: "fwd" | "bwd"; bucket: "few" (M < 2 rows per SM), "some" (< LOOP_ROWS_PER_SM rows
+# per SM), "many" — the same buckets ops/softmax.py resolves plans by. `python -m
+# benchmarks.sweep_softmax` (on the GPU) prints the lines to paste here, best config per shape.
+MEASURED: dict[tuple[str, int, str], SoftmaxConfig] = {
+}
+
+
+def m_bucket(m: int | None, sms: int = H200_SMS) -> str:
+    if m is None:
+        return "many"
+    return ("few", "some", "many")[(m >= 2 * sms) + (m >= LOOP_ROWS_PER_SM * sms)]
+
+
 def default_config(
     n: int, dtype: str, kind: str = "softmax", backward: bool = False, m: int | None = None, sms: int = H200_SMS
 ) -> SoftmaxConfig:
-    """Heuristic config for an (m, n) problem (m=None: many rows) on a GPU with `sms` SMs.
+    """Config for an (m, n) problem (m=None: many rows) on a GPU with `sms` SMs: MEASURED, else
+    the heuristic (`heuristic_config`)."""
+    if kind == "softmax" and _ESIZE[dtype] == 2 and sms == H200_SMS:  # measured on a 132-SM Hopper
+        cfg = MEASURED.get(("bwd" if backward else "fwd", n, m_bucket(m, sms)))
+        if cfg is not None and (cfg.schedule != "csplit" or (m is not None and m <= CSPLIT_MAX_ROWS)):
+            return cfg
+    return heuristic_config(n, dtype, kind, backward, m, sms)
 
-    Short rows pack a CTA, mid rows own one (`rows`); rows too long for registers, or mid rows
+
+def heuristic_config(
+    n: int, dtype: str, kind: str = "softmax", backward: bool = False, m: int | None = None, sms: int = H200_SMS
+) -> SoftmaxConfig:
+    """Short rows pack a CTA, mid rows own one (`rows`); rows too long for registers, or mid rows
     longer than ROWS_ALWAYS_UP_TO with < 2 rows per SM, go to `loop` (>= LOOP_ROWS_PER_SM rows
     per SM) or `split` (fewer).
     """
@@ -124,7 +149,11 @@ def fits(cfg: SoftmaxConfig, n: int, dtype: str, kind: str = "softmax", backward
         idle = lanes * vec >= 2 * n  # more than half of a row's lanes would hold only padding
         held = k * vec * _arrays(kind, backward) * (_ESIZE[dtype] if cfg.schedule == "rowsh" else 4) // 4  # 32-bit registers
         return cfg.block_m <= cfg.threads and not idle and held <= 2 * _PER_THREAD
-    return cfg.chunk % (cfg.threads * vec) == 0 and cfg.chunk < 2 * n
+    ok = cfg.chunk % (cfg.threads * vec) == 0 and cfg.chunk < 2 * n
+    if cfg.schedule == "csplit":  # a cluster per row; the chunk held in registers (input dtype)
+        held = cfg.chunk // cfg.threads * _arrays(kind, backward) * _ESIZE[dtype] // 4
+        ok = ok and _split_chunks(n, cfg.chunk) <= CLUSTER_MAX and held <= 2 * _PER_THREAD
+    return ok
 
 
 def schedule_kernels(cfg: SoftmaxConfig, n: int, dtype: str, kind: str, backward: bool) -> list:
@@ -136,6 +165,8 @@ def schedule_kernels(cfg: SoftmaxConfig, n: int, dtype: str, kind: str, backward
         return [(rowsh_bwd if backward else rowsh_fwd, cfg, st)]
     if cfg.schedule == "loop":
         return [(loop_bwd if backward else loop_fwd, cfg, st)]
+    if cfg.schedule == "csplit":
+        return [(csplit, cfg, {**st, "backward": backward})]
     return [(split_stats, cfg, {**st, "backward": backward}), (split_apply, cfg, {**st, "backward": backward})]
 
 
@@ -478,6 +509,116 @@ def split_apply(config: SoftmaxConfig, n: int, dtype: str, kind: str, backward: 
 
 
 # ---------------------------------------------------------------------------------------------
+# csplit: `split` in one launch. A thread-block cluster of nc CTAs owns a row (nc <= 8, the
+# portable cluster size); each CTA holds its chunk in registers (input dtype), publishes its
+# partial to global P0/P1, meets the cluster at barrier.cluster (arrive = release, wait =
+# acquire: the peers' partials are visible after it), folds the row's partials and writes its
+# chunk from registers. DRAM sees one read and one write; grid.y = M, so M <= 65535 (few rows).
+# ---------------------------------------------------------------------------------------------
+CLUSTER_MAX = 8
+CSPLIT_MAX_ROWS = 65535  # rows ride grid.y
+
+
+@kernel("softmax", "softmax_csplit")
+def csplit(config: SoftmaxConfig, n: int, dtype: str, kind: str, backward: bool):
+    M = T.dynamic("M")
+    c, threads = config.chunk, config.threads
+    nc = _split_chunks(n, c)
+    assert nc <= CLUSTER_MAX, (n, c)
+    log = kind == "log_softmax"
+    w = threads * vec_width(n, dtype)
+    kc = c // w
+
+    @T.prim_func
+    def main(
+        A: T.Tensor((M, n), dtype),  # fwd: x; bwd: dy
+        B: T.Tensor((M, n), dtype),  # fwd: unused; bwd: y
+        P0: T.Tensor((M, nc), _ACC),
+        P1: T.Tensor((M, nc), _ACC),
+        O: T.Tensor((M, n), dtype),
+    ):
+        with T.ClusterKernel(nc, M, cluster_dims=(nc, 1, 1), threads=threads) as (ch, row):
+            if config.min_blocks:
+                T.annotate_min_blocks_per_sm(config.min_blocks)
+            base = ch * c
+            a = T.alloc_fragment((kc, w), dtype)
+            part = T.alloc_fragment((w,), _ACC)
+            r0 = T.alloc_fragment((1,), _ACC)
+            acc0 = T.alloc_var(_ACC)
+            acc1 = T.alloc_var(_ACC)
+            if backward:
+                bb = T.alloc_fragment((kc, w), dtype)
+                for kk, j in T.Parallel(kc, w):  # reads 2c
+                    a[kk, j] = T.if_then_else(base + kk * w + j < n, A[row, base + kk * w + j], T.Cast(dtype, 0.0))
+                for kk, j in T.Parallel(kc, w):
+                    bb[kk, j] = T.if_then_else(base + kk * w + j < n, B[row, base + kk * w + j], T.Cast(dtype, 0.0))
+                for j in T.Parallel(w):
+                    part[j] = 0.0
+                    for kk in T.serial(kc):
+                        if log:
+                            part[j] = part[j] + T.Cast(_ACC, a[kk, j])
+                        else:
+                            part[j] = part[j] + T.Cast(_ACC, a[kk, j]) * T.Cast(_ACC, bb[kk, j])
+                T.reduce_sum(part, r0, dim=0)
+                P0[row, ch] = r0[0]
+                T.sync_threads()
+                T.cluster_sync()
+                T.sync_threads()
+                acc0 = 0.0
+                for k in T.serial(nc):
+                    acc0 = acc0 + P0[row, k]
+                for kk, j in T.Parallel(kc, w):  # writes c
+                    if base + kk * w + j < n:
+                        if log:
+                            O[row, base + kk * w + j] = T.Cast(
+                                dtype, T.Cast(_ACC, a[kk, j]) - T.exp2(T.Cast(_ACC, bb[kk, j]) * LOG2E) * acc0
+                            )
+                        else:
+                            O[row, base + kk * w + j] = T.Cast(dtype, T.Cast(_ACC, bb[kk, j]) * (T.Cast(_ACC, a[kk, j]) - acc0))
+            else:
+                r1 = T.alloc_fragment((1,), _ACC)
+                for kk, j in T.Parallel(kc, w):  # reads c
+                    a[kk, j] = T.if_then_else(
+                        base + kk * w + j < n, A[row, base + kk * w + j], T.Cast(dtype, -T.infinity(_ACC))
+                    )
+                for j in T.Parallel(w):
+                    part[j] = -T.infinity(_ACC)
+                    for kk in T.serial(kc):
+                        part[j] = T.max(part[j], T.Cast(_ACC, a[kk, j]))
+                T.reduce_max(part, r0, dim=0)
+                for j in T.Parallel(w):  # an all -inf chunk contributes 0, not NaN
+                    part[j] = 0.0
+                    for kk in T.serial(kc):
+                        part[j] = part[j] + T.exp2(
+                            (T.Cast(_ACC, a[kk, j]) - T.if_then_else(r0[0] == -T.infinity(_ACC), 0.0, r0[0])) * LOG2E
+                        )
+                T.reduce_sum(part, r1, dim=0)
+                P0[row, ch] = r0[0]
+                P1[row, ch] = r1[0]
+                T.sync_threads()
+                T.cluster_sync()
+                T.sync_threads()
+                acc0 = -T.infinity(_ACC)
+                for k in T.serial(nc):
+                    acc0 = T.max(acc0, P0[row, k])
+                acc1 = 0.0
+                for k in T.serial(nc):  # NaN only for an all -inf row, like PyTorch
+                    acc1 = acc1 + P1[row, k] * T.exp2((P0[row, k] - acc0) * LOG2E)
+                if log:
+                    acc1 = acc0 + T.log2(acc1) * LN2
+                else:
+                    acc1 = 1.0 / acc1
+                for kk, j in T.Parallel(kc, w):  # writes c
+                    if base + kk * w + j < n:
+                        if log:
+                            O[row, base + kk * w + j] = T.Cast(dtype, T.Cast(_ACC, a[kk, j]) - acc1)
+                        else:
+                            O[row, base + kk * w + j] = T.Cast(dtype, T.exp2((T.Cast(_ACC, a[kk, j]) - acc0) * LOG2E) * acc1)
+
+    return main
+
+
+# ---------------------------------------------------------------------------------------------
 # loop: long rows and many of them; one CTA per row walks its row twice in chunks
 # ---------------------------------------------------------------------------------------------
 @kernel("softmax", "softmax_loop_fwd", out_idx=[1])
@@ -576,7 +717,8 @@ def loop_bwd(config: SoftmaxConfig, n: int, dtype: str, kind: str):
 # (kernel, config, static) at which `tileops export` writes source and `tileops check` compiles:
 # every schedule at a few row lengths (H200: 132 SMs; M picks the schedule, it is not compiled in).
 def _rep(n: int, dtype: str, kind: str, backward: bool, m: int) -> list:
-    return schedule_kernels(default_config(n, dtype, kind, backward, m), n, dtype, kind, backward)
+    # The heuristic, not MEASURED: these compile for sm_80 too (csplit needs sm_90 clusters).
+    return schedule_kernels(heuristic_config(n, dtype, kind, backward, m), n, dtype, kind, backward)
 
 
 REPRESENTATIVE = (
@@ -585,7 +727,7 @@ REPRESENTATIVE = (
     + _rep(8192, "float32", "log_softmax", False, 1024)
     + _rep(8192, "bfloat16", "softmax", True, 1024)
     + _rep(65536, "bfloat16", "softmax", False, 128)  # split: stats + apply
-    + _rep(65536, "bfloat16", "softmax", True, 128)
+    + [(rowsh_fwd, SoftmaxConfig("rowsh", 8, 128, 0, 8), {"n": 1024, "dtype": "bfloat16", "kind": "softmax"})]
     + _rep(65536, "bfloat16", "softmax", False, 4096)  # loop
     + _rep(65536, "bfloat16", "softmax", True, 4096)
 )

@@ -184,6 +184,8 @@ def _up(x: int) -> int:
 
 def _prep(t: torch.Tensor, pad_dims: dict[int, int]) -> torch.Tensor:
     """Contiguous, 16-byte aligned, zero-padded to the sizes in `pad_dims` ({dim: size})."""
+    if t.is_contiguous() and t.data_ptr() % 16 == 0 and all(t.shape[d] == size for d, size in pad_dims.items()):
+        return t  # the common case, checked first: no list building on the hot path
     pads = []
     for d in range(t.dim() - 1, -1, -1):
         pads += [0, pad_dims.get(d, t.shape[d]) - t.shape[d]]
@@ -252,7 +254,7 @@ def _check_pair(a, b, op: str) -> None:
         raise ValueError(f"{op}: batched b {tuple(b.shape)} needs a 3-D a with the same batch size; got a {tuple(a.shape)}")
     if op == "gemm_tn" and a.dim() != b.dim():
         raise ValueError(f"gemm_tn: a {tuple(a.shape)} and b {tuple(b.shape)} must both be 2-D or both 3-D")
-    ka, kb = {"gemm": (a.shape[-1], b.shape[-2]), "gemm_nt": (a.shape[-1], b.shape[-1]), "gemm_tn": (a.shape[-2], b.shape[-2])}[op]
+    ka, kb = (a.shape[-2], b.shape[-2]) if op == "gemm_tn" else (a.shape[-1], b.shape[-1] if op == "gemm_nt" else b.shape[-2])
     if ka != kb:
         expr = {"gemm": "a @ b", "gemm_nt": "a @ b.T", "gemm_tn": "a.T @ b"}[op]
         raise ValueError(f"{op}: shape mismatch for {expr}: a {tuple(a.shape)}, b {tuple(b.shape)} (reduction dims {ka} != {kb})")

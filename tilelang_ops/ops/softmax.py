@@ -19,6 +19,7 @@ from ._checks import check_same, check_tensor
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _TL_DTYPE = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _INT32_MAX = 2**31 - 1
+_CSPLIT_MAX_ROWS = 65535  # = kernels.softmax.CSPLIT_MAX_ROWS (not imported here: tilelang loads lazily)
 
 
 def _norm_dim(name: str, t: torch.Tensor, dim: int) -> int:
@@ -57,10 +58,14 @@ def _bucket(m: int, sms: int) -> int:
 
 def _plan(kind: str, backward: bool, m: int, n: int, dtype: torch.dtype, device: torch.device) -> tuple:
     bucket = _bucket(m, _sms(device))
-    key = (kind, backward, n, dtype, device.index, bucket)
+    key = (kind, backward, n, dtype, device.index, bucket, m > _CSPLIT_MAX_ROWS)  # csplit: rows ride grid.y
     plan = _plans.get(key)
     if plan is None:
         cfg = tuning.resolve_config(TUNABLES[_op_name(kind, backward)], (m, n), dtype, device)  # tuned ▸ default
+        if cfg.schedule == "csplit" and m > _CSPLIT_MAX_ROWS:
+            from ..kernels import softmax as K
+
+            cfg = K.heuristic_config(n, _TL_DTYPE[dtype], kind, backward, m, _sms(device))
         plan = _plans[key] = (cfg, _compile(cfg, kind, backward, n, dtype, device))
     return plan
 
@@ -114,7 +119,7 @@ def _launch(kind: str, backward: bool, a: torch.Tensor, b: torch.Tensor | None) 
 
 
 def _run(cfg, kernels: tuple, backward: bool, a: torch.Tensor, b: torch.Tensor | None, out: torch.Tensor | None = None):
-    if cfg.schedule != "split":  # rows / loop: one launch, output allocated by the kernel (out_idx)
+    if cfg.schedule not in ("split", "csplit"):  # rows / loop: one launch, output allocated by the kernel (out_idx)
         return kernels[0](a, b) if backward else kernels[0](a)
     m, n = a.shape
     b = a if b is None else b  # forward kernels ignore their second input
@@ -122,6 +127,9 @@ def _run(cfg, kernels: tuple, backward: bool, a: torch.Tensor, b: torch.Tensor |
     chunks = -(-n // cfg.chunk)
     p0 = torch.empty(m, chunks, dtype=torch.float32, device=a.device)  # per-chunk partials: M*chunks*8 bytes
     p1 = torch.empty_like(p0)
+    if cfg.schedule == "csplit":  # one launch: a cluster per row exchanges partials through p0/p1
+        kernels[0](a, b, p0, p1, out)
+        return out
     kernels[0](a, b, p0, p1)  # stats: reads the row once
     kernels[1](a, b, p0, p1, out)  # apply: folds partials, re-reads (L2) and writes
     return out
