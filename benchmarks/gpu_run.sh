@@ -3,7 +3,9 @@
 # On the device host (no package index):  source .gpu-bundle/activate.sh; bash benchmarks/gpu_run.sh [tests...] -- [bench modules...]
 # Carry .gpu-bundle and .tl-carry (pack it with: benchmarks/pack_cache.sh).
 set -uo pipefail
-OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
+FINAL_OUT=${OUT:-gpu_out}; OUT=$FINAL_OUT/run; mkdir -p "$OUT"; export OUT
+# the device tool returns at most 8 files: everything is packed into results.tgz at the end
+trap 'tar -C "$FINAL_OUT" -czf "$FINAL_OUT/results.tgz" run && rm -rf "$OUT"' EXIT
 # A kernel cache warmed on the CPU machine travels as .tl-carry/tlcache.tar.xz (xz: ~20x smaller).
 if [[ -f .tl-carry/tlcache.tar.xz ]]; then
   mkdir -p /tmp/tlcache && tar -C /tmp/tlcache -xJf .tl-carry/tlcache.tar.xz && export TILELANG_CACHE_DIR=/tmp/tlcache

@@ -216,12 +216,40 @@ def test_non_contiguous_input_is_copied(device):
     ],
 )
 def test_schedule_choice(n, m, kind, backward, schedule):
+    """The heuristic; MEASURED (bf16/fp16 softmax on 132-SM Hopper) may override it."""
     from tilelang_ops.kernels import softmax as K
 
     for dtype in ("bfloat16", "float32", "float16"):
-        cfg = K.default_config(n, dtype, kind, backward, m, sms=132)
+        cfg = K.heuristic_config(n, dtype, kind, backward, m, sms=132)
         assert cfg.schedule == schedule
         assert K.fits(cfg, n, dtype, kind, backward), cfg  # defaults are inside the tuner's filter
+        if dtype == "float32" or kind == "log_softmax":
+            assert K.default_config(n, dtype, kind, backward, m, sms=132) == cfg  # MEASURED never applies
+    assert K.default_config(n, "bfloat16", kind, backward, m, sms=108) == K.heuristic_config(n, "bfloat16", kind, backward, m, sms=108)
+
+
+def test_measured_table_is_sane():
+    from tilelang_ops.kernels import softmax as K
+
+    for (direction, n, bucket), cfg in K.MEASURED.items():
+        assert direction in ("fwd", "bwd") and bucket in ("few", "some", "many"), (direction, bucket)
+        assert cfg.schedule in ("rows", "rowsh", "loop", "split", "csplit"), cfg
+        for dtype in ("bfloat16", "float16"):
+            assert K.fits(cfg, n, dtype, "softmax", direction == "bwd"), (direction, n, cfg)
+        assert cfg.schedule != "csplit" or bucket == "few", "csplit: grid.y = M, few rows only"
+    # csplit never serves more rows than grid.y holds, whatever the table says
+    for m in (K.CSPLIT_MAX_ROWS + 1, None):
+        assert K.default_config(32768, "bfloat16", "softmax", False, m).schedule != "csplit"
+
+
+def test_sweep_candidates_fit():
+    from benchmarks.sweep_softmax import plan
+    from tilelang_ops.kernels import softmax as K
+
+    rows = plan()
+    assert len(rows) <= 70
+    for m, n, bwd, cfg, _ in rows:
+        assert K.fits(cfg, n, "bfloat16", "softmax", bwd), (m, n, bwd, cfg)
 
 
 def test_tunables_have_candidates():
@@ -339,6 +367,57 @@ def test_cuda_edge_values_every_path(name, n):
     y = torch.randn(2, n, device="cuda")
     y[:, : n // 2] = float("-inf")
     _close(OPS[name][0](y, -1), _ref(name, y, -1), torch.float32, name)
+
+
+# Schedules that are not (yet) defaults, run directly: (config, n, backward). The bf16 ones at the
+# sweep's n are warm in the kernel cache (benchmarks/sweep_softmax.py --warm compiles this list).
+def _cfg(*a):
+    from tilelang_ops.kernels.softmax import SoftmaxConfig
+
+    return SoftmaxConfig(*a)
+
+
+EXTRA_SCHEDULES = [
+    (("rowsh", 8, 128, 0, 8), 1024, False),
+    (("rowsh", 4, 128, 0, 0), 1000, False),  # padded register row
+    (("rowsh", 1, 1024, 0, 1), 32768, True),
+    (("rows", 4, 128, 0, 12), 1024, False),  # register cap through min_blocks (spills)
+    (("split", 1, 256, 4096, 8), 32768, False),
+    (("split", 1, 256, 4096, 8), 32768, True),
+    (("csplit", 1, 256, 8192, 0), 32768, False),
+    (("csplit", 1, 256, 8192, 0), 32768, True),
+    (("csplit", 1, 256, 8192, 0), 30001, False),  # ragged last chunk, scalar accesses
+    (("csplit", 1, 1024, 32768, 0), 262144, False),
+]
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("case", EXTRA_SCHEDULES, ids=[f"{c[0][0]}-{c[0][2]}-{c[0][3]}-{c[0][4]}-n{c[1]}-{'bwd' if c[2] else 'fwd'}" for c in EXTRA_SCHEDULES])
+def test_cuda_extra_schedules(name, case):
+    from tilelang_ops.ops import softmax as ops
+
+    fields, n, backward = case
+    cfg, dtype = _cfg(*fields), torch.bfloat16
+    kernels = ops._compile(cfg, name, backward, n, dtype, torch.device("cuda", torch.cuda.current_device()))
+    for m in (1, 3, 37):
+        x = _edge_rows(n, dtype, "cuda")[:m] if m <= 8 else (torch.randn(m, n, device="cuda") * 4).to(dtype)
+        if m == 37:
+            x[5, : n // 2] = float("-inf")  # -inf-only chunks inside a finite row
+        y = OPS[name][1](x.float(), -1).to(dtype)
+        if not backward:
+            out = torch.full_like(x, float("nan"))
+            res = ops._run(cfg, kernels, False, x.contiguous(), None, out)
+            expected = OPS[name][1](x.float(), -1)
+            assert torch.equal(torch.isnan(res), torch.isnan(expected)), (m, "NaN pattern differs from PyTorch")
+            _close(res, expected.double(), dtype, name)
+        else:
+            keep = torch.isfinite(y).all(-1)
+            g = torch.randn_like(x)
+            dx = ops._run(cfg, kernels, True, g, y, torch.full_like(x, float("nan")))
+            ref = getattr(tilelang_ops.reference, f"{name}_backward")(g.double(), y.double(), -1)
+            assert rel_err(dx[keep], ref[keep]) < GRAD_RTOL[dtype]
 
 
 @pytest.mark.gpu

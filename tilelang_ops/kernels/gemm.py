@@ -203,6 +203,11 @@ def matmul_kernel(
                 T.copy(B[ix + (bx * bn, kk * bk)], B_s)
             else:
                 T.copy(B[ix + (kk * bk, bx * bn)], B_s)
+            # Synchronous: each k-step ends in warpgroup_wait<0>. TileLang 0.1.15 has the async form
+            # (T.wgmma_gemm + T.wait_wgmma(1)) and it compiles, but the warp-specialized pipeline
+            # then releases the smem stage (empty-barrier arrive) *before* wait_wgmma<1>, so the
+            # producer's next TMA load can overwrite operands a wgmma is still reading (its
+            # role-based scheduler refuses wg_wait != 0 for exactly this reason). Not used.
             T.gemm(A_s, B_s, C_f, transpose_A=trans_a, transpose_B=trans_b, policy=policy)
         # Epilogue in registers: bias and activation cost no extra pass over global memory.
         if bias:

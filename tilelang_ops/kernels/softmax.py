@@ -16,15 +16,29 @@ shapes the schedule: each distinct N compiles once per (kind, dtype, direction).
   of rows still fills 132 SMs. A `stats` kernel writes one fp32 partial per chunk (max and sum
   of exp for the forward, the row dot for the backward); an `apply` kernel folds the row's
   partials and re-reads its chunk to write the output. The re-read hits L2 when the tensor fits
-  (H200: 50 MB) and starts from the chunks read last otherwise.
+  (H200: 50 MB) and starts from the chunks read last otherwise. Both kernels hold their chunk
+  in the input dtype; apply issues its chunk's loads before folding the partials.
 
 * **loop** — long rows and many of them (M >= 4 rows per SM): one CTA per row, several CTAs per
   SM, walking the row twice in `chunk`-sized pieces: a running (max, sum) on the way out, the
   output newest-chunk-first on the way back. The second read hits L2 (132 SMs x a few rows of
   <= 512 KB), so DRAM sees one read and one write, like `rows`.
 
-`default_config` picks the schedule from (N, M bucket, SM count); `tileops tune` may override it
-per (N, M bucket) from SEARCH_SPACE. All math in fp32; exp via exp2 with a log2(e) pre-scale;
+* **rowsh** — `rows` with the row held in the input dtype (exp computed twice), meant to halve
+  the registers; ptxas widens the row to fp32 anyway (64-128 registers measured by ptxas -v), so
+  it only helps under a `min_blocks` cap, with spills. A sweep candidate, not a default.
+
+* **csplit** — `split` in one launch (sm_90+): a thread-block cluster of <= 8 CTAs per row, each
+  holding its chunk in registers; partials go through global memory across barrier.cluster
+  (release/acquire). One DRAM read, one write, no second launch. Few rows only (grid.y = M).
+
+`SoftmaxConfig.min_blocks` sets __launch_bounds__' min CTAs per SM: a register cap (ptxas
+otherwise spends registers freely, e.g. a 1024-thread `rows` CTA at 48 registers leaves one CTA
+per SM).
+
+`default_config` = MEASURED (sweep winners, bf16/fp16 softmax on a 132-SM Hopper) ▸
+`heuristic_config` (N, M bucket, SM count); `tileops tune` may override it per (N, M bucket)
+from SEARCH_SPACE. All math in fp32; exp via exp2 with a log2(e) pre-scale;
 output rounded once to the input dtype. Semantics match PyTorch: an all -inf row gives NaN, a
 +inf gives NaN for its row, NaN propagates.
 """
