@@ -66,7 +66,13 @@ def m_bucket(m: int) -> int:
 # ("sm_9", layout, bucket, n, k), then ("sm_9", layout, bucket, None, k) (any n), then
 # ("sm_9", layout, bucket, None, None) (whole bucket). k is the output rows for "tn".
 # Fill from `python -m benchmarks.sweep_gemm` (its "OVERRIDE" lines paste here).
-DEFAULT_OVERRIDES: dict[tuple, GemmConfig] = {}
+DEFAULT_OVERRIDES: dict[tuple, GemmConfig] = {
+    # benchmarks/sweep_gemm.py on one H200, 2026-11-30 (bf16; GPU time from CUDA-graph replays)
+    ("sm_9", "nn", 0, 3072, 768): GemmConfig(block_M=256, block_N=128, block_K=64, num_stages=3, threads=256, swizzle=8, policy="Square"),  # 1024x3072x768: 1.17x default, 0.985x cuBLAS
+    ("sm_9", "nn", 0, 11008, 4096): GemmConfig(block_M=128, block_N=256, block_K=64, num_stages=4, threads=256, swizzle=8, policy="FullRow"),  # 1024x11008x4096: 1.04x default, 1.12x cuBLAS
+    ("sm_9", "nn", 1, 11008, 4096): GemmConfig(block_M=128, block_N=256, block_K=64, num_stages=4, threads=256, swizzle=8, policy="Square"),  # 4096x11008x4096: 1.03x default, 1.01x cuBLAS
+    ("sm_9", "nn", 0, 14336, 4096): GemmConfig(block_M=128, block_N=256, block_K=64, num_stages=4, threads=256, swizzle=8, policy="FullRow"),  # 1024x14336x4096: 1.03x default, 1.12x cuBLAS
+}
 
 
 def default_config(arch: str, n: int, layout: str = "nn", k: int = 0, bucket: int = 2) -> GemmConfig:

@@ -105,6 +105,13 @@ def _row_limit(dtype: str, backward: bool, kind: str) -> int:
 # per SM), "many" — the same buckets ops/softmax.py resolves plans by. `python -m
 # benchmarks.sweep_softmax` (on the GPU) prints the lines to paste here, best config per shape.
 MEASURED: dict[tuple[str, int, str], SoftmaxConfig] = {
+    # benchmarks/sweep_softmax.py on one H200, 2026-11-30 (bf16, 8M elements unless noted; % of copy_)
+    ("fwd", 32768, "few"): SoftmaxConfig("csplit", 1, 256, 8192, 0),  # 256x32768: 69% vs default 65%
+    ("bwd", 32768, "few"): SoftmaxConfig("csplit", 1, 256, 4096, 0),  # 256x32768: 90% vs default 71%
+    ("fwd", 65536, "few"): SoftmaxConfig("csplit", 1, 256, 8192, 0),  # 128x65536: 69% vs default 65%
+    ("bwd", 65536, "few"): SoftmaxConfig("csplit", 1, 512, 8192, 0),  # 128x65536: 81% vs default 71%
+    ("bwd", 262144, "few"): SoftmaxConfig("csplit", 1, 1024, 32768, 0),  # 32x262144: 72% vs default 61%
+    ("fwd", 32768, "many"): SoftmaxConfig("loop", 1, 512, 8192, 4),  # 4096x32768: 74% vs default 69%
 }
 
 
