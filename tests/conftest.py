@@ -35,6 +35,15 @@ except ImportError:  # pragma: no cover
     pass
 
 
+def pytest_collection_modifyitems(config, items):
+    # A test parametrized on device="cuda" (opcheck, compile, reference tests over DEVICES) is a GPU
+    # test too, so `-m gpu` selects it on the GPU host.
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if any(str(v) == "cuda" or str(v).startswith("cuda:") for v in params.values()):
+            item.add_marker(pytest.mark.gpu)
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped with a reason elsewhere")
     config.addinivalue_line("markers", "slow: compiles kernels or runs long")
