@@ -9,6 +9,6 @@ setup(
     packages=find_packages(include=["tilelang_ops", "tilelang_ops.*"]),
     python_requires=">=3.10",
     install_requires=["tilelang==0.1.15", "torch>=2.11", "tqdm"],
-    extras_require={"test": ["pytest>=8", "hypothesis>=6"]},
+    extras_require={"test": ["pytest>=8", "hypothesis>=6"], "hf": ["transformers>=4.56"]},
     entry_points={"console_scripts": ["tileops=tilelang_ops.cli:main"]},
 )

@@ -10,11 +10,22 @@ from . import functional as _F
 # ---------------------------------------------------------------- Linear (+ fused activation)
 
 _ACT_OF_MODULE = {torch.nn.ReLU: "relu", torch.nn.SiLU: "silu"}
+# Hugging Face transformers' activation modules (ACT2FN), matched by name so that this file never
+# imports transformers. Each computes exactly the named function (GELUActivation: erf GELU in
+# either mode; NewGELUActivation: the tanh formula written out; GELUTanh = PytorchGELUTanh).
+_ACT_OF_HF_MODULE = {
+    "SiLUActivation": "silu",
+    "GELUActivation": "gelu",
+    "GELUTanh": "gelu_tanh",
+    "NewGELUActivation": "gelu_tanh",
+}
 
 
 def _activation_name(m: torch.nn.Module) -> str | None:
     if isinstance(m, torch.nn.GELU):
         return {"none": "gelu", "tanh": "gelu_tanh"}.get(m.approximate)
+    if type(m).__module__ == "transformers.activations":
+        return _ACT_OF_HF_MODULE.get(type(m).__name__)
     return _ACT_OF_MODULE.get(type(m))
 
 
@@ -65,8 +76,23 @@ class FuseReport:
         return "\n".join(lines)
 
 
+def _activation_leaf_tracer():
+    import torch.fx
+
+    class Tracer(torch.fx.Tracer):
+        # fx traces into modules defined outside torch.nn (transformers' SiLUActivation, ...);
+        # a recognized activation must stay one call_module node to be matched.
+        def is_leaf_module(self, m, qualname):
+            return _activation_name(m) is not None or super().is_leaf_module(m, qualname)
+
+    return Tracer()
+
+
 def fuse_linear_activations(model: torch.nn.Module) -> FuseReport:
     """Replace ``nn.Linear`` followed by ReLU / GELU / GELU(tanh) / SiLU with a fused `Linear`.
+
+    Activations are torch.nn's modules or transformers' (SiLUActivation, GELUActivation, GELUTanh,
+    NewGELUActivation), matched by exact type.
 
     Looks inside every submodule that has both a Linear and a supported activation as direct
     children (``nn.Sequential`` and MLP-style blocks such as ``act(fc1(x))`` or LLaMA's
@@ -86,7 +112,7 @@ def fuse_linear_activations(model: torch.nn.Module) -> FuseReport:
             continue
         pname = names.get(parent, "")
         try:
-            graph = torch.fx.symbolic_trace(parent).graph
+            graph = _activation_leaf_tracer().trace(parent)
         except Exception as e:  # data-dependent control flow etc.: leave the block as it is
             report.skipped.append((pname or type(parent).__name__, f"not traceable by torch.fx ({type(e).__name__})"))
             continue
