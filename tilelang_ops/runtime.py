@@ -54,9 +54,6 @@ class KernelDef:
     out_idx: tuple[int, ...] | None = None
     pass_configs: tuple[tuple[str, Any], ...] = ()
 
-    def prim_func(self, config, **static):
-        return self.build(config, **static)
-
     def compile(self, config, arch: str, **static):
         """Compiled kernel for (config, static, arch); compiles at most once per process."""
         key = (self.family, self.name, config, tuple(sorted(static.items())), arch)

@@ -204,7 +204,8 @@ def time_cuda(fn, warmup: int = 5, rep: int = 30) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in events)
 
 
-# (op, key) -> config that serves it, recorded when a kernel is resolved (not per call).
+# (op, tuned-cache key) -> the config that serves it, recorded when a kernel is resolved (not per
+# call): `tilelang_ops.tuning.SERVED` answers "which config ran?" for benchmarks and bug reports.
 SERVED: dict[tuple, Any] = {}
 
 
