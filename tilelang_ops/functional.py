@@ -61,9 +61,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         bias = bias.to(dt) if bias is not None else None
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         from . import reference
+        from .ops._checks import check_activation
 
-        if activation not in reference.ACTIVATIONS:
-            raise ValueError(f"activation: {activation!r} is not supported; supported: {', '.join(reference.ACTIVATIONS)}")
+        check_activation(activation)
         return reference.activation(torch.nn.functional.linear(x, weight, bias), activation)
     from .ops.gemm import linear_auto
 

@@ -38,10 +38,9 @@ class Linear(torch.nn.Linear):
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, activation: str = "none", device=None, dtype=None):
-        from .reference import ACTIVATIONS
+        from .ops._checks import check_activation
 
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"activation: {activation!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
+        check_activation(activation)
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.activation = activation
 

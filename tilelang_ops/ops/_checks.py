@@ -1,7 +1,30 @@
-"""Argument validation shared by every op: clear Python exceptions before anything launches."""
+"""Argument validation and input preparation shared by every op.
+
+Validation raises clear Python exceptions, naming the argument, before anything launches.
+"""
 from __future__ import annotations
 
 import torch
+
+# torch dtype -> TileLang dtype name, for every dtype any kernel takes.
+TL_DTYPE = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+INT32_MAX = 2**31 - 1  # kernels index with int32 where the generated code allows it
+
+
+def aligned16(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or a copy of it when its data pointer is not 16-byte aligned.
+
+    Kernels issue 16-byte vector loads and TMA needs 16-byte aligned bases; a contiguous view with
+    an odd storage offset (``x[1:]``) would fault.
+    """
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def check_activation(activation: str) -> None:
+    from ..reference import ACTIVATIONS
+
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: {activation!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
 
 
 def check_tensor(name: str, t, dtypes=None, ndim=None, contiguous: bool = True) -> None:

@@ -18,11 +18,10 @@ import torch
 
 from .. import reference, runtime, tuning
 from .._library import _LIB, NAMESPACE, _is_registered, custom_op
-from ._checks import check_same, check_tensor
+from ._checks import TL_DTYPE, aligned16, check_same, check_tensor
 
 DTYPES = (torch.float16, torch.bfloat16)
 HEADDIMS = (64, 128, 256)
-_TL_DTYPE = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
 # ------------------------------------------------------------------------------------ validation
@@ -67,11 +66,11 @@ def _compile(name: str, config, dtype: torch.dtype, device: torch.device, **stat
     from ..kernels import attention as K
 
     kdef = {"fwd": K.flash_fwd_kernel, "bwd": K.flash_bwd_kernel, "prep": K.flash_bwd_prep_kernel, "cast": K.cast_f32_kernel}[name]
-    return kdef.compile(config, runtime.arch_for_device(device), dtype=_TL_DTYPE[dtype], **static)
+    return kdef.compile(config, runtime.arch_for_device(device), dtype=TL_DTYPE[dtype], **static)
 
 
 def _kernel(name: str, dtype: torch.dtype, device: torch.device, **static):
-    key = (name, dtype, device.index, tuple(sorted(static.items())))
+    key = (name, dtype, device.index, *static.values())  # each kernel's call sites pass one kwarg order
     k = _kernels.get(key)
     if k is None:
         from ..kernels import attention as K
@@ -146,8 +145,7 @@ TUNABLES = {
 
 def _ready(t: torch.Tensor) -> torch.Tensor:
     # TileLang's kernels take compact tensors, and TMA needs 16-byte aligned base addresses.
-    t = t.contiguous()
-    return t if t.data_ptr() % 16 == 0 else t.clone()
+    return aligned16(t.contiguous())
 
 
 # ------------------------------------------------------------------------------------- forward

@@ -9,19 +9,17 @@ import torch
 
 from .. import reference, runtime, tuning
 from .._library import custom_op
-from ._checks import check_same, check_tensor
+from ._checks import INT32_MAX, TL_DTYPE, aligned16, check_same, check_tensor
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_TL_DTYPE = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-_INT32_MAX = 2**31 - 1
 
 
 def _check_add(a, b) -> None:
     check_tensor("a", a, DTYPES)
     check_tensor("b", b, DTYPES)
     check_same(("a", "b"), a, b, shape=True)
-    if a.numel() > _INT32_MAX:
-        raise ValueError(f"a: {a.numel()} elements exceed the kernel's int32 index range ({_INT32_MAX})")
+    if a.numel() > INT32_MAX:
+        raise ValueError(f"a: {a.numel()} elements exceed the kernel's int32 index range ({INT32_MAX})")
 
 
 # (dtype, device index) -> compiled kernel. Resolved once, so a call is a dict lookup and a launch.
@@ -31,7 +29,7 @@ _kernels: dict[tuple, object] = {}
 def _compile_add(config, dtype: torch.dtype, device: torch.device):
     from ..kernels import elementwise as K
 
-    return K.add_kernel.compile(config, runtime.arch_for_device(device), dtype=_TL_DTYPE[dtype])
+    return K.add_kernel.compile(config, runtime.arch_for_device(device), dtype=TL_DTYPE[dtype])
 
 
 def _add_kernel(dtype: torch.dtype, device: torch.device):
@@ -54,7 +52,7 @@ def _add_runner(config, shape, dtype, device):
 def _add_default(shape, dtype):
     from ..kernels import elementwise as K
 
-    return K.default_config(_TL_DTYPE[dtype])
+    return K.default_config(TL_DTYPE[dtype])
 
 
 def _add_space(shape, dtype):
@@ -74,11 +72,6 @@ TUNABLE = tuning.Tunable(
 )
 
 
-def _aligned(t: torch.Tensor) -> torch.Tensor:
-    # The kernel issues 16-byte vector loads; a view with an odd storage offset would fault.
-    return t if t.data_ptr() % 16 == 0 else t.clone()
-
-
 @custom_op("add")
 def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     _check_add(a, b)
@@ -92,9 +85,9 @@ def _(a, b):
     if a.numel() == 0:
         return out
     if a.dim() == 1:  # skip three view() calls (~1 µs each) on the common flat case
-        _add_kernel(a.dtype, a.device)(_aligned(a), _aligned(b), out)
+        _add_kernel(a.dtype, a.device)(aligned16(a), aligned16(b), out)
     else:
-        _add_kernel(a.dtype, a.device)(_aligned(a).view(-1), _aligned(b).view(-1), out.view(-1))
+        _add_kernel(a.dtype, a.device)(aligned16(a).view(-1), aligned16(b).view(-1), out.view(-1))
     return out
 
 
@@ -104,12 +97,8 @@ def _(a, b):
     return torch.empty_like(a)
 
 
-def _add_setup(ctx, inputs, output):
-    pass
-
-
 def _add_backward(ctx, grad):
     return grad, grad
 
 
-add.register_autograd(_add_backward, setup_context=_add_setup)
+add.register_autograd(_add_backward)

@@ -22,13 +22,12 @@ import torch.nn.functional as F
 
 from .. import reference, runtime, tuning
 from .._library import custom_op
-from ._checks import check_same, check_tensor
+from ._checks import TL_DTYPE, aligned16, check_activation, check_same, check_tensor
 
 DTYPES = (torch.float16, torch.bfloat16)
 ACTIVATIONS = reference.ACTIVATIONS
 # Activations whose derivative needs the pre-activation z (relu's needs only the output's sign).
 NEEDS_PREACT = ("gelu", "gelu_tanh", "silu")
-_TL_DTYPE = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _ALIGN = 8  # elements: 16 bytes of fp16/bf16, TMA's row-stride granule
 
 # ---------------------------------------------------------------- config
@@ -93,7 +92,7 @@ def _tune_runner(config, shape, dtype, device):
 
     layout, m, n, k = shape
     st = _tune_static(shape)
-    kern = K.matmul_kernel.compile(config, runtime.arch_for_device(device), **st, dtype=_TL_DTYPE[dtype], batched=False, bias=False, activation="none", save_preact=False)
+    kern = K.matmul_kernel.compile(config, runtime.arch_for_device(device), **st, dtype=TL_DTYPE[dtype], batched=False, bias=False, activation="none", save_preact=False)
     a = torch.randn(*((k, st["rows"]) if layout == "tn" else (m, st["k"])), dtype=dtype, device=device)
     b = torch.randn(*((st["n"], st["k"]) if layout == "nt" else (k if layout == "tn" else st["k"], st["n"])), dtype=dtype, device=device)
     c = torch.empty(st["rows"] if layout == "tn" else m, st["n"], dtype=dtype, device=device)
@@ -158,7 +157,7 @@ def _matmul_kernel(device, layout, n, k, dtype, rows=0, batched=False, bias=Fals
             rep = K.M_BUCKET_REP[bucket]
             shape = (layout, rows, n, rep) if layout == "tn" else (layout, rep, n, k)
             cfg = tuning.resolve_config(TUNABLE, shape, dtype, device)
-        static = dict(layout=layout, n=n, k=k, rows=rows, dtype=_TL_DTYPE[dtype], batched=batched, bias=bias, activation=activation, save_preact=save_preact)
+        static = dict(layout=layout, n=n, k=k, rows=rows, dtype=TL_DTYPE[dtype], batched=batched, bias=bias, activation=activation, save_preact=save_preact)
         hit = _kernels[key] = (K.matmul_kernel.compile(cfg, arch, **static), ("matmul", cfg, static))
     _last["matmul"] = hit[1]
     return hit[0]
@@ -172,7 +171,7 @@ def _act_grad_kernel(device, n, dtype, activation):
 
         arch = runtime.arch_for_device(device)
         cfg = K.default_act_grad_config(arch, n)
-        static = dict(n=n, dtype=_TL_DTYPE[dtype], activation=activation)
+        static = dict(n=n, dtype=TL_DTYPE[dtype], activation=activation)
         hit = _kernels[key] = (K.act_grad_kernel.compile(cfg, arch, **static), ("act_grad", cfg, static))
     _last["act_grad"] = hit[1]
     return hit[0]
@@ -191,8 +190,7 @@ def _prep(t: torch.Tensor, pad_dims: dict[int, int]) -> torch.Tensor:
         pads += [0, pad_dims.get(d, t.shape[d]) - t.shape[d]]
     if any(pads):
         return F.pad(t, pads)  # a fresh, contiguous, aligned tensor
-    t = t.contiguous()
-    return t if t.data_ptr() % 16 == 0 else t.clone()
+    return aligned16(t.contiguous())
 
 
 def _launch_matmul(layout, a, b, bias=None, activation="none", save_preact=False):
@@ -273,8 +271,7 @@ def _check_linear(x, weight, bias, activation) -> None:
         check_same(("x", "bias"), x, bias)
         if bias.shape[0] != weight.shape[0]:
             raise ValueError(f"bias: shape {tuple(bias.shape)} != (out_features,) = ({weight.shape[0]},)")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation: {activation!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
+    check_activation(activation)
 
 
 def _gemm_out_shape(op, a, b):
@@ -566,8 +563,4 @@ def linear_auto(x, weight, bias=None, activation="none"):
     if activation in NEEDS_PREACT and torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
         return torch.ops.tileops.linear_preact(x, weight, bias, activation)[0]
     return torch.ops.tileops.linear(x, weight, bias, activation)
-
-
-def flops(m: int, n: int, k: int) -> float:
-    return 2.0 * m * n * k
 

@@ -14,11 +14,9 @@ import torch
 
 from .. import reference, runtime, tuning
 from .._library import custom_op
-from ._checks import check_same, check_tensor
+from ._checks import INT32_MAX, TL_DTYPE, aligned16, check_same, check_tensor
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_TL_DTYPE = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-_INT32_MAX = 2**31 - 1
 _CSPLIT_MAX_ROWS = 65535  # = kernels.softmax.CSPLIT_MAX_ROWS (not imported here: tilelang loads lazily)
 
 
@@ -65,7 +63,7 @@ def _plan(kind: str, backward: bool, m: int, n: int, dtype: torch.dtype, device:
         if cfg.schedule == "csplit" and m > _CSPLIT_MAX_ROWS:
             from ..kernels import softmax as K
 
-            cfg = K.heuristic_config(n, _TL_DTYPE[dtype], kind, backward, m, _sms(device))
+            cfg = K.heuristic_config(n, TL_DTYPE[dtype], kind, backward, m, _sms(device))
         plan = _plans[key] = (cfg, _compile(cfg, kind, backward, n, dtype, device))
     return plan
 
@@ -73,7 +71,7 @@ def _plan(kind: str, backward: bool, m: int, n: int, dtype: torch.dtype, device:
 def _compile(cfg, kind: str, backward: bool, n: int, dtype: torch.dtype, device: torch.device) -> tuple:
     from ..kernels import softmax as K  # imports tilelang (~2 s): only on the first CUDA call
 
-    arch, tl_dtype = runtime.arch_for_device(device), _TL_DTYPE[dtype]
+    arch, tl_dtype = runtime.arch_for_device(device), TL_DTYPE[dtype]
     return tuple(k.compile(c, arch, **st) for k, c, st in K.schedule_kernels(cfg, n, tl_dtype, kind, backward))
 
 
@@ -90,9 +88,7 @@ def _as_rows(t: torch.Tensor, dim: int) -> torch.Tensor:
         t = t.reshape(1)
     elif dim != t.dim() - 1:
         t = t.movedim(dim, -1)  # reduction dim last: one copy in the .contiguous() below
-    t = t.contiguous()
-    if t.data_ptr() % 16:
-        t = t.clone()  # the kernels issue 16-byte vector loads; an odd storage offset would fault
+    t = aligned16(t.contiguous())
     return t.view(-1, t.shape[-1])
 
 
@@ -106,8 +102,8 @@ def _from_rows(out2d: torch.Tensor, like: torch.Tensor, dim: int) -> torch.Tenso
 
 
 def _check_rows(m: int, n: int) -> None:
-    if m > _INT32_MAX:
-        raise ValueError(f"x: {m} rows exceed the kernel's int32 row index range ({_INT32_MAX}); split the batch")
+    if m > INT32_MAX:
+        raise ValueError(f"x: {m} rows exceed the kernel's int32 row index range ({INT32_MAX}); split the batch")
 
 
 def _launch(kind: str, backward: bool, a: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -262,12 +258,12 @@ def _make_tunable(kind: str, backward: bool) -> tuning.Tunable:
         from ..kernels import softmax as K
 
         m, n = shape
-        return K.default_config(n, _TL_DTYPE[dtype], kind, backward, m, _default_sms())
+        return K.default_config(n, TL_DTYPE[dtype], kind, backward, m, _default_sms())
 
     def space(shape, dtype):
         from ..kernels import softmax as K
 
-        return [c for c in K.SEARCH_SPACE if K.fits(c, shape[1], _TL_DTYPE[dtype], kind, backward)]
+        return [c for c in K.SEARCH_SPACE if K.fits(c, shape[1], TL_DTYPE[dtype], kind, backward)]
 
     def runner(cfg, shape, dtype, device):
         kernels = _compile(cfg, kind, backward, shape[1], dtype, device)
