@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU session: GPU tests, `tileops check`, benchmarks. Logs and JSON under $OUT.
+# One GPU session: `tileops check`, benchmarks, then GPU tests. Logs and JSON under $OUT.
 # On the device host (no package index):  source .gpu-bundle/activate.sh; bash benchmarks/gpu_run.sh [tests...] -- [bench modules...]
 # Carry .gpu-bundle and .tl-carry (pack it with: benchmarks/pack_cache.sh).
 set -uo pipefail
@@ -15,14 +15,14 @@ tests=(); benches=(); seen=0
 for a in "$@"; do if [[ $a == -- ]]; then seen=1; elif ((seen)); then benches+=("$a"); else tests+=("$a"); fi; done
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv; python3 -c "import torch,tilelang;print('torch',torch.__version__,'cuda',torch.version.cuda,'tilelang',tilelang.__version__)"; } 2>&1 | tee "$OUT/env.txt"
 status=0
-if ((${#tests[@]})); then
-  python3 -m pytest -q -p no:cacheprovider -rs "${tests[@]}" > "$OUT/pytest.log" 2>&1; rc=$?; status=$((status|rc))
-  echo "pytest ${tests[*]}: rc=$rc  $(tail -1 "$OUT/pytest.log")"
-fi
 python3 -m tilelang_ops.cli check > "$OUT/check.log" 2>&1; rc=$?; status=$((status|rc))
 echo "tileops check: rc=$rc  $(tail -1 "$OUT/check.log")"
 for b in "${benches[@]}"; do
   python3 -m "$b" > "$OUT/$b.log" 2>&1; rc=$?; status=$((status|rc)); echo "== $b rc=$rc"; grep -v "INFO\|WARNING" "$OUT/$b.log" | tail -40
 done
+if ((${#tests[@]})); then
+  python3 -m pytest -q -p no:cacheprovider -rs "${tests[@]}" > "$OUT/pytest.log" 2>&1; rc=$?; status=$((status|rc))
+  echo "pytest ${tests[*]}: rc=$rc  $(tail -1 "$OUT/pytest.log")"
+fi
 grep -E "FAILED|Error" "$OUT/pytest.log" 2>/dev/null | head -30
 exit $status

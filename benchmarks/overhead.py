@@ -1,7 +1,14 @@
-"""Host overhead per op: median µs from `torch.ops.tileops.X(...)` returning, ours vs torch.
+"""Host overhead per op: median µs per call on small inputs, ours vs torch, and where it goes.
 
-Small inputs, so the number is the launch path (validation, dispatch, kernel lookup, launch), not
-GPU work. `python -m benchmarks.overhead` on a CUDA machine.
+Small inputs, so the number is the launch path (dispatch, validation, kernel lookup, launch), not
+GPU work. Columns:
+  op_us      `torch.ops.tileops.X(...)`: the whole path a user pays
+  impl_us    the op's CUDA implementation called directly (no dispatcher, no autograd kernel)
+  launch_us  the compiled host function(s) alone with the same arguments (tvm_ffi: argument
+             checks in C, stream, launch) — the floor without changing TileLang
+  torch_us   the PyTorch peer
+Forward and backward ops; with autograd recording (`requires_grad` inputs) for the ops that have
+an autograd formula. `python -m benchmarks.overhead` on a CUDA machine.
 """
 from __future__ import annotations
 
@@ -10,6 +17,10 @@ import torch.nn.functional as F
 
 import tilelang_ops  # noqa: F401
 from benchmarks._timing import host_us, table, write_json
+from tilelang_ops import runtime
+from tilelang_ops.ops import attention, elementwise, gemm, softmax
+
+CUDA = torch._C.DispatchKey.CUDA
 
 
 def cases():
@@ -18,33 +29,91 @@ def cases():
     a, b = torch.randn(1024, device=dev, dtype=bf), torch.randn(1024, device=dev, dtype=bf)
     x = torch.randn(8, 1024, device=dev, dtype=bf)
     y = torch.softmax(x.float(), -1).to(bf)
+    ly = torch.log_softmax(x.float(), -1).to(bf)
     g = torch.randn_like(x)
     w = torch.randn(1024, 1024, device=dev, dtype=bf)
     bias = torch.randn(1024, device=dev, dtype=bf)
     q = torch.randn(1, 128, 8, 128, device=dev, dtype=bf)
-    yield "add", lambda: ops.add(a, b), lambda: torch.add(a, b)
-    yield "softmax", lambda: ops.softmax(x, -1), lambda: torch.softmax(x, -1)
-    yield "softmax_backward", lambda: ops.softmax_backward(g, y, -1), lambda: torch._softmax_backward_data(g, y, -1, bf)
-    yield "log_softmax", lambda: ops.log_softmax(x, -1), lambda: torch.log_softmax(x, -1)
-    yield "gemm", lambda: ops.gemm(x, w), lambda: torch.matmul(x, w)
-    yield "linear gelu_tanh", lambda: ops.linear(x, w, bias, "gelu_tanh"), lambda: F.gelu(F.linear(x, w, bias), approximate="tanh")
-    yield "flash_attn", lambda: ops.flash_attn(q, q, q), lambda: F.scaled_dot_product_attention(q.transpose(1, 2), q.transpose(1, 2), q.transpose(1, 2))
+    qt = q.transpose(1, 2)
+    out, lse = ops.flash_attn_with_lse(q, q, q)
+    xr = x.detach().clone().requires_grad_()
+    qr = q.detach().clone().requires_grad_()
+    # (name, custom op, args, torch peer)
+    yield "add", elementwise.add, (a, b), lambda: torch.add(a, b)
+    yield "softmax", softmax.softmax, (x, -1), lambda: torch.softmax(x, -1)
+    yield "softmax_backward", softmax.softmax_backward, (g, y, -1), lambda: torch._softmax_backward_data(g, y, -1, bf)
+    yield "log_softmax", softmax.log_softmax, (x, -1), lambda: torch.log_softmax(x, -1)
+    yield "log_softmax_backward", softmax.log_softmax_backward, (g, ly, -1), lambda: torch._log_softmax_backward_data(g, ly, -1, bf)
+    yield "gemm", gemm.gemm, (x, w), lambda: torch.matmul(x, w)
+    yield "gemm_nt", gemm.gemm_nt, (x, w), lambda: torch.matmul(x, w.t())
+    yield "gemm_tn", gemm.gemm_tn, (x, g), lambda: torch.matmul(x.t(), g)
+    yield "linear", gemm.linear, (x, w, bias, "none"), lambda: F.linear(x, w, bias)
+    yield "linear gelu_tanh", gemm.linear, (x, w, bias, "gelu_tanh"), lambda: F.gelu(F.linear(x, w, bias), approximate="tanh")
+    yield "linear_preact gelu_tanh", gemm.linear_preact, (x, w, bias, "gelu_tanh"), lambda: torch._addmm_activation(bias, x, w.t(), use_gelu=True)
+    yield "act_grad gelu_tanh", gemm.act_grad, (g, x, "gelu_tanh", True), lambda: torch.ops.aten.gelu_backward(g, x, approximate="tanh")
+    yield "flash_attn", attention.flash_attn, (q, q, q), lambda: F.scaled_dot_product_attention(qt, qt, qt)
+    yield "flash_attn_with_lse", attention.flash_attn_with_lse, (q, q, q), None
+    yield "flash_attn_backward", attention.flash_attn_backward, (g.new_empty(q.shape).normal_(), q, q, q, out, lse), None
+    # with autograd recording: the forward a training step pays
+    yield "softmax (grad)", softmax.softmax, (xr, -1), lambda: torch.softmax(xr, -1)
+    yield "linear (grad)", gemm.linear, (xr, w, bias, "none"), lambda: F.linear(xr, w, bias)
+    yield "flash_attn (grad)", attention.flash_attn, (qr, q, q), lambda: F.scaled_dot_product_attention(qr.transpose(1, 2), qt, qt)
+
+
+class _Recorder:
+    """Stands in for runtime.launcher while recording: remembers each launch's function and args."""
+
+    def __init__(self):
+        self.calls = []
+        self.real = runtime.launcher
+
+    def __call__(self, compiled):
+        fn = self.real(compiled)
+
+        def record(*args):
+            self.calls.append((fn, args))
+            return fn(*args)
+
+        return record
+
+
+def _clear_op_caches() -> None:
+    for cache in (elementwise._kernels, gemm._kernels, softmax._plans, attention._kernels):
+        cache.clear()
+
+
+def launch_only_us(op, args) -> float:
+    """µs of the compiled host functions alone, recorded from one call of the op."""
+    rec = _Recorder()
+    _clear_op_caches()  # kernels stay compiled in runtime's cache: re-resolving only rewraps them
+    runtime.launcher = rec
+    try:
+        op.op(*args)
+        torch.cuda.synchronize()
+    finally:
+        runtime.launcher = rec.real
+        _clear_op_caches()
+    calls = rec.calls
+    return host_us(lambda: [fn(*a) for fn, a in calls]) if calls else None
 
 
 def main() -> None:
     rows = []
-    for name, ours, peer in cases():
+    for name, op, args, peer in cases():
         try:
-            ours()
+            call = lambda: op.op(*args)  # noqa: E731
+            call()
             torch.cuda.synchronize()
-            rows.append(dict(op=name, tileops_us=host_us(ours), torch_us=host_us(peer)))
+            impl = op.impls[CUDA]
+            r = dict(op=name, op_us=host_us(call), impl_us=host_us(lambda: impl(*args)), launch_us=launch_only_us(op, args))
+            r["op_us"] = host_us(call)  # again, after the recording pass re-resolved the kernels
+            r["torch_us"] = host_us(peer) if peer else None
+            r["ratio"] = r["op_us"] / r["torch_us"] if peer else None
         except Exception as e:  # report and continue: one broken op must not hide the others
-            rows.append(dict(op=name, tileops_us=None, torch_us=None, error=f"{type(e).__name__}: {e}"[:120]))
-    for r in rows:
-        if r.get("tileops_us"):
-            r["ratio"] = r["tileops_us"] / r["torch_us"]
+            r = dict(op=name, error=f"{type(e).__name__}: {e}"[:160])
+        rows.append(r)
     write_json("overhead", rows)
-    print(table(rows, ["op", "tileops_us", "torch_us", "ratio", "error"]))
+    print(table(rows, ["op", "op_us", "impl_us", "launch_us", "torch_us", "ratio", "error"]))
 
 
 if __name__ == "__main__":

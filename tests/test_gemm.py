@@ -363,6 +363,7 @@ def test_m_buckets_select_configs(monkeypatch):
     monkeypatch.setattr(G.tuning, "resolve_config", lambda tunable, shape, dtype, device: tunable.default(shape, dtype))
     monkeypatch.setattr(G, "_default_arch", lambda: "sm_90a")
     monkeypatch.setattr(K.matmul_kernel.__class__, "compile", lambda self, cfg, arch, **st: compiled.append(cfg) or ("kernel", cfg))
+    monkeypatch.setattr(G.runtime, "launcher", lambda kernel: kernel)
     monkeypatch.setattr(G, "_kernels", {})
     monkeypatch.setattr(G, "TUNED", {})
     dev = torch.device("cuda", 0)

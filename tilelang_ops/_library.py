@@ -2,17 +2,25 @@
 
 `custom_op` here has the interface of `torch.library.custom_op` (decorate the CPU/reference
 implementation, then `.register_kernel("cuda")`, `.register_fake`, `.register_autograd`), but
-registers through `torch.library.Library.define/impl` directly. Same schema inference, fake and
-autograd machinery (opcheck and torch.compile see the same op), minus custom_op's per-call Python
-wrappers around each backend kernel: measured 2.5 µs less per call on the CPU machine.
+registers through `torch.library.Library.define/impl` directly, and its autograd kernel is ours.
+Same schema, fake and autograd semantics (opcheck and torch.compile see an ordinary op); the
+difference is host time per call. torch's generated autograd kernel re-enters the dispatcher to
+reach the backend kernel: a second C++→Python crossing, a dataclass and a context manager on
+every call. Ours calls the CPU/CUDA implementation directly when nothing sits between autograd
+and the backend (no fake/functional tensor, no dispatch mode, no subclass: the dispatcher's own
+keyset says so), and redispatches otherwise. Measured on the CPU machine: 2.9 µs per call
+against torch's 5.1 µs (a no-autograd op: 1.6 µs).
 """
 from __future__ import annotations
 
 import torch
+from torch import _C
 
 NAMESPACE = "tileops"
 # FRAGMENT, not DEF: another library may own a TORCH_LIBRARY block for the same namespace.
 _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
+_AFTER_AUTOGRAD = _C._after_autograd_keyset
+_BACKEND_KEYS = {"cpu": _C.DispatchKey.CPU, "cuda": _C.DispatchKey.CUDA}
 
 
 def _is_registered(name: str) -> bool:
@@ -33,8 +41,9 @@ class CustomOp:
         _LIB.define(name + schema)
         # The decorated function is the reference: it serves every device without its own kernel.
         _LIB.impl(name, fn, "CompositeExplicitAutograd")
-        self._default = fn
         self.op = getattr(getattr(torch.ops, NAMESPACE), name).default
+        # backend dispatch key -> implementation, for the autograd kernel's direct call
+        self.impls = {_C.DispatchKey.CPU: fn}
 
     def __call__(self, *args, **kwargs):
         return self.op(*args, **kwargs)
@@ -42,6 +51,7 @@ class CustomOp:
     def register_kernel(self, device_type: str):
         def wrap(fn):
             _LIB.impl(self.name, fn, {"cuda": "CUDA", "cpu": "CPU"}[device_type])
+            self.impls[_BACKEND_KEYS[device_type]] = fn
             return fn
 
         return wrap
@@ -51,7 +61,64 @@ class CustomOp:
         return fn
 
     def register_autograd(self, backward, *, setup_context=None):
-        torch.library.register_autograd(self.qualname, backward, setup_context=setup_context, lib=_LIB)
+        """backward(ctx, *grads) -> one gradient (or None) per input; setup_context(ctx, inputs, output)."""
+        op, impls = self.op, self.impls
+        arguments = op._schema.arguments
+        # The dispatcher drops trailing arguments equal to their defaults; setup_context sees all.
+        defaults = tuple(a.default_value if a.has_default_value() else None for a in arguments)
+
+        run = _no_grad_path(op, impls)
+
+        def forward(ctx, *args):
+            keyset, args = args[-1], args[:-1]
+            out = run(keyset, args)
+            if setup_context is not None:
+                setup_context(ctx, args + defaults[len(args):], out)
+            return out
+
+        def backward_(ctx, *grads):
+            needs = ctx.needs_input_grad
+            try:
+                ctx.needs_input_grad = needs[:-1]  # the keyset is not an input
+                grads_in = backward(ctx, *grads)
+            finally:
+                ctx.needs_input_grad = needs
+            return (*grads_in, None) if isinstance(grads_in, tuple) else (grads_in, None)
+
+        fn_cls = type(f"{self.name}_autograd", (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(backward_)})
+
+        def autograd_kernel(keyset, *args):
+            if _C.is_grad_enabled() and _C._any_requires_grad(*args):
+                return fn_cls.apply(*args, keyset)
+            return run(keyset, args)
+
+        _LIB.impl(self.name, autograd_kernel, "Autograd", with_keyset=True)
+
+    def register_autograd_via(self, differentiable):
+        """Autograd by delegation: when a gradient is needed, `differentiable(*args)` (built from
+        other ops that have autograd) computes the result; otherwise the op's own kernel runs."""
+        run = _no_grad_path(self.op, self.impls)
+
+        def autograd_kernel(keyset, *args):
+            if _C.is_grad_enabled() and _C._any_requires_grad(*args):
+                return differentiable(*args)
+            return run(keyset, args)
+
+        _LIB.impl(self.name, autograd_kernel, "Autograd", with_keyset=True)
+
+
+def _no_grad_path(op, impls):
+    """(keyset, args) -> result without autograd: the implementation directly, else redispatch."""
+
+    def run(keyset, args):
+        rest = keyset & _AFTER_AUTOGRAD
+        impl = impls.get(rest.highestPriorityTypeId())
+        if impl is not None:
+            return impl(*args)
+        with _C._AutoDispatchBelowAutograd():
+            return op.redispatch(rest, *args)
+
+    return run
 
 
 def custom_op(name: str, *, mutates_args=(), schema: str | None = None):

@@ -51,7 +51,6 @@ class KernelDef:
     family: str
     name: str
     build: Callable[..., Any]
-    out_idx: tuple[int, ...] | None = None
     pass_configs: tuple[tuple[str, Any], ...] = ()
 
     def compile(self, config, arch: str, **static):
@@ -65,7 +64,6 @@ class KernelDef:
             if kernel is None:
                 kernel = _tilelang().compile(
                     self.build(config, **static),
-                    out_idx=list(self.out_idx) if self.out_idx is not None else None,
                     target={"kind": "cuda", "arch": arch},
                     pass_configs=dict(self.pass_configs) or None,
                 )
@@ -76,19 +74,28 @@ class KernelDef:
         return self.compile(config, arch, **static).get_kernel_source()
 
 
-def kernel(family: str, name: str | None = None, out_idx=None, pass_configs=None):
-    """Decorator turning a PrimFunc builder into a KernelDef."""
+def kernel(family: str, name: str | None = None, pass_configs=None):
+    """Decorator turning a PrimFunc builder into a KernelDef.
+
+    Kernels take every buffer, outputs included, as parameters (no TileLang `out_idx`): the op
+    allocates outputs, so a test can hand a kernel a poisoned buffer and `launcher` applies.
+    """
 
     def wrap(build):
-        return KernelDef(
-            family,
-            name or build.__name__,
-            build,
-            tuple(out_idx) if out_idx is not None else None,
-            tuple(sorted((pass_configs or {}).items())),
-        )
+        return KernelDef(family, name or build.__name__, build, tuple(sorted((pass_configs or {}).items())))
 
     return wrap
+
+
+def launcher(compiled) -> Callable[..., None]:
+    """The compiled host function of a kernel: call it with every buffer, outputs included.
+
+    `JITKernel.__call__` works out devices and output shapes in Python on every call before it
+    reaches this function; the function itself (tvm_ffi, C) checks dtype, shape, device and
+    alignment of each argument, takes torch's current stream and launches. Ops keep it in their
+    per-key caches so a call pays only the C part.
+    """
+    return compiled.adapter._get_executable().main
 
 
 def compiled_count() -> int:

@@ -48,7 +48,7 @@ class _ArchKernelDef(KernelDef):
 
 
 def _arch_aware(kdef: KernelDef) -> _ArchKernelDef:
-    return _ArchKernelDef(kdef.family, kdef.name, kdef.build, kdef.out_idx, kdef.pass_configs)
+    return _ArchKernelDef(kdef.family, kdef.name, kdef.build, kdef.pass_configs)
 
 
 # ---------------------------------------------------------------------------------------------

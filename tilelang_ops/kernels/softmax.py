@@ -213,7 +213,7 @@ def _split_chunks(n: int, chunk: int) -> int:
 # Fragments are (k, block_m, w): TileLang gives the innermost dim to the lanes (vec contiguous
 # elements each) and the next one to the rows, so a short row lives in one warp and a mid row in
 # the CTA. Reducing dim 0 first is thread-local; the lane reduce then runs once per row.
-@kernel("softmax", "softmax_rows_fwd", out_idx=[1])
+@kernel("softmax", "softmax_rows_fwd")
 def rows_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str):
     M = T.dynamic("M")
     bm, threads = config.block_m, config.threads
@@ -260,7 +260,7 @@ def rows_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str):
     return fwd
 
 
-@kernel("softmax", "softmax_rows_bwd", out_idx=[2])
+@kernel("softmax", "softmax_rows_bwd")
 def rows_bwd(config: SoftmaxConfig, n: int, dtype: str, kind: str):
     """softmax: dx = y * (dy - sum(dy * y));  log_softmax: dx = dy - exp(y) * sum(dy)."""
     M = T.dynamic("M")
@@ -308,7 +308,7 @@ def rows_bwd(config: SoftmaxConfig, n: int, dtype: str, kind: str):
 # rowsh: `rows` with the row held in the input dtype (bf16/fp16: half the registers), so more
 # threads stay resident per SM (one wave where `rows` needs 1.5); fp32 sums, exp computed twice.
 # ---------------------------------------------------------------------------------------------
-@kernel("softmax", "softmax_rowsh_fwd", out_idx=[1])
+@kernel("softmax", "softmax_rowsh_fwd")
 def rowsh_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str):
     M = T.dynamic("M")
     bm, threads = config.block_m, config.threads
@@ -350,7 +350,7 @@ def rowsh_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str):
     return fwd
 
 
-@kernel("softmax", "softmax_rowsh_bwd", out_idx=[2])
+@kernel("softmax", "softmax_rowsh_bwd")
 def rowsh_bwd(config: SoftmaxConfig, n: int, dtype: str, kind: str):
     M = T.dynamic("M")
     bm, threads = config.block_m, config.threads
@@ -642,7 +642,7 @@ def csplit(config: SoftmaxConfig, n: int, dtype: str, kind: str, backward: bool)
 # ---------------------------------------------------------------------------------------------
 # loop: long rows and many of them; one CTA per row walks its row twice in chunks
 # ---------------------------------------------------------------------------------------------
-@kernel("softmax", "softmax_loop_fwd", out_idx=[1])
+@kernel("softmax", "softmax_loop_fwd")
 def loop_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str):
     """Pass 1 keeps a running (max, sum of exp) over chunks; pass 2 re-reads the row, newest chunk
     first, while it is still in L2 (132 resident rows of 512 KB fit the H200's 50 MB)."""
@@ -692,7 +692,7 @@ def loop_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str):
     return fwd
 
 
-@kernel("softmax", "softmax_loop_bwd", out_idx=[2])
+@kernel("softmax", "softmax_loop_bwd")
 def loop_bwd(config: SoftmaxConfig, n: int, dtype: str, kind: str):
     M = T.dynamic("M")
     c, threads = config.chunk, config.threads

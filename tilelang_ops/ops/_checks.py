@@ -20,6 +20,11 @@ def aligned16(t: torch.Tensor) -> torch.Tensor:
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
+def ready(t: torch.Tensor) -> torch.Tensor:
+    """Contiguous and 16-byte aligned, as TileLang kernels take it: `t` itself in the common case."""
+    return t if t.is_contiguous() and t.data_ptr() % 16 == 0 else aligned16(t.contiguous())
+
+
 def check_activation(activation: str) -> None:
     from ..reference import ACTIVATIONS
 

@@ -17,8 +17,8 @@ from typing import Optional
 import torch
 
 from .. import reference, runtime, tuning
-from .._library import _LIB, NAMESPACE, _is_registered, custom_op
-from ._checks import TL_DTYPE, aligned16, check_same, check_tensor
+from .._library import custom_op
+from ._checks import TL_DTYPE, check_same, check_tensor, ready
 
 DTYPES = (torch.float16, torch.bfloat16)
 HEADDIMS = (64, 128, 256)
@@ -26,6 +26,13 @@ HEADDIMS = (64, 128, 256)
 
 # ------------------------------------------------------------------------------------ validation
 def _check_qkv(q, k, v, softmax_scale) -> None:
+    # Fast accept (the common call), else the full check that names what is wrong.
+    if (
+        q.dtype in DTYPES and k.dtype is q.dtype and v.dtype is q.dtype and q.dim() == 4 and k.dim() == 4
+        and k.shape == v.shape and q.shape[0] == k.shape[0] and q.shape[3] == k.shape[3] and q.shape[3] in HEADDIMS
+        and k.shape[2] and q.shape[2] % k.shape[2] == 0 and q.device == k.device and q.device == v.device and softmax_scale is None
+    ):
+        return
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t, DTYPES, ndim=4, contiguous=False)  # non-contiguous: copied on CUDA
     check_same(("q", "k"), q, k)
@@ -79,7 +86,7 @@ def _kernel(name: str, dtype: torch.dtype, device: torch.device, **static):
             config = tuning.resolve_config(TUNABLES[name], _tune_shape(static), dtype, device)
         else:
             config = K.PrepConfig() if name == "prep" else K.CastConfig()
-        k = _kernels[key] = _compile(name, config, dtype, device, **static)
+        k = _kernels[key] = runtime.launcher(_compile(name, config, dtype, device, **static))
     return k
 
 
@@ -143,11 +150,6 @@ TUNABLES = {
 }
 
 
-def _ready(t: torch.Tensor) -> torch.Tensor:
-    # TileLang's kernels take compact tensors, and TMA needs 16-byte aligned base addresses.
-    return aligned16(t.contiguous())
-
-
 # ------------------------------------------------------------------------------------- forward
 @custom_op("flash_attn_with_lse")
 def flash_attn_with_lse(
@@ -159,18 +161,18 @@ def flash_attn_with_lse(
 
 
 @flash_attn_with_lse.register_kernel("cuda")
-def _(q, k, v, causal=False, softmax_scale=None):
+def _flash_fwd_cuda(q, k, v, causal=False, softmax_scale=None):
     _check_qkv(q, k, v, softmax_scale)
     B, Sq, H, D = q.shape
     Sk, HK = k.shape[1], k.shape[2]
-    out = torch.empty((B, Sq, H, D), dtype=q.dtype, device=q.device)
-    lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
+    out = q.new_empty((B, Sq, H, D))
+    lse = q.new_empty((B, H, Sq), dtype=torch.float32)
     if out.numel() == 0:
         return out, lse
     if Sk == 0:  # nothing to attend to
         return out.zero_(), lse.fill_(float("-inf"))
     kern = _kernel("fwd", q.dtype, q.device, headdim=D, causal=causal, groups=H // HK, scale=_scale(q, softmax_scale))
-    kern(_ready(q), _ready(k), _ready(v), out, lse)
+    kern(ready(q), ready(k), ready(v), out, lse)
     return out, lse
 
 
@@ -226,16 +228,16 @@ def _(dout, q, k, v, out, lse, causal=False, softmax_scale=None, dlse=None):
     if q.numel() == 0 or Sk == 0:
         return torch.zeros(q.shape, dtype=q.dtype, device=q.device), dk.zero_(), dv.zero_()
     dev, scale = q.device, _scale(q, softmax_scale)
-    dout = _ready(dout)
+    dout = ready(dout)
     sqp = (Sq + 3) // 4 * 4  # lse2/delta rows padded: TMA needs 16-byte global strides
     delta = torch.empty((B, H, sqp), dtype=torch.float32, device=dev)
     lse2 = torch.empty((B, H, sqp), dtype=torch.float32, device=dev)
-    _kernel("prep", q.dtype, dev, headdim=D)(_ready(out), dout, _ready(lse), delta, lse2)
+    _kernel("prep", q.dtype, dev, headdim=D)(ready(out), dout, ready(lse), delta, lse2)
     if dlse is not None:  # d lse_i / d s_ij = P_ij, so dlse folds into Delta: dS = P (dP - (Delta - dlse))
         delta[:, :, :Sq].sub_(dlse)
     dq_acc = torch.zeros((B, Sq, H, D), dtype=torch.float32, device=dev)  # fp32 atomics target
     kern = _kernel("bwd", q.dtype, dev, headdim=D, causal=causal, groups=H // HK, scale=scale)
-    kern(_ready(q), _ready(k), _ready(v), dout, lse2, delta, dq_acc, dk, dv)
+    kern(ready(q), ready(k), ready(v), dout, lse2, delta, dq_acc, dk, dv)
     dq = torch.empty((B, Sq, H, D), dtype=q.dtype, device=dev)
     _kernel("cast", q.dtype, dev)(dq_acc.view(-1), dq.view(-1))
     return dq, dk, dv
@@ -267,19 +269,24 @@ flash_attn_with_lse.register_autograd(_backward, setup_context=_setup)
 
 
 # ----------------------------------------------------------------------------- out-only op
-# A composite op: it decomposes into flash_attn_with_lse, whose autograd saves the lse the
-# backward needs; under torch.compile it traces straight through to that op.
-_FLASH_ATTN = "flash_attn"
-if _is_registered(_FLASH_ATTN):
-    raise RuntimeError(
-        f"torch.ops.{NAMESPACE}.{_FLASH_ATTN} is already registered by another library or an earlier import; "
-        f"tilelang_ops refuses to shadow it."
-    )
-_LIB.define(f"{_FLASH_ATTN}(Tensor q, Tensor k, Tensor v, bool causal=False, float? softmax_scale=None) -> Tensor")
+# Its own op (not a composite that calls flash_attn_with_lse through the dispatcher again): one
+# dispatch per inference call. With autograd recording, it runs flash_attn_with_lse, whose
+# autograd saves the lse the backward needs; torch.compile traces it the same way.
+@custom_op("flash_attn")
+def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False, softmax_scale: Optional[float] = None) -> torch.Tensor:
+    _check_qkv(q, k, v, softmax_scale)
+    return reference.flash_attn(q, k, v, causal, _scale(q, softmax_scale))[0].to(q.dtype).contiguous()
 
 
-def _flash_attn(q, k, v, causal=False, softmax_scale=None):
-    return torch.ops.tileops.flash_attn_with_lse(q, k, v, causal, softmax_scale)[0]
+@flash_attn.register_kernel("cuda")
+def _(q, k, v, causal=False, softmax_scale=None):
+    return _flash_fwd_cuda(q, k, v, causal, softmax_scale)[0]
 
 
-_LIB.impl(_FLASH_ATTN, _flash_attn, "CompositeImplicitAutograd")
+@flash_attn.register_fake
+def _(q, k, v, causal=False, softmax_scale=None):
+    _check_qkv(q, k, v, softmax_scale)
+    return q.new_empty(q.shape)
+
+
+flash_attn.register_autograd_via(lambda q, k, v, causal=False, softmax_scale=None: torch.ops.tileops.flash_attn_with_lse(q, k, v, causal, softmax_scale)[0])

@@ -15,6 +15,11 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _check_add(a, b) -> None:
+    if (
+        a.dtype in DTYPES and b.dtype is a.dtype and a.shape == b.shape and a.device == b.device
+        and a.is_contiguous() and b.is_contiguous() and a.numel() <= INT32_MAX
+    ):
+        return  # fast accept; otherwise the full check names what is wrong
     check_tensor("a", a, DTYPES)
     check_tensor("b", b, DTYPES)
     check_same(("a", "b"), a, b, shape=True)
@@ -38,7 +43,7 @@ def _add_kernel(dtype: torch.dtype, device: torch.device):
     if k is None:
         # one config serves every length (the kernel is bandwidth-bound; tuned at 2^26 elements)
         config = tuning.resolve_config(TUNABLE, (1 << 26,), dtype, device)
-        k = _kernels[key] = _compile_add(config, dtype, device)
+        k = _kernels[key] = runtime.launcher(_compile_add(config, dtype, device))
     return k
 
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from .. import reference, runtime, tuning
 from .._library import custom_op
-from ._checks import TL_DTYPE, aligned16, check_activation, check_same, check_tensor
+from ._checks import TL_DTYPE, check_activation, check_same, check_tensor, ready
 
 DTYPES = (torch.float16, torch.bfloat16)
 ACTIVATIONS = reference.ACTIVATIONS
@@ -158,7 +158,7 @@ def _matmul_kernel(device, layout, n, k, dtype, rows=0, batched=False, bias=Fals
             shape = (layout, rows, n, rep) if layout == "tn" else (layout, rep, n, k)
             cfg = tuning.resolve_config(TUNABLE, shape, dtype, device)
         static = dict(layout=layout, n=n, k=k, rows=rows, dtype=TL_DTYPE[dtype], batched=batched, bias=bias, activation=activation, save_preact=save_preact)
-        hit = _kernels[key] = (K.matmul_kernel.compile(cfg, arch, **static), ("matmul", cfg, static))
+        hit = _kernels[key] = (runtime.launcher(K.matmul_kernel.compile(cfg, arch, **static)), ("matmul", cfg, static))
     _last["matmul"] = hit[1]
     return hit[0]
 
@@ -172,7 +172,7 @@ def _act_grad_kernel(device, n, dtype, activation):
         arch = runtime.arch_for_device(device)
         cfg = K.default_act_grad_config(arch, n)
         static = dict(n=n, dtype=TL_DTYPE[dtype], activation=activation)
-        hit = _kernels[key] = (K.act_grad_kernel.compile(cfg, arch, **static), ("act_grad", cfg, static))
+        hit = _kernels[key] = (runtime.launcher(K.act_grad_kernel.compile(cfg, arch, **static)), ("act_grad", cfg, static))
     _last["act_grad"] = hit[1]
     return hit[0]
 
@@ -183,50 +183,51 @@ def _up(x: int) -> int:
 
 def _prep(t: torch.Tensor, pad_dims: dict[int, int]) -> torch.Tensor:
     """Contiguous, 16-byte aligned, zero-padded to the sizes in `pad_dims` ({dim: size})."""
-    if t.is_contiguous() and t.data_ptr() % 16 == 0 and all(t.shape[d] == size for d, size in pad_dims.items()):
-        return t  # the common case, checked first: no list building on the hot path
     pads = []
     for d in range(t.dim() - 1, -1, -1):
         pads += [0, pad_dims.get(d, t.shape[d]) - t.shape[d]]
     if any(pads):
         return F.pad(t, pads)  # a fresh, contiguous, aligned tensor
-    return aligned16(t.contiguous())
+    return ready(t)
 
 
 def _launch_matmul(layout, a, b, bias=None, activation="none", save_preact=False):
-    """C (and Z) for 2-D or batched 3-D operands already validated; pads ragged static dims."""
-    batched = a.dim() == 3
+    """C (and Z) for 2-D or batched 3-D operands already validated; pads ragged static dims.
+
+    Hot path (static dims multiples of 8, operands contiguous and aligned): no copies, one
+    output allocation (two with save_preact), a dict lookup and the launch.
+    """
     if layout == "tn":
-        R, P = a.shape[-2:]
-        N = b.shape[-1]
+        P, N = a.shape[-1], b.shape[-1]
         rows, n, k = _up(P), _up(N), 0
-        a_p = _prep(a, {a.dim() - 1: rows})
-        b_p = _prep(b, {b.dim() - 1: n})
-        out_rows = P
+        padded = rows != P or n != N
+        if padded:
+            a, b = _prep(a, {a.dim() - 1: rows}), _prep(b, {b.dim() - 1: n})
+        out_shape = (*a.shape[:-2], rows, n)
+        tokens = a.shape[-2]  # the symbolic reduction
     else:
-        M, K = a.shape[-2:]
+        K = a.shape[-1]
         N = b.shape[-2] if layout == "nt" else b.shape[-1]
-        rows, n, k = 0, _up(N), _up(K)
-        a_p = _prep(a, {a.dim() - 1: k})
-        b_p = _prep(b, {b.dim() - 2: n, b.dim() - 1: k} if layout == "nt" else {b.dim() - 2: k, b.dim() - 1: n})
-        out_rows = M
-    lead = a.shape[:-2]
-    out_shape = (*lead, rows if layout == "tn" else out_rows, n)
-    c = torch.empty(out_shape, dtype=a.dtype, device=a.device)
-    z = torch.empty(out_shape, dtype=a.dtype, device=a.device) if save_preact else None
+        n, k, rows, P = _up(N), _up(K), 0, a.shape[-2]
+        padded = n != N or k != K
+        if padded:
+            a = _prep(a, {a.dim() - 1: k})
+            b = _prep(b, {b.dim() - 2: n, b.dim() - 1: k} if layout == "nt" else {b.dim() - 2: k, b.dim() - 1: n})
+        out_shape = (*a.shape[:-1], n)
+        tokens = a.numel() // k if k else 0  # batch × M
+    a, b = ready(a), ready(b)
+    c = a.new_empty(out_shape)
+    z = a.new_empty(out_shape) if save_preact else None
     if c.numel():
-        tokens = a.shape[-2] if layout == "tn" else a.numel() // a.shape[-1]  # K symbolic for "tn"; batch × M otherwise
-        kern = _matmul_kernel(a.device, layout, n, k, a.dtype, rows, batched, bias is not None, activation, save_preact, tokens)
-        args = [a_p, b_p]
+        kern = _matmul_kernel(a.device, layout, n, k, a.dtype, rows, a.dim() == 3, bias is not None, activation, save_preact, tokens)
         if bias is not None:
-            args.append(_prep(bias, {0: n}))
-        args.append(c)
-        if z is not None:
-            args.append(z)
-        kern(*args)
-    if n != N or (layout == "tn" and rows != out_rows):
-        c = c[..., :out_rows, :N].contiguous()
-        z = z[..., :out_rows, :N].contiguous() if z is not None else None
+            bias = ready(bias) if n == N else _prep(bias, {0: n})
+            kern(a, b, bias, c, z) if save_preact else kern(a, b, bias, c)
+        else:
+            kern(a, b, c, z) if save_preact else kern(a, b, c)
+    if padded:  # P: the real output rows
+        c = c[..., :P, :N].contiguous()
+        z = z[..., :P, :N].contiguous() if z is not None else None
     return c, z
 
 
@@ -245,6 +246,10 @@ def _cuda_matmul(layout, a, b, bias=None, activation="none", save_preact=False):
 
 
 def _check_pair(a, b, op: str) -> None:
+    # Fast accept (the common call, ~0.5 µs), else the full check that names what is wrong.
+    if a.dtype in DTYPES and b.dtype is a.dtype and a.dim() == 2 and b.dim() == 2 and a.device == b.device:
+        if a.shape[-2 if op == "gemm_tn" else -1] == b.shape[-1 if op == "gemm_nt" else -2]:
+            return
     check_tensor("a", a, DTYPES, ndim=(2, 3), contiguous=False)
     check_tensor("b", b, DTYPES, ndim=(2, 3), contiguous=False)
     check_same(("a", "b"), a, b)
@@ -258,7 +263,17 @@ def _check_pair(a, b, op: str) -> None:
         raise ValueError(f"{op}: shape mismatch for {expr}: a {tuple(a.shape)}, b {tuple(b.shape)} (reduction dims {ka} != {kb})")
 
 
+_ACTIVATION_SET = frozenset(ACTIVATIONS)
+
+
 def _check_linear(x, weight, bias, activation) -> None:
+    # Fast accept (the common call), else the full check that names what is wrong.
+    if (
+        x.dtype in DTYPES and weight.dtype is x.dtype and weight.dim() == 2 and x.dim() >= 1
+        and x.shape[-1] == weight.shape[1] and x.device == weight.device and activation in _ACTIVATION_SET
+        and (bias is None or (bias.dtype is x.dtype and bias.dim() == 1 and bias.shape[0] == weight.shape[0] and bias.device == x.device))
+    ):
+        return
     check_tensor("x", x, DTYPES, contiguous=False)
     check_tensor("weight", weight, DTYPES, ndim=2, contiguous=False)
     check_same(("x", "weight"), x, weight)
@@ -295,13 +310,14 @@ def gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def _(a, b):
     _check_pair(a, b, "gemm")
     lead = a.shape[:-1]
-    if a.dim() == 3 and b.dim() == 2:  # shared weight: fold the batch into M (a view when a is contiguous)
+    fold = a.dim() == 3 and b.dim() == 2
+    if fold:  # shared weight: fold the batch into M (a view when a is contiguous)
         a = a.reshape(-1, a.shape[-1])
     if b.dim() == 2 and not b.is_contiguous() and b.t().is_contiguous():
         c = _cuda_matmul("nt", a, b.t())[0]  # b is a transposed (N, K) weight: read it as is, no copy
     else:
         c = _cuda_matmul("nn", a, b)[0]
-    return c.view(*lead, b.shape[-1])
+    return c.view(*lead, b.shape[-1]) if fold else c
 
 
 @gemm.register_fake
@@ -448,6 +464,8 @@ def _(dy, z, activation, bias_grad):
 
 
 def _linear_impl_cuda(x, weight, bias, activation, save_preact):
+    if x.dim() == 2:  # no reshape/view round trip (~1 µs each) on the common 2-D call
+        return _cuda_matmul("nt", x, weight, bias, activation, save_preact)
     x2 = x.reshape(-1, x.shape[-1])
     y, z = _cuda_matmul("nt", x2, weight, bias, activation, save_preact)
     shape = (*x.shape[:-1], weight.shape[0])
