@@ -97,22 +97,37 @@ def launch_only_us(op, args) -> float:
     return host_us(lambda: [fn(*a) for fn, a in calls]) if calls else None
 
 
-def main() -> None:
-    rows = []
-    for name, op, args, peer in cases():
-        try:
-            call = lambda: op.op(*args)  # noqa: E731
-            call()
-            torch.cuda.synchronize()
-            impl = op.impls[CUDA]
-            r = dict(op=name, op_us=host_us(call), impl_us=host_us(lambda: impl(*args)), launch_us=launch_only_us(op, args))
-            r["op_us"] = host_us(call)  # again, after the recording pass re-resolved the kernels
-            r["torch_us"] = host_us(peer) if peer else None
-            r["ratio"] = r["op_us"] / r["torch_us"] if peer else None
-        except Exception as e:  # report and continue: one broken op must not hide the others
-            r = dict(op=name, error=f"{type(e).__name__}: {e}"[:160])
-        rows.append(r)
-    write_json("overhead", rows)
+def measure(name, op, args, peer) -> dict:
+    call = lambda: op.op(*args)  # noqa: E731
+    impl = op.impls[CUDA]
+    r = dict(op=name, op_us=host_us(call), impl_us=host_us(lambda: impl(*args)), launch_us=launch_only_us(op, args))
+    r["op_us"] = min(r["op_us"], host_us(call))  # again, after the recording pass re-resolved the kernels
+    r["torch_us"] = host_us(peer) if peer else None
+    return r
+
+
+def main(rounds: int = 3) -> None:
+    # Several interleaved rounds, the minimum of each column's medians: the host's clock and
+    # neighbours drift over a run, and one round's first rows measured visibly slower.
+    all_cases = list(cases())
+    best: dict[str, dict] = {}
+    for _ in range(rounds):
+        for name, op, args, peer in all_cases:
+            try:
+                op.op(*args)
+                torch.cuda.synchronize()
+                r = measure(name, op, args, peer)
+            except Exception as e:  # report and continue: one broken op must not hide the others
+                r = dict(op=name, error=f"{type(e).__name__}: {e}"[:160])
+            prev = best.setdefault(name, r)
+            for k, v in r.items():
+                if isinstance(v, float) and (prev.get(k) is None or v < prev[k]):
+                    prev[k] = v
+    rows = list(best.values())
+    for r in rows:
+        if r.get("torch_us") and r.get("op_us"):
+            r["ratio"] = r["op_us"] / r["torch_us"]
+    write_json("overhead", rows, {"rounds": rounds})
     print(table(rows, ["op", "op_us", "impl_us", "launch_us", "torch_us", "ratio", "error"]))
 
 

@@ -27,13 +27,13 @@ _TOKENS = dict(bos_token_id=0, eos_token_id=1, pad_token_id=2)
 CONFIGS = {
     "llama-gqa": lambda: transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=256, intermediate_size=256, num_hidden_layers=LAYERS, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=64, max_position_embeddings=128, **_TOKENS,
+        num_key_value_heads=2, head_dim=64, max_position_embeddings=1024, **_TOKENS,
     ),
     "qwen2-mqa": lambda: transformers.Qwen2Config(
         vocab_size=VOCAB, hidden_size=256, intermediate_size=256, num_hidden_layers=LAYERS, num_attention_heads=4,
-        num_key_value_heads=1, max_position_embeddings=128, **_TOKENS,
+        num_key_value_heads=1, max_position_embeddings=1024, **_TOKENS,
     ),
-    "gpt2": lambda: transformers.GPT2Config(vocab_size=VOCAB, n_embd=128, n_layer=LAYERS, n_head=2, n_positions=128, **_TOKENS),
+    "gpt2": lambda: transformers.GPT2Config(vocab_size=VOCAB, n_embd=128, n_layer=LAYERS, n_head=2, n_positions=1024, **_TOKENS),
 }
 
 

@@ -21,6 +21,7 @@ NAMESPACE = "tileops"
 _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
 _AFTER_AUTOGRAD = _C._after_autograd_keyset
 _BACKEND_KEYS = {"cpu": _C.DispatchKey.CPU, "cuda": _C.DispatchKey.CUDA}
+_MISSING = object()
 
 
 def _is_registered(name: str) -> bool:
@@ -110,13 +111,17 @@ class CustomOp:
 def _no_grad_path(op, impls):
     """(keyset, args) -> result without autograd: the implementation directly, else redispatch."""
 
+    direct: dict[int, object] = {}  # keyset bits -> implementation to call, or None: redispatch
+
     def run(keyset, args):
-        rest = keyset & _AFTER_AUTOGRAD
-        impl = impls.get(rest.highestPriorityTypeId())
+        bits = keyset.raw_repr()  # one cheap call; the keyset itself is not hashable
+        impl = direct.get(bits, _MISSING)
+        if impl is _MISSING:
+            impl = direct[bits] = impls.get((keyset & _AFTER_AUTOGRAD).highestPriorityTypeId())
         if impl is not None:
             return impl(*args)
         with _C._AutoDispatchBelowAutograd():
-            return op.redispatch(rest, *args)
+            return op.redispatch(keyset & _AFTER_AUTOGRAD, *args)
 
     return run
 

@@ -95,7 +95,10 @@ def launcher(compiled) -> Callable[..., None]:
     alignment of each argument, takes torch's current stream and launches. Ops keep it in their
     per-key caches so a call pays only the C part.
     """
-    return compiled.adapter._get_executable().main
+    ex = compiled.adapter._get_executable()
+    # A fresh compile gives a runtime Module; a disk-cache load gives an Executable whose
+    # jit() links (once) and returns that Module.
+    return (ex.jit() if hasattr(ex, "jit") else ex).main
 
 
 def compiled_count() -> int:
