@@ -19,7 +19,9 @@ Usage (bf16 autocast on both devices; tileops modes need head dim dim/heads in 6
   python examples/train_gpt.py --compare --mode torch tileops --out runs/    # a subset
   python examples/train_gpt.py --replot --out runs/                          # plot/table from JSONs
   python examples/train_gpt.py --device cpu --layers 2 --dim 128 --heads 2 --seq 64 --steps 5
-Writes OUT/<mode>.json (loss per step, tokens/s, graph breaks) and, with --compare, OUT/loss.png.
+  torchrun --nproc-per-node 2 examples/train_gpt.py --mode tileops --dist ddp --out runs/     # or fsdp2
+Writes OUT/<mode>.json (loss per step, tokens/s, graph breaks) and, with --compare, OUT/loss.png;
+with --dist, OUT/<mode>-<ddp|fsdp2>-x<N>.json (rank 0; the loss is the mean over ranks).
 """
 from __future__ import annotations
 
@@ -138,12 +140,38 @@ def to_tileops(model: GPT) -> None:
 
 # ---------------------------------------------------------------- training
 def build(args, mode: str) -> tuple[nn.Module, nn.Module]:
-    torch.manual_seed(args.seed)  # same init in every mode
+    torch.manual_seed(args.seed)  # same init in every mode (and on every rank)
     model = GPT(args.layers, args.dim, args.heads, args.seq).to(args.device)
     if mode.startswith("tileops"):
         to_tileops(model)
+    if args.dist == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        index = torch.device(args.device).index
+        model = DistributedDataParallel(model, device_ids=None if index is None else [index])
+    elif args.dist == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for blk in model.blocks:  # one all-gather / reduce-scatter group per block, then the rest
+            fully_shard(blk)
+        fully_shard(model)
     step_fn = torch.compile(model, fullgraph=True) if mode.endswith("compile") else model
     return model, step_fn
+
+
+def init_dist(args) -> tuple[int, int]:
+    """(rank, world size). Under torchrun with --dist ddp|fsdp2: one process per GPU, NCCL."""
+    if args.dist == "none":
+        return 0, 1
+    import torch.distributed as dist
+
+    cuda = args.device.startswith("cuda")
+    dist.init_process_group("nccl" if cuda else "gloo")  # gloo: the CPU check in tests/
+    if cuda:
+        local = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+        torch.cuda.set_device(local)
+        args.device = f"cuda:{local}"  # the ops must work on any device index, not only cuda:0
+    return dist.get_rank(), dist.get_world_size()
 
 
 def graph_breaks(model, x, y, autocast) -> dict:
@@ -159,16 +187,17 @@ def sync(device: str) -> None:
         torch.cuda.synchronize(device)
 
 
-def train(args, mode: str, data: torch.Tensor, corpus: dict) -> dict:
+def train(args, mode: str, data: torch.Tensor, corpus: dict, rank: int = 0, world: int = 1) -> dict:
     model, step_fn = build(args, mode)
     dev = args.device
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=dev.startswith("cuda"))
+    # fused AdamW over FSDP2's DTensor parameters is not something to rely on: foreach there
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=dev.startswith("cuda") and args.dist != "fsdp2")
     warm = max(1, min(10, args.steps // 10))  # steps excluded from tokens/s (compilation, autotuning, allocator)
     lr_warm = max(1, args.steps // 10)  # linear warm-up, then cosine to 10%: GPT-2 small at 6e-4 needs the ramp
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / lr_warm, 0.1 + 0.45 * (1 + math.cos(math.pi * s / args.steps))))
     autocast = torch.autocast(dev.split(":")[0], dtype=torch.bfloat16)
     data_iter = batches(data, args.batch, args.seq, args.seed)
-    result = {"mode": mode, "device": dev, "config": {k: v for k, v in vars(args).items() if k not in ("mode", "out")}, "corpus": corpus, "torch": torch.__version__}
+    result = {"mode": mode, "device": dev, "dist": args.dist, "world_size": world, "config": {k: v for k, v in vars(args).items() if k not in ("mode", "out")}, "corpus": corpus, "torch": torch.__version__}
     if dev.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats(dev)
     if mode.endswith("compile"):
@@ -177,12 +206,14 @@ def train(args, mode: str, data: torch.Tensor, corpus: dict) -> dict:
         torch._dynamo.utils.counters.clear()  # from here on, count the training run's compilations only
 
     losses, t0 = [], None
-    bar = progress(range(args.steps), desc=mode)
+    bar = progress(range(args.steps), desc=mode) if rank == 0 else _Quiet(range(args.steps))
     for step in bar:
         if step == warm:
             sync(dev)
             t0 = time.perf_counter()
-        x, y = (t.to(dev, non_blocking=True) for t in next(data_iter))
+        # Every rank draws the same global batch and keeps its share of the rows: the optimizer
+        # sees the single-GPU batch, so the loss curve must match the single-GPU run.
+        x, y = (t[rank::world].to(dev, non_blocking=True) for t in next(data_iter))
         with autocast:
             loss = step_fn(x, y)
         loss.backward()
@@ -196,7 +227,13 @@ def train(args, mode: str, data: torch.Tensor, corpus: dict) -> dict:
     sync(dev)
     elapsed = time.perf_counter() - t0 if t0 is not None else float("nan")
     timed = args.steps - warm
-    result["losses"] = [float(v) for v in torch.stack(losses).cpu()]
+    losses = torch.stack(losses)
+    if world > 1:  # the mean over ranks = the loss of the global batch
+        import torch.distributed as dist
+
+        dist.all_reduce(losses)
+        losses /= world
+    result["losses"] = [float(v) for v in losses.cpu()]
     result["tokens_per_s"] = timed * args.batch * args.seq / elapsed if timed > 0 else float("nan")
     result["timed_steps"], result["seconds"] = timed, elapsed
     if dev.startswith("cuda"):
@@ -210,6 +247,13 @@ def train(args, mode: str, data: torch.Tensor, corpus: dict) -> dict:
     if mode.endswith("compile"):
         torch._dynamo.reset()
     return result
+
+
+class _Quiet(list):
+    """What ranks other than 0 iterate: no bar, no output."""
+
+    def set_postfix(self, **kw):
+        pass
 
 
 def progress(it, desc):
@@ -270,7 +314,13 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs"))
+    p.add_argument("--dist", choices=("none", "ddp", "fsdp2"), default="none",
+                   help="under torchrun --nproc-per-node N: data parallel over N GPUs (eager modes)")
     args = p.parse_args(argv)
+    if args.dist != "none" and (args.compare or any(m.endswith("compile") for m in args.mode or ())):
+        p.error("--dist runs one eager mode (torch or tileops), without --compare")
+    if args.dist != "none" and args.batch % int(os.environ.get("WORLD_SIZE", 1)):
+        p.error(f"--batch {args.batch} must divide by the number of processes")
     args.mode = args.mode or (list(MODES) if args.compare or args.replot else ["torch"])
     if any(m.startswith("tileops") for m in args.mode) and (args.dim % args.heads or args.dim // args.heads not in (64, 128, 256)):
         p.error(f"tileops modes need head dim (dim / heads) in 64, 128, 256; got {args.dim} / {args.heads}")
@@ -283,13 +333,23 @@ def main(argv=None) -> list[dict]:
     if args.replot:
         results = [json.loads((args.out / f"{m}.json").read_text()) for m in args.mode if (args.out / f"{m}.json").exists()]
     else:
+        rank, world = init_dist(args)
         data, corpus = load_corpus()
-        print(f"corpus: {corpus['files']} files, {corpus['bytes']:,} bytes, sha256 {corpus['sha256'][:12]}")
+        if rank == 0:
+            print(f"corpus: {corpus['files']} files, {corpus['bytes']:,} bytes, sha256 {corpus['sha256'][:12]}")
         results = []
         for mode in args.mode:
-            r = train(args, mode, data, corpus)
-            (args.out / f"{mode}.json").write_text(json.dumps(r, indent=1))
+            r = train(args, mode, data, corpus, rank, world)
+            if rank == 0:
+                name = mode if args.dist == "none" else f"{mode}-{args.dist}-x{world}"
+                (args.out / f"{name}.json").write_text(json.dumps(r, indent=1))
             results.append(r)
+        if world > 1:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+            if rank:
+                return results
     if (args.compare or args.replot) and results:
         report(results, args.out)
     for r in results if not (args.compare or args.replot) else ():

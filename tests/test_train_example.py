@@ -90,3 +90,25 @@ def test_cli_writes_json_and_table(tmp_path, capsys):
 def test_bad_head_dim_is_refused():
     with pytest.raises(SystemExit):
         train_gpt.parse_args(["--mode", "tileops", "--dim", "64", "--heads", "4"])  # head dim 16
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dist", ["ddp", "fsdp2"])
+def test_data_parallel_matches_one_process(tmp_path, dist):
+    # torchrun, 2 processes on gloo (the CPU stand-in for NCCL): each rank takes half of the same
+    # global batch, so the loss curve must be the one-process curve up to reduction order.
+    import os
+    import subprocess
+    import sys
+
+    args = TINY[:-1] + ["3", "--mode", "tileops", "--out", str(tmp_path)]
+    script = str(ROOT / "examples" / "train_gpt.py")
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, script, *args], check=True, env=env, capture_output=True, timeout=300)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", script, *args, "--dist", dist]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    one = json.loads((tmp_path / "tileops.json").read_text())["losses"]
+    two = json.loads((tmp_path / f"tileops-{dist}-x2.json").read_text())
+    assert two["world_size"] == 2 and two["dist"] == dist
+    assert max(abs(a - b) for a, b in zip(one, two["losses"])) < 2e-3, (one, two["losses"])

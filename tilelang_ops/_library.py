@@ -93,16 +93,18 @@ class CustomOp:
                 return fn_cls.apply(*args, keyset)
             return run(keyset, args)
 
+        self.apply_with_grad = lambda keyset, args: fn_cls.apply(*args, keyset)
         _LIB.impl(self.name, autograd_kernel, "Autograd", with_keyset=True)
 
-    def register_autograd_via(self, differentiable):
-        """Autograd by delegation: when a gradient is needed, `differentiable(*args)` (built from
-        other ops that have autograd) computes the result; otherwise the op's own kernel runs."""
+    def register_autograd_via(self, other: "CustomOp", select):
+        """Autograd by delegation to `other`, an op with the same arguments and an autograd
+        formula: when a gradient is needed, the result is `select(other's outputs)`, recorded by
+        other's autograd; otherwise this op's own kernel runs."""
         run = _no_grad_path(self.op, self.impls)
 
         def autograd_kernel(keyset, *args):
             if _C.is_grad_enabled() and _C._any_requires_grad(*args):
-                return differentiable(*args)
+                return select(other.apply_with_grad(keyset, args))
             return run(keyset, args)
 
         _LIB.impl(self.name, autograd_kernel, "Autograd", with_keyset=True)

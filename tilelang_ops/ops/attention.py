@@ -76,12 +76,15 @@ def _compile(name: str, config, dtype: torch.dtype, device: torch.device, **stat
     return kdef.compile(config, runtime.arch_for_device(device), dtype=TL_DTYPE[dtype], **static)
 
 
-def _kernel(name: str, dtype: torch.dtype, device: torch.device, **static):
-    key = (name, dtype, device.index, *static.values())  # each kernel's call sites pass one kwarg order
+def _kernel(name: str, dtype: torch.dtype, device: torch.device, headdim: int = 0, causal: bool = False, groups: int = 1, scale: float = 0.0):
+    """Launcher for kernel `name` ("fwd", "bwd", "prep" (headdim only), "cast" (no static args))."""
+    key = (name, dtype, device.index, headdim, causal, groups, scale)  # positional: no kwargs dict per call
     k = _kernels.get(key)
     if k is None:
         from ..kernels import attention as K
 
+        static = {"fwd": dict(headdim=headdim, causal=causal, groups=groups, scale=scale), "prep": dict(headdim=headdim), "cast": {}}
+        static = static.get(name, static["fwd"])
         if name in ("fwd", "bwd"):
             config = tuning.resolve_config(TUNABLES[name], _tune_shape(static), dtype, device)
         else:
@@ -137,7 +140,7 @@ def _bwd_runner(config, shape, dtype, device):
     B, S, H, D = q.shape
     delta = torch.empty(B, H, (S + 3) // 4 * 4, dtype=torch.float32, device=device)
     lse2 = torch.empty_like(delta)
-    _kernel("prep", dtype, device, headdim=D)(out, dout, lse, delta, lse2)
+    _kernel("prep", dtype, device, D)(out, dout, lse, delta, lse2)
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=device)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     return lambda: kern(q, k, v, dout, lse2, delta, dq_acc, dk, dv)
@@ -167,12 +170,9 @@ def _flash_fwd_cuda(q, k, v, causal=False, softmax_scale=None):
     Sk, HK = k.shape[1], k.shape[2]
     out = q.new_empty((B, Sq, H, D))
     lse = q.new_empty((B, H, Sq), dtype=torch.float32)
-    if out.numel() == 0:
-        return out, lse
-    if Sk == 0:  # nothing to attend to
+    if Sk == 0 or out.numel() == 0:  # nothing to attend to
         return out.zero_(), lse.fill_(float("-inf"))
-    kern = _kernel("fwd", q.dtype, q.device, headdim=D, causal=causal, groups=H // HK, scale=_scale(q, softmax_scale))
-    kern(ready(q), ready(k), ready(v), out, lse)
+    _kernel("fwd", q.dtype, q.device, D, causal, H // HK, _scale(q, softmax_scale))(ready(q), ready(k), ready(v), out, lse)
     return out, lse
 
 
@@ -186,6 +186,13 @@ def _(q, k, v, causal=False, softmax_scale=None):
 # ------------------------------------------------------------------------------------ backward
 def _check_bwd(dout, q, k, v, out, lse, softmax_scale, dlse) -> None:
     _check_qkv(q, k, v, softmax_scale)
+    dev = q.device
+    if (  # fast accept (what autograd passes), else the full check that names what is wrong
+        dout.dtype is q.dtype and out.dtype is q.dtype and lse.dtype is torch.float32 and dlse is None
+        and dout.shape == q.shape and out.shape == q.shape and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
+        and dout.device == dev and out.device == dev and lse.device == dev
+    ):
+        return
     check_tensor("dout", dout, DTYPES, ndim=4, contiguous=False)
     check_tensor("out", out, DTYPES, ndim=4, contiguous=False)
     check_same(("q", "dout"), q, dout, shape=True)
@@ -223,23 +230,21 @@ def _(dout, q, k, v, out, lse, causal=False, softmax_scale=None, dlse=None):
     _check_bwd(dout, q, k, v, out, lse, softmax_scale, dlse)
     B, Sq, H, D = q.shape
     Sk, HK = k.shape[1], k.shape[2]
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)  # every row written by the kernel
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    dk, dv = k.new_empty(k.shape), v.new_empty(v.shape)  # every row written by the kernel
     if q.numel() == 0 or Sk == 0:
-        return torch.zeros(q.shape, dtype=q.dtype, device=q.device), dk.zero_(), dv.zero_()
-    dev, scale = q.device, _scale(q, softmax_scale)
+        return q.new_zeros(q.shape), dk.zero_(), dv.zero_()
+    dev, dtype = q.device, q.dtype
     dout = ready(dout)
     sqp = (Sq + 3) // 4 * 4  # lse2/delta rows padded: TMA needs 16-byte global strides
-    delta = torch.empty((B, H, sqp), dtype=torch.float32, device=dev)
-    lse2 = torch.empty((B, H, sqp), dtype=torch.float32, device=dev)
-    _kernel("prep", q.dtype, dev, headdim=D)(ready(out), dout, ready(lse), delta, lse2)
+    delta = lse.new_empty((B, H, sqp))
+    lse2 = lse.new_empty((B, H, sqp))
+    _kernel("prep", dtype, dev, D)(ready(out), dout, ready(lse), delta, lse2)
     if dlse is not None:  # d lse_i / d s_ij = P_ij, so dlse folds into Delta: dS = P (dP - (Delta - dlse))
         delta[:, :, :Sq].sub_(dlse)
-    dq_acc = torch.zeros((B, Sq, H, D), dtype=torch.float32, device=dev)  # fp32 atomics target
-    kern = _kernel("bwd", q.dtype, dev, headdim=D, causal=causal, groups=H // HK, scale=scale)
-    kern(ready(q), ready(k), ready(v), dout, lse2, delta, dq_acc, dk, dv)
-    dq = torch.empty((B, Sq, H, D), dtype=q.dtype, device=dev)
-    _kernel("cast", q.dtype, dev)(dq_acc.view(-1), dq.view(-1))
+    dq_acc = lse.new_zeros(B * Sq * H * D)  # fp32 atomics target, flat for the cast
+    _kernel("bwd", dtype, dev, D, causal, H // HK, _scale(q, softmax_scale))(ready(q), ready(k), ready(v), dout, lse2, delta, dq_acc.view(B, Sq, H, D), dk, dv)
+    dq = q.new_empty((B, Sq, H, D))
+    _kernel("cast", dtype, dev)(dq_acc, dq.view(-1))
     return dq, dk, dv
 
 
@@ -289,4 +294,4 @@ def _(q, k, v, causal=False, softmax_scale=None):
     return q.new_empty(q.shape)
 
 
-flash_attn.register_autograd_via(lambda q, k, v, causal=False, softmax_scale=None: torch.ops.tileops.flash_attn_with_lse(q, k, v, causal, softmax_scale)[0])
+flash_attn.register_autograd_via(flash_attn_with_lse, lambda out_lse: out_lse[0])

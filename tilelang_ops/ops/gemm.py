@@ -164,6 +164,7 @@ def _matmul_kernel(device, layout, n, k, dtype, rows=0, batched=False, bias=Fals
 
 
 def _act_grad_kernel(device, n, dtype, activation):
+    """(launcher, block_M): the kernel writes one fp32 partial column sum per block_M rows."""
     key = (device.index, "act_grad", n, dtype, activation)
     hit = _kernels.get(key)
     if hit is None:
@@ -172,9 +173,9 @@ def _act_grad_kernel(device, n, dtype, activation):
         arch = runtime.arch_for_device(device)
         cfg = K.default_act_grad_config(arch, n)
         static = dict(n=n, dtype=TL_DTYPE[dtype], activation=activation)
-        hit = _kernels[key] = (runtime.launcher(K.act_grad_kernel.compile(cfg, arch, **static)), ("act_grad", cfg, static))
+        hit = _kernels[key] = (runtime.launcher(K.act_grad_kernel.compile(cfg, arch, **static)), ("act_grad", cfg, static), cfg.block_M)
     _last["act_grad"] = hit[1]
-    return hit[0]
+    return hit[0], hit[2]
 
 
 def _up(x: int) -> int:
@@ -264,6 +265,7 @@ def _check_pair(a, b, op: str) -> None:
 
 
 _ACTIVATION_SET = frozenset(ACTIVATIONS)
+_ACT_GRAD_SET = _ACTIVATION_SET - {"none"}
 
 
 def _check_linear(x, weight, bias, activation) -> None:
@@ -431,6 +433,8 @@ def act_grad(dy: torch.Tensor, z: torch.Tensor, activation: str, bias_grad: bool
 
 
 def _check_act_grad(dy, z, activation) -> None:
+    if dy.dtype in DTYPES and z.dtype is dy.dtype and dy.dim() == 2 and dy.shape == z.shape and dy.device == z.device and activation in _ACT_GRAD_SET:
+        return  # fast accept; otherwise the full check names what is wrong
     check_tensor("dy", dy, DTYPES, ndim=2, contiguous=False)
     check_tensor("z", z, DTYPES, ndim=2, contiguous=False)
     check_same(("dy", "z"), dy, z, shape=True)
@@ -442,16 +446,13 @@ def _check_act_grad(dy, z, activation) -> None:
 def _(dy, z, activation, bias_grad):
     _check_act_grad(dy, z, activation)
     M, N = dy.shape
-    dz = torch.empty_like(dy, memory_format=torch.contiguous_format)
+    dz = dy.new_empty((M, N))
     if dy.numel() == 0:
-        return dz, (torch.zeros(N, dtype=dy.dtype, device=dy.device) if bias_grad else dy.new_empty(0))
-    from ..kernels.gemm import default_act_grad_config
-
-    bm = default_act_grad_config(runtime.arch_for_device(dy.device), N).block_M
-    partial = torch.empty(-(-M // bm), N, dtype=torch.float32, device=dy.device)  # (ceil(M/bm), N)
-    _act_grad_kernel(dy.device, N, dy.dtype, activation)(_prep(dy, {}), _prep(z, {}), dz, partial)
-    db = partial.sum(0).to(dy.dtype) if bias_grad else dy.new_empty(0)
-    return dz, db
+        return dz, (dy.new_zeros(N) if bias_grad else dy.new_empty(0))
+    kern, bm = _act_grad_kernel(dy.device, N, dy.dtype, activation)
+    partial = dy.new_empty((-(-M // bm), N), dtype=torch.float32)  # (ceil(M/bm), N) column sums
+    kern(ready(dy), ready(z), dz, partial)
+    return dz, (partial.sum(0).to(dy.dtype) if bias_grad else dy.new_empty(0))
 
 
 @act_grad.register_fake
