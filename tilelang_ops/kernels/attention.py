@@ -208,7 +208,9 @@ class PrepConfig:
 def flash_bwd_prep_kernel(config: PrepConfig, headdim: int, dtype: str):
     """Delta = rowsum(dO * O) and lse2 = lse * log2(e), as (B, H, SqP) fp32 with SqP = Sq rounded
     up to a multiple of 4: the backward loads them by TMA, whose global strides must be 16-byte
-    multiples. Entries past Sq are written as 0 (never left uninitialized: 0 * NaN is NaN)."""
+    multiples. Entries past Sq are written as 0 (never left uninitialized: 0 * NaN is NaN).
+    Also zeroes the fp32 dQ accumulator the main kernel reduce-adds into: one launch (and one
+    host call) fewer than a separate memset."""
     B = T.dynamic("B")
     Sq = T.dynamic("Sq")
     SqP = T.dynamic("SqP")
@@ -224,8 +226,12 @@ def flash_bwd_prep_kernel(config: PrepConfig, headdim: int, dtype: str):
         LSE: T.Tensor((B, H, Sq), acc),
         Delta: T.Tensor((B, H, SqP), acc),
         LSE2: T.Tensor((B, H, SqP), acc),
+        DQacc: T.Tensor((B, Sq, H, D), acc),
     ):
         with T.Kernel(T.ceildiv(SqP, blk), H, B, threads=config.threads) as (bx, by, bz):
+            for i, j in T.Parallel(blk, D):
+                if bx * blk + i < Sq:
+                    DQacc[bz, bx * blk + i, by, j] = T.float32(0)
             o = T.alloc_fragment((blk, D), dtype)
             do = T.alloc_fragment((blk, D), dtype)
             prod = T.alloc_fragment((blk, D), acc)

@@ -314,6 +314,37 @@ def act_grad_kernel(config: ActGradConfig, *, n: int, dtype: str, activation: st
     return act_grad
 
 
+@dataclass(frozen=True)
+class ColsumConfig:
+    block_rows: int = 32  # partial rows folded per step (32 × 64 fp32 = 8 KB in flight per CTA)
+    block_N: int = 64
+    threads: int = 256
+
+
+@kernel("gemm", "colsum")
+def colsum_kernel(config: ColsumConfig, *, n: int, dtype: str):
+    """DB = column sums of the act_grad partials (MB, n) fp32, cast to `dtype`: one launch where
+    `partial.sum(0).to(dtype)` costs two, in a fixed order (deterministic)."""
+    rb, bn = config.block_rows, config.block_N
+    MB = T.dynamic("MB")
+
+    @T.prim_func
+    def colsum(P: T.Tensor((MB, n), "float32"), DB: T.Tensor((n,), dtype)):
+        with T.Kernel(T.ceildiv(n, bn), threads=config.threads) as bx:
+            acc = T.alloc_fragment((rb, bn), "float32")
+            total = T.alloc_fragment((bn,), "float32")
+            T.clear(acc)
+            for it in T.serial(T.ceildiv(MB, rb)):
+                for i, j in T.Parallel(rb, bn):
+                    acc[i, j] += T.if_then_else(it * rb + i < MB, T.if_then_else(bx * bn + j < n, P[it * rb + i, bx * bn + j], T.float32(0)), T.float32(0))
+            T.reduce_sum(acc, total, dim=0)
+            for j in T.Parallel(bn):
+                if bx * bn + j < n:
+                    DB[bx * bn + j] = T.Cast(dtype, total[j])
+
+    return colsum
+
+
 # (kernel, config, static) that `tileops export` writes and `tileops check` / the compile tests
 # build for sm_90a and sm_80: one per kernel shape the library runs (layouts, epilogues, batched).
 # The "tn" entry uses 2 stages because sm_80's cp.async pipeline cannot lower 3 stages over a
@@ -326,4 +357,5 @@ REPRESENTATIVE = [
     (matmul_kernel, _TN_BOTH, dict(layout="tn", n=4096, k=0, rows=4096, dtype="bfloat16", batched=False, bias=False, activation="none", save_preact=False)),
     (matmul_kernel, _HOPPER_NARROW, dict(layout="nn", n=128, k=64, rows=0, dtype="float16", batched=True, bias=False, activation="none", save_preact=False)),
     (act_grad_kernel, ActGradConfig(), dict(n=4096, dtype="bfloat16", activation="gelu_tanh")),
+    (colsum_kernel, ColsumConfig(), dict(n=4096, dtype="bfloat16")),
 ]

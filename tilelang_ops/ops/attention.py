@@ -140,8 +140,8 @@ def _bwd_runner(config, shape, dtype, device):
     B, S, H, D = q.shape
     delta = torch.empty(B, H, (S + 3) // 4 * 4, dtype=torch.float32, device=device)
     lse2 = torch.empty_like(delta)
-    _kernel("prep", dtype, device, D)(out, dout, lse, delta, lse2)
-    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=device)
+    dq_acc = torch.empty(q.shape, dtype=torch.float32, device=device)
+    _kernel("prep", dtype, device, D)(out, dout, lse, delta, lse2, dq_acc)  # zeroes dq_acc
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     return lambda: kern(q, k, v, dout, lse2, delta, dq_acc, dk, dv)
 
@@ -238,13 +238,14 @@ def _(dout, q, k, v, out, lse, causal=False, softmax_scale=None, dlse=None):
     sqp = (Sq + 3) // 4 * 4  # lse2/delta rows padded: TMA needs 16-byte global strides
     delta = lse.new_empty((B, H, sqp))
     lse2 = lse.new_empty((B, H, sqp))
-    _kernel("prep", dtype, dev, D)(ready(out), dout, ready(lse), delta, lse2)
+    dq_flat = lse.new_empty(B * Sq * H * D)  # fp32 reduce-add target, zeroed by prep; flat for the cast
+    dq_acc = dq_flat.view(B, Sq, H, D)
+    _kernel("prep", dtype, dev, D)(ready(out), dout, ready(lse), delta, lse2, dq_acc)
     if dlse is not None:  # d lse_i / d s_ij = P_ij, so dlse folds into Delta: dS = P (dP - (Delta - dlse))
         delta[:, :, :Sq].sub_(dlse)
-    dq_acc = lse.new_zeros(B * Sq * H * D)  # fp32 atomics target, flat for the cast
-    _kernel("bwd", dtype, dev, D, causal, H // HK, _scale(q, softmax_scale))(ready(q), ready(k), ready(v), dout, lse2, delta, dq_acc.view(B, Sq, H, D), dk, dv)
+    _kernel("bwd", dtype, dev, D, causal, H // HK, _scale(q, softmax_scale))(ready(q), ready(k), ready(v), dout, lse2, delta, dq_acc, dk, dv)
     dq = q.new_empty((B, Sq, H, D))
-    _kernel("cast", dtype, dev)(dq_acc, dq.view(-1))
+    _kernel("cast", dtype, dev)(dq_flat, dq.view(-1))
     return dq, dk, dv
 
 

@@ -164,7 +164,8 @@ def _matmul_kernel(device, layout, n, k, dtype, rows=0, batched=False, bias=Fals
 
 
 def _act_grad_kernel(device, n, dtype, activation):
-    """(launcher, block_M): the kernel writes one fp32 partial column sum per block_M rows."""
+    """(act_grad launcher, colsum launcher, block_M): act_grad writes one fp32 partial column
+    sum per block_M rows; colsum folds them into the bias gradient."""
     key = (device.index, "act_grad", n, dtype, activation)
     hit = _kernels.get(key)
     if hit is None:
@@ -173,9 +174,10 @@ def _act_grad_kernel(device, n, dtype, activation):
         arch = runtime.arch_for_device(device)
         cfg = K.default_act_grad_config(arch, n)
         static = dict(n=n, dtype=TL_DTYPE[dtype], activation=activation)
-        hit = _kernels[key] = (runtime.launcher(K.act_grad_kernel.compile(cfg, arch, **static)), ("act_grad", cfg, static), cfg.block_M)
-    _last["act_grad"] = hit[1]
-    return hit[0], hit[2]
+        colsum = runtime.launcher(K.colsum_kernel.compile(K.ColsumConfig(), arch, n=n, dtype=TL_DTYPE[dtype]))
+        hit = _kernels[key] = (runtime.launcher(K.act_grad_kernel.compile(cfg, arch, **static)), colsum, cfg.block_M, ("act_grad", cfg, static))
+    _last["act_grad"] = hit[3]
+    return hit[:3]
 
 
 def _up(x: int) -> int:
@@ -449,10 +451,13 @@ def _(dy, z, activation, bias_grad):
     dz = dy.new_empty((M, N))
     if dy.numel() == 0:
         return dz, (dy.new_zeros(N) if bias_grad else dy.new_empty(0))
-    kern, bm = _act_grad_kernel(dy.device, N, dy.dtype, activation)
+    kern, colsum, bm = _act_grad_kernel(dy.device, N, dy.dtype, activation)
     partial = dy.new_empty((-(-M // bm), N), dtype=torch.float32)  # (ceil(M/bm), N) column sums
     kern(ready(dy), ready(z), dz, partial)
-    return dz, (partial.sum(0).to(dy.dtype) if bias_grad else dy.new_empty(0))
+    db = dy.new_empty(N if bias_grad else 0)
+    if bias_grad:
+        colsum(partial, db)
+    return dz, db
 
 
 @act_grad.register_fake

@@ -1,0 +1,79 @@
+"""Where a training step's GPU time goes: top kernels of examples/train_gpt.py, torch vs tileops.
+
+    python -m benchmarks.profile_train [--steps 2] [--top 12]
+
+Builds the GPT of examples/train_gpt.py (default size) in the eager `torch` and `tileops` modes,
+runs 3 warm-up steps, profiles `--steps` steps with torch.profiler and prints, per mode, the
+kernels with the most CUDA time per step (and the step's total), so the gap between the modes
+can be read kernel by kernel. JSON to $OUT/profile_train.json.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import pathlib
+from collections import defaultdict
+
+import torch
+
+from benchmarks._timing import table, write_json
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _train_gpt():
+    spec = importlib.util.spec_from_file_location("train_gpt", ROOT / "examples" / "train_gpt.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def profile_mode(tg, mode: str, steps: int) -> dict[str, float]:
+    args = tg.parse_args(["--mode", mode])
+    model, step_fn = tg.build(args, mode)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    data, _ = tg.load_corpus()
+    it = tg.batches(data, args.batch, args.seq, args.seed)
+
+    def step():
+        x, y = (t.cuda(non_blocking=True) for t in next(it))
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = step_fn(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    per_kernel: dict[str, float] = defaultdict(float)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[ev.name[:90]] += ev.time_range.elapsed_us() / 1e3 / steps  # ms per step
+    return dict(per_kernel)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--top", type=int, default=12)
+    a = p.parse_args()
+    tg = _train_gpt()
+    out = {}
+    for mode in ("torch", "tileops"):
+        kernels = profile_mode(tg, mode, a.steps)
+        out[mode] = kernels
+        total = sum(kernels.values())
+        rows = [dict(kernel=k, ms_per_step=v, share=v / total) for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])[: a.top]]
+        print(f"\n{mode}: {total:.2f} ms of kernels per step")
+        print(table(rows, ["kernel", "ms_per_step", "share"]))
+        torch.cuda.empty_cache()
+    write_json("profile_train", [dict(mode=m, total_ms=sum(k.values()), kernels=k) for m, k in out.items()])
+
+
+if __name__ == "__main__":
+    main()
