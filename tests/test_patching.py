@@ -299,3 +299,87 @@ def test_patched_model_on_gpu_within_torch_error(dtype):
     theirs, ours = plain(x.to(dtype)), patched(x.to(dtype))
     for o, t, r in zip(ours, theirs, ref):
         assert rel_err(o, r) <= 2 * rel_err(t, r) + 1e-3
+
+
+# ------------------------------------------------------------------------------ modules calling F.sdpa
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.functional import scaled_dot_product_attention as imported_sdpa  # noqa: E402
+
+
+class SdpaAttention(torch.nn.Module):
+    """A user attention module: packed QKV projection, F.scaled_dot_product_attention, output proj."""
+
+    def __init__(self, dim=128, heads=2, causal=True):
+        super().__init__()
+        self.heads, self.causal = heads, causal
+        self.qkv, self.proj = torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        B, S, C = x.shape
+        q, k, v = self.qkv(x).view(B, S, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        return self.proj(y.transpose(1, 2).reshape(B, S, C))
+
+
+class ImportedSdpaAttention(SdpaAttention):
+    def forward(self, x):
+        B, S, C = x.shape
+        q, k, v = self.qkv(x).view(B, S, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
+        return self.proj(imported_sdpa(q, k, v, is_causal=True).transpose(1, 2).reshape(B, S, C))
+
+
+class SpelledOutSdpaAttention(SdpaAttention):
+    def forward(self, x):
+        B, S, C = x.shape
+        q, k, v = self.qkv(x).view(B, S, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
+        return self.proj(torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, S, C))
+
+
+@pytest.mark.parametrize("cls", [SdpaAttention, ImportedSdpaAttention])
+def test_modules_calling_sdpa_are_routed_to_ours_and_back(cls, monkeypatch):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(cls(), torch.nn.LayerNorm(128)).to(torch.bfloat16)
+    x = torch.randn(2, 33, 128, dtype=torch.bfloat16)
+    before = model(x)
+    calls = []
+    real = tilelang_ops.ops.attention.flash_attn.impls[torch._C.DispatchKey.CPU]
+    monkeypatch.setitem(tilelang_ops.ops.attention.flash_attn.impls, torch._C.DispatchKey.CPU, lambda *a: calls.append(1) or real(*a))
+    report = tilelang_ops.patch(model)
+    assert report.routed == ["0"] and "0: F.scaled_dot_product_attention -> tilelang_ops" in str(report)
+    assert type(model[0]) is cls and set(model.state_dict()) == {"0.qkv.weight", "0.qkv.bias", "0.proj.weight", "0.proj.bias", "1.weight", "1.bias"}
+    with torch.no_grad():
+        after = model(x)
+    assert calls == [1], "the routed forward did not reach tilelang_ops.flash_attn"
+    assert rel_err(after, before) < 1e-2
+    assert tilelang_ops.unpatch(model) == ["0"] and "forward" not in model[0].__dict__
+    model(x)
+    assert calls == [1], "unpatch left the routing in place"
+
+
+def test_sdpa_spelled_out_is_left_alone_with_the_reason():
+    model = torch.nn.Sequential(SpelledOutSdpaAttention())
+    report = tilelang_ops.patch(model)
+    assert report.routed == []
+    why = dict(report.skipped)["0"]
+    assert "scaled_dot_product_attention" in why and "cannot rebind" in why
+
+
+def test_routed_module_under_torch_compile_fullgraph():
+    model = torch.nn.Sequential(SdpaAttention()).to(torch.bfloat16)
+    tilelang_ops.patch(model)
+    x = torch.randn(2, 16, 128, dtype=torch.bfloat16)
+    out = torch.compile(model, backend="eager", fullgraph=True)(x)  # a graph break would raise
+    assert rel_err(out, model(x)) < 1e-2
+    torch._dynamo.reset()
+
+
+class OursAlready(SdpaAttention):
+    def forward(self, x):
+        B, S, C = x.shape
+        q, k, v = self.qkv(x).view(B, S, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
+        return self.proj(tilelang_ops.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, S, C))
+
+
+def test_modules_already_calling_our_sdpa_are_not_reported_as_sdpa_users():
+    report = tilelang_ops.patch(torch.nn.Sequential(OursAlready()))
+    assert report.routed == [] and "0" not in dict(report.skipped)

@@ -113,13 +113,17 @@ class CustomOp:
 def _no_grad_path(op, impls):
     """(keyset, args) -> result without autograd: the implementation directly, else redispatch."""
 
-    direct: dict[int, object] = {}  # keyset bits -> implementation to call, or None: redispatch
+    # keyset bits -> the backend key whose implementation to call directly (None: redispatch).
+    # The key, not the function: `impls` stays the one source of truth (tests replace entries).
+    direct: dict[int, object] = {}
 
     def run(keyset, args):
         bits = keyset.raw_repr()  # one cheap call; the keyset itself is not hashable
-        impl = direct.get(bits, _MISSING)
-        if impl is _MISSING:
-            impl = direct[bits] = impls.get((keyset & _AFTER_AUTOGRAD).highestPriorityTypeId())
+        key = direct.get(bits, _MISSING)
+        if key is _MISSING:
+            key = (keyset & _AFTER_AUTOGRAD).highestPriorityTypeId()
+            key = direct[bits] = key if key in impls else None
+        impl = impls.get(key)
         if impl is not None:
             return impl(*args)
         with _C._AutoDispatchBelowAutograd():

@@ -7,6 +7,9 @@ values are unchanged, and weights trained after `patch` are still there after `u
 from __future__ import annotations
 
 import dataclasses
+import dis
+import sys
+import types
 
 import torch
 
@@ -95,6 +98,104 @@ def _mha_unsupported(m: torch.nn.MultiheadAttention) -> str | None:
     return None
 
 
+# ---------------------------------------------------------------- modules that call F.scaled_dot_product_attention
+_SDPA = torch.nn.functional.scaled_dot_product_attention
+_SDPA_NAME = "scaled_dot_product_attention"
+
+
+def _functional_with_our_sdpa() -> types.ModuleType:
+    """A copy of ``torch.nn.functional`` whose scaled_dot_product_attention is ours (every other
+    name is the torch object itself): what a routed forward sees where its module sees ``F``."""
+    shim = types.ModuleType("torch.nn.functional", "torch.nn.functional, with tilelang_ops' SDPA")
+    shim.__dict__.update({k: v for k, v in vars(torch.nn.functional).items() if k not in ("__name__", "__doc__")})
+    setattr(shim, _SDPA_NAME, _F.scaled_dot_product_attention)
+    return shim
+
+
+_SHIM: types.ModuleType | None = None
+
+
+def _sdpa_references(code, g: dict) -> tuple[int, set[str]]:
+    """Where `code` (and the functions nested in it) reaches torch's SDPA through globals:
+    (how many references go through an attribute chain we cannot rebind, such as
+    `torch.nn.functional.scaled_dot_product_attention`; the global names that reach it directly:
+    `X.scaled_dot_product_attention` with X torch.nn.functional, or torch's SDPA imported under
+    any name). Chains that resolve to something else (tilelang_ops' own SDPA) are not counted."""
+    other, via, chain = 0, set(), None
+    for ins in dis.get_instructions(code):
+        if ins.opname == "LOAD_GLOBAL":
+            chain = [ins.argval]
+            if g.get(ins.argval) is _SDPA:
+                via.add(ins.argval)
+        elif ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and chain is not None:
+            obj = g.get(chain[0])
+            for attr in chain[1:] + [ins.argval]:
+                obj = getattr(obj, attr, None)
+            if obj is _SDPA:
+                if len(chain) == 1 and g.get(chain[0]) is torch.nn.functional:
+                    via.add(chain[0])
+                else:
+                    other += 1
+            chain.append(ins.argval)
+        else:
+            chain = None
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            n, v = _sdpa_references(const, g)
+            other, via = other + n, via | v
+    return other, via
+
+
+def _routed_globals(fn, rebind: dict) -> dict:
+    """The globals a routed forward runs with: a snapshot of its module's globals with `rebind`
+    applied, as the namespace of a module registered in sys.modules (Dynamo resolves the globals
+    of a function it inlines through sys.modules[globals['__name__']])."""
+    name = f"tilelang_ops._routed.{fn.__globals__.get('__name__', 'anonymous')}"
+    mod = sys.modules.get(name)
+    if mod is None:
+        mod = sys.modules[name] = types.ModuleType(name)
+        mod.__dict__.update({k: v for k, v in fn.__globals__.items() if k not in ("__name__", "__spec__", "__loader__")})
+    mod.__dict__.update(rebind)
+    return mod.__dict__
+
+
+def _sdpa_route(m: torch.nn.Module):
+    """(routed forward function, "") when `m`'s class forward calls F.scaled_dot_product_attention
+    only through global names we can rebind; (None, why) when it calls it otherwise; (None, "")
+    when not at all.
+
+    The forward's code is reused with globals in which the names that reach SDPA — `F` (any alias
+    of torch.nn.functional) or torch's SDPA imported under any name — point to tilelang_ops'
+    drop-in, which runs our kernel where it can and torch's SDPA otherwise. No per-call cost, and
+    Dynamo traces it like the original. The globals are a snapshot taken at the first patch of a
+    class from that module.
+    """
+    global _SHIM
+    fn = getattr(type(m).forward, "__func__", type(m).forward)
+    code = getattr(fn, "__code__", None)
+    if code is None or type(m).__module__.startswith("torch."):
+        return None, ""
+    g = fn.__globals__
+    other, via = _sdpa_references(code, g)
+    if not other and not via:
+        return None, ""
+    rebind = {}
+    for name in via:  # each is torch.nn.functional or torch's SDPA itself
+        if g[name] is torch.nn.functional:
+            _SHIM = _SHIM or _functional_with_our_sdpa()
+            rebind[name] = _SHIM
+        else:
+            rebind[name] = _F.scaled_dot_product_attention
+    if other:
+        return None, (f"{type(m).__name__}.forward reaches torch's scaled_dot_product_attention through an attribute "
+                      f"chain (e.g. torch.nn.functional.scaled_dot_product_attention), which patch() cannot rebind")
+    if "forward" in m.__dict__:
+        return None, f"{type(m).__name__} has an instance-level forward already (not routed twice)"
+    new = types.FunctionType(code, _routed_globals(fn, rebind), fn.__name__, fn.__defaults__, fn.__closure__)
+    new.__kwdefaults__, new.__qualname__ = fn.__kwdefaults__, fn.__qualname__
+    return new, ""
+
+
 # ---------------------------------------------------------------- report
 @dataclasses.dataclass
 class PatchReport:
@@ -103,18 +204,22 @@ class PatchReport:
     replaced: (qualified name, what it was, what it is now), in model order.
     skipped: (qualified name, why it was left alone) for every leaf module not replaced, and for
         modules `fuse_linear_activations` could not read.
+    routed: qualified names of modules kept in place whose forward now calls tilelang_ops'
+        scaled_dot_product_attention where it called torch's.
     fuse: the `tilelang_ops.nn.FuseReport` of the Linear + activation pass.
     originals: (qualified name, original module) for each swap; `unpatch` restores from these.
     """
 
     replaced: list = dataclasses.field(default_factory=list)
+    routed: list = dataclasses.field(default_factory=list)
     skipped: list = dataclasses.field(default_factory=list)
     fuse: _nn.FuseReport = dataclasses.field(default_factory=_nn.FuseReport)
     originals: list = dataclasses.field(default_factory=list, repr=False)
 
     def __str__(self) -> str:
-        lines = [f"replaced {len(self.replaced)} module(s), left {len(self.skipped)} alone"]
+        lines = [f"replaced {len(self.replaced)} module(s), routed {len(self.routed)}, left {len(self.skipped)} alone"]
         lines += [f"  {name}: {old} -> {new}" for name, old, new in self.replaced]
+        lines += [f"  {name}: F.scaled_dot_product_attention -> tilelang_ops.scaled_dot_product_attention" for name in self.routed]
         by_reason: dict[str, list] = {}
         for name, why in self.skipped:
             by_reason.setdefault(why, []).append(name)
@@ -170,7 +275,11 @@ def patch(model: torch.nn.Module) -> PatchReport:
     - ``nn.Softmax(dim)`` / ``nn.LogSoftmax(dim)`` -> `tilelang_ops.nn.Softmax` / `LogSoftmax`;
     - ``nn.MultiheadAttention(batch_first=True)`` without add_bias_kv / add_zero_attn ->
       `tilelang_ops.patching.MultiheadAttention` (same parameters; calls it cannot serve run
-      PyTorch's forward, with a one-time warning).
+      PyTorch's forward, with a one-time warning);
+    - any other module whose forward calls ``F.scaled_dot_product_attention`` (or an imported
+      ``scaled_dot_product_attention``) stays in place, and its forward calls
+      `tilelang_ops.scaled_dot_product_attention` instead (same semantics: it runs torch's SDPA for
+      what our kernel does not serve). Listed in ``report.routed``.
     Everything else is left alone and listed in ``report.skipped`` with the reason (exact types
     only: a subclass may override forward). Parameters are shared, never copied: state_dict keys
     and values are unchanged. `unpatch(model)` restores the original modules.
@@ -194,6 +303,14 @@ def patch(model: torch.nn.Module) -> PatchReport:
     for name, m in model.named_modules(remove_duplicate=False):
         if name in fused or any(name.startswith(p + ".") for p in covered):
             continue
+        routed, why_not = _sdpa_route(m)
+        if routed is not None:
+            m.forward = types.MethodType(routed, m)  # an instance attribute: unpatch deletes it
+            report.routed.append(name)
+            continue  # the module stays; its children are looked at one by one
+        if why_not:
+            report.skipped.append((name, why_not))
+            continue
         if isinstance(m, torch.nn.MultiheadAttention):
             covered.append(name)  # out_proj is part of the attention, not a Linear of its own
         elif next(m.children(), None) is not None:
@@ -214,9 +331,13 @@ def patch(model: torch.nn.Module) -> PatchReport:
         report.replaced.append((name, _type_name(old), f"tilelang_ops.{'patching' if isinstance(new, MultiheadAttention) else 'nn'}.{type(new).__name__}"))
     order = {name: i for i, name in enumerate(before)}
     report.replaced.sort(key=lambda r: order[r[0]])
+    report.originals += [(name, _ROUTED) for name in report.routed]
     if report.originals:
         model.__dict__.setdefault(_ORIGINALS_ATTR, []).extend(report.originals)
     return report
+
+
+_ROUTED = object()  # originals entry: the module stayed, only its forward was routed
 
 
 def unpatch(model: torch.nn.Module, report: PatchReport | None = None) -> list[str]:
@@ -229,7 +350,10 @@ def unpatch(model: torch.nn.Module, report: PatchReport | None = None) -> list[s
     entries = list(report.originals) if report is not None else list(stack)
     restored = []
     for name, original in reversed(entries):
-        _set(model, name, original)
+        if original is _ROUTED:
+            model.get_submodule(name).__dict__.pop("forward", None)
+        else:
+            _set(model, name, original)
         restored.append(name)
     if report is None:
         stack.clear()
