@@ -21,7 +21,7 @@ for b in "${benches[@]}"; do
   python3 -m "$b" > "$OUT/$b.log" 2>&1; rc=$?; status=$((status|rc)); echo "== $b rc=$rc"; grep -v "INFO\|WARNING" "$OUT/$b.log" | tail -40
 done
 if ((${#tests[@]})); then
-  timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider -rs "${tests[@]}" > "$OUT/pytest.log" 2>&1; rc=$?; status=$((status|rc))
+  HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-gpu} timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider -rs --durations=15 "${tests[@]}" > "$OUT/pytest.log" 2>&1; rc=$?; status=$((status|rc))
   echo "pytest ${tests[*]}: rc=$rc  $(tail -1 "$OUT/pytest.log")"
 fi
 grep -E "FAILED|Error" "$OUT/pytest.log" 2>/dev/null | head -30

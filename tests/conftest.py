@@ -30,7 +30,9 @@ try:
 
     settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True)
     settings.register_profile("dev", max_examples=50, deadline=None)
-    settings.load_profile("ci" if os.environ.get("CI") else "dev")
+    # benchmarks/gpu_run.sh: half the examples (GPU device time is rationed), still random
+    settings.register_profile("gpu", max_examples=25, deadline=None)
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev"))
 except ImportError:  # pragma: no cover
     pass
 
