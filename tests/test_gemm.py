@@ -531,3 +531,50 @@ def test_linear_1d_input(device):
     out = tilelang_ops.linear(x, w, b, "relu")
     assert out.shape == (out_f,)
     _check(out, _linear_ref(x, w, b, "relu"), torch.bfloat16, "1-D")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("used", ["y", "z", "both"])
+def test_linear_preact_gradients_whichever_output_is_used(device, used):
+    # Grads of unused outputs arrive as None (not materialized zeros): each combination takes its
+    # own path in the backward and must match float64 autograd.
+    torch.manual_seed(0)
+    x, w, b = (torch.randn(*s, device=device, dtype=torch.bfloat16) for s in ((19, 40), (24, 40), (24,)))
+    gy, gz = torch.randn(19, 24, device=device), torch.randn(19, 24, device=device)
+
+    def grads(fn, dtype):
+        ins = [t.detach().to(dtype).requires_grad_() for t in (x, w, b)]
+        y, z = fn(*ins)
+        loss = (y.float() * gy).sum() if used != "z" else 0
+        loss = loss + ((z.float() * gz).sum() if used != "y" else 0)
+        loss.backward()
+        return [t.grad for t in ins]
+
+    ours = grads(lambda *a: torch.ops.tileops.linear_preact(*a, "gelu_tanh"), torch.bfloat16)
+    ref = grads(lambda *a: reference.linear(*a, "gelu_tanh", save_preact=True), torch.float64)
+    for name, o, r in zip(("x", "weight", "bias"), ours, ref):
+        _check(o, r, torch.bfloat16, f"d{name} with {used} used")
+
+
+def test_unused_preactivation_costs_nothing_in_backward():
+    # nn.Linear(activation=...) trains through linear_preact; its z output is unused downstream.
+    # The backward must be act_grad (with the bias gradient) and two GEMMs: no zero-filled dz
+    # gradient, no extra add or bias reduction.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    m = tnn.Linear(40, 24, activation="gelu_tanh").to(torch.bfloat16)
+    y = m(torch.randn(7, 40, dtype=torch.bfloat16, requires_grad=True))
+    g = torch.randn_like(y)
+    with Ops() as mode:
+        y.backward(g)
+    assert [s for s in mode.seen if s.startswith("tileops.")] == ["tileops.act_grad.default", "tileops.gemm.default", "tileops.gemm_tn.default"], mode.seen
+    assert not any(s.startswith(("aten.zeros", "aten.add", "aten.fill", "aten.sum")) for s in mode.seen), mode.seen

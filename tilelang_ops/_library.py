@@ -62,7 +62,9 @@ class CustomOp:
         return fn
 
     def register_autograd(self, backward, *, setup_context=None):
-        """backward(ctx, *grads) -> one gradient (or None) per input; setup_context(ctx, inputs, output)."""
+        """backward(ctx, *grads) -> one gradient (or None) per input; setup_context(ctx, inputs, output).
+
+        The gradient of an output that was not used is None (grads are not materialized)."""
         op, impls = self.op, self.impls
         arguments = op._schema.arguments
         # The dispatcher drops trailing arguments equal to their defaults; setup_context sees all.
@@ -72,6 +74,9 @@ class CustomOp:
 
         def forward(ctx, *args):
             keyset, args = args[-1], args[:-1]
+            # An output nobody used gets None, not a materialized zero tensor: backward formulas
+            # skip its term (linear_preact's z is usually unused: no zero fill, no add).
+            ctx.set_materialize_grads(False)
             out = run(keyset, args)
             if setup_context is not None:
                 setup_context(ctx, args + defaults[len(args):], out)

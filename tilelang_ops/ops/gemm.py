@@ -568,15 +568,17 @@ def _linear_preact_setup(ctx, inputs, output):
 
 def _linear_preact_backward(ctx, gy, gz):
     x, weight, z = ctx.saved_tensors
-    if gz is None:
+    if gz is None:  # the usual case: only y = act(z) is used downstream
         return (*_linear_backward_common(ctx, gy, x, weight, z), None)
-    if ctx.activation == "none":  # y is z
+    if gy is not None and ctx.activation == "none":  # y is z
         return (*_linear_backward_common(ctx, gy + gz, x, weight, z), None)
-    # Rare: z itself was used downstream, so its gradient adds to dz.
+    # Rare: z itself was used downstream, so its gradient adds to dz (or is dz, if y was not used).
     out_f = weight.shape[0]
-    dz = torch.ops.tileops.act_grad(gy.reshape(-1, out_f), z.reshape(-1, out_f), ctx.activation, False)[0] + gz.reshape(-1, out_f)
+    dz = gz.reshape(-1, out_f)
+    if gy is not None:
+        dz = torch.ops.tileops.act_grad(gy.reshape(-1, out_f), z.reshape(-1, out_f), ctx.activation, False)[0] + dz
     db = dz.sum(0, dtype=torch.float32).to(dz.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
-    return (*_grads_from_dz(ctx, dz, db, x, weight, gy.shape), None)
+    return (*_grads_from_dz(ctx, dz, db, x, weight, gz.shape), None)
 
 
 linear_preact.register_autograd(_linear_preact_backward, setup_context=_linear_preact_setup)
