@@ -17,7 +17,7 @@ from tilelang_ops import nn as tnn
 from tilelang_ops import reference
 from tilelang_ops.ops import gemm as G
 
-from .helpers import DEVICES, HAS_CUDA, poisoned_cuda_allocation, rel_err, requires_cuda
+from .helpers import DEVICES, HAS_CUDA, RecordOps, poisoned_cuda_allocation, rel_err, requires_cuda
 
 DTYPES = [torch.bfloat16, torch.float16]
 ACTS = list(reference.ACTIVATIONS)
@@ -560,21 +560,10 @@ def test_unused_preactivation_costs_nothing_in_backward():
     # nn.Linear(activation=...) trains through linear_preact; its z output is unused downstream.
     # The backward must be act_grad (with the bias gradient) and two GEMMs: no zero-filled dz
     # gradient, no extra add or bias reduction.
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.seen = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.seen.append(str(func))
-            return func(*args, **(kwargs or {}))
-
     m = tnn.Linear(40, 24, activation="gelu_tanh").to(torch.bfloat16)
     y = m(torch.randn(7, 40, dtype=torch.bfloat16, requires_grad=True))
     g = torch.randn_like(y)
-    with Ops() as mode:
+    with RecordOps() as mode:
         y.backward(g)
-    assert [s for s in mode.seen if s.startswith("tileops.")] == ["tileops.act_grad.default", "tileops.gemm.default", "tileops.gemm_tn.default"], mode.seen
-    assert not any(s.startswith(("aten.zeros", "aten.add", "aten.fill", "aten.sum")) for s in mode.seen), mode.seen
+    assert [s for s in mode.ops if s.startswith("tileops.")] == ["tileops.act_grad.default", "tileops.gemm.default", "tileops.gemm_tn.default"], mode.ops
+    assert not any(s.startswith(("aten.zeros", "aten.add", "aten.fill", "aten.sum")) for s in mode.ops), mode.ops

@@ -5,29 +5,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import tilelang_ops  # noqa: F401
 from tilelang_ops.ops import softmax as softmax_ops
 
-from .helpers import DEVICES, rel_err
-
-
-class _Seen(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
+from .helpers import DEVICES, RecordOps, rel_err
 
 
 @pytest.mark.parametrize("grad", [False, True])
 def test_dispatch_modes_see_the_op(grad):
     a = torch.randn(37, requires_grad=grad)
     b = torch.randn(37)
-    with _Seen() as mode:
+    with RecordOps() as mode:
         out = torch.ops.tileops.add(a, b)
     assert "tileops.add.default" in mode.ops, mode.ops
     assert torch.equal(out, a + b)
