@@ -43,3 +43,8 @@ class RecordOps(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops.append(str(func))
         return func(*args, **(kwargs or {}))
+
+    @property
+    def tileops(self) -> list[str]:
+        """Our ops among them, by short name (``"flash_attn_with_lse"``): proof a path ran them."""
+        return [name.split(".")[1] for name in self.ops if name.startswith("tileops.")]

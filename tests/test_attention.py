@@ -422,3 +422,24 @@ def test_flash_attn_bad_input(device, idx):
         torch.ops.tileops.flash_attn(*args, **kwargs)
     with pytest.raises(exc, match=msg):
         torch.ops.tileops.flash_attn_with_lse(*args, **kwargs)
+
+
+def test_kernel_resolution_static_args(monkeypatch):
+    # The op resolves each kernel once per (name, dtype, device, static args as passed); the
+    # scale baked into fwd/bwd is softmax_scale, or 1/sqrt(headdim) when None. No GPU needed:
+    # compilation is replaced by a recorder.
+    from tilelang_ops.ops import attention as ops
+
+    built = []
+    monkeypatch.setattr(ops, "_kernels", {})
+    monkeypatch.setattr(ops.runtime, "launcher", lambda compiled: compiled)
+    monkeypatch.setattr(ops.tuning, "resolve_config", lambda tunable, shape, dtype, device: ("cfg", shape))
+    monkeypatch.setattr(ops, "_compile", lambda name, config, dtype, device, **static: built.append((name, static)) or (name, static))
+    dev = torch.device("cuda", 0)
+    fwd = ops._kernel("fwd", torch.bfloat16, dev, 64, True, 2, None)
+    assert fwd == ("fwd", dict(headdim=64, causal=True, groups=2, scale=0.125))
+    assert ops._kernel("fwd", torch.bfloat16, dev, 64, True, 2, None) is fwd and len(built) == 1  # cached
+    assert ops._kernel("bwd", torch.bfloat16, dev, 128, False, 1, 0.5)[1] == dict(headdim=128, causal=False, groups=1, scale=0.5)
+    assert ops._kernel("prep", torch.bfloat16, dev, 64)[1] == dict(headdim=64)
+    assert ops._kernel("cast", torch.bfloat16, dev)[1] == {}
+    assert len(built) == 4

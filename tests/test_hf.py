@@ -13,14 +13,13 @@ import warnings
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 transformers = pytest.importorskip("transformers", minversion="4.56", reason="transformers>=4.56 is not installed (optional extra: pip install 'tilelang_ops[hf]')")
 
 import tilelang_ops  # noqa: E402
 from tilelang_ops.integrations import hf  # noqa: E402
 
-from .helpers import rel_err, requires_cuda  # noqa: E402
+from .helpers import RecordOps, rel_err, requires_cuda  # noqa: E402
 
 VOCAB, LAYERS = 96, 2
 _TOKENS = dict(bos_token_id=0, eos_token_id=1, pad_token_id=2)
@@ -35,17 +34,6 @@ CONFIGS = {
     ),
     "gpt2": lambda: transformers.GPT2Config(vocab_size=VOCAB, n_embd=128, n_layer=LAYERS, n_head=2, n_positions=1024, **_TOKENS),
 }
-
-
-class _TileopsCalls(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if "tileops" in str(func):
-            self.names.append(str(func).split(".")[1])
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -82,17 +70,22 @@ def test_float32_logits_equal_sdpa(name, fresh_warnings):
     torch.testing.assert_close(out, ref(ids).logits, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", CONFIGS)
-def test_bfloat16_runs_tileops_within_sdpa_error(name):
-    ours, ref = _pair(name)
-    ids = _ids()
+def _bfloat16_within_sdpa_error(ours, ref, ids):
+    """Logits of `ours` in bfloat16: our attention ran in every layer, and the error against the
+    float32 reference is within twice SDPA's own bfloat16 error."""
     ref32 = ref(ids).logits
     ours.bfloat16(), ref.bfloat16()
     sdpa16 = ref(ids).logits
-    with _TileopsCalls() as calls:
+    with RecordOps() as calls:
         out = ours(ids).logits
-    assert calls.names.count("flash_attn_with_lse") == LAYERS
+    assert calls.tileops.count("flash_attn_with_lse") == LAYERS
     assert rel_err(out, ref32) <= 2 * rel_err(sdpa16, ref32) + 1e-3
+    return out
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_bfloat16_runs_tileops_within_sdpa_error(name):
+    _bfloat16_within_sdpa_error(*_pair(name), _ids())
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -111,17 +104,17 @@ def test_padding_mask_falls_back_to_sdpa_with_one_warning(fresh_warnings):
     ids = _ids()
     mask = torch.ones_like(ids)
     mask[0, :5] = 0  # left padding in the first sequence
-    with _TileopsCalls() as calls, pytest.warns(RuntimeWarning, match="materialized attention mask"):
+    with RecordOps() as calls, pytest.warns(RuntimeWarning, match="materialized attention mask"):
         out = ours(ids, attention_mask=mask).logits
-    assert "flash_attn_with_lse" not in calls.names
+    assert "flash_attn_with_lse" not in calls.tileops
     torch.testing.assert_close(out, ref(ids, attention_mask=mask).logits, rtol=0, atol=0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per process
         ours(ids, attention_mask=mask)
         # an all-ones mask is dropped by the mask function: no fallback, no warning
-        with _TileopsCalls() as calls:
+        with RecordOps() as calls:
             ours(ids, attention_mask=torch.ones_like(ids))
-        assert calls.names.count("flash_attn_with_lse") == LAYERS
+        assert calls.tileops.count("flash_attn_with_lse") == LAYERS
 
 
 def _cache_kw(model, cache):
@@ -136,10 +129,10 @@ def test_kv_cache_prefill_and_decode_match_full_forward():
     ours, _ = _pair("llama-gqa", torch.bfloat16)
     ids = _ids(seq=17)
     full = ours(ids).logits
-    with _TileopsCalls() as calls:
+    with RecordOps() as calls:
         pre = ours(ids[:, :-1], use_cache=True)
         step = ours(ids[:, -1:], use_cache=True, **_cache_kw(ours, pre.past_key_values))  # one query token: not causal
-    assert calls.names.count("flash_attn_with_lse") == 2 * LAYERS
+    assert calls.tileops.count("flash_attn_with_lse") == 2 * LAYERS
     torch.testing.assert_close(pre.logits, full[:, :-1], rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(step.logits[:, -1], full[:, -1], rtol=2e-2, atol=2e-2)
 
@@ -149,9 +142,9 @@ def test_static_cache_prefill_runs_tileops_and_decode_falls_back(fresh_warnings)
     ids = _ids(seq=17)
     full = ours(ids).logits
     cache = transformers.StaticCache(config=ours.config, max_cache_len=32)
-    with _TileopsCalls() as calls:  # prefill: keys past the prompt are unwritten slots, cropped
+    with RecordOps() as calls:  # prefill: keys past the prompt are unwritten slots, cropped
         pre = ours(ids[:, :-1], use_cache=True, **_cache_kw(ours, cache))
-    assert calls.names.count("flash_attn_with_lse") == LAYERS
+    assert calls.tileops.count("flash_attn_with_lse") == LAYERS
     torch.testing.assert_close(pre.logits, full[:, :-1], rtol=2e-2, atol=2e-2)
     # decode: transformers materializes the slot mask for static caches, which the kernel cannot serve
     with pytest.warns(RuntimeWarning, match="materialized attention mask"):
@@ -197,16 +190,9 @@ def test_register_names_and_idempotence():
 @requires_cuda
 @pytest.mark.parametrize("name", CONFIGS)
 def test_gpu_bfloat16_within_sdpa_error(name):
-    ours, ref = _pair(name)
-    ours, ref = ours.cuda(), ref.cuda()
+    ours, ref = (m.cuda() for m in _pair(name))
     ids = _ids(batch=4, seq=512).cuda()
-    ref32 = ref(ids).logits
-    ours.bfloat16(), ref.bfloat16()
-    sdpa16 = ref(ids).logits
-    with _TileopsCalls() as calls:
-        out = ours(ids).logits
-    assert calls.names.count("flash_attn_with_lse") == LAYERS
-    assert rel_err(out, ref32) <= 2 * rel_err(sdpa16, ref32) + 1e-3
+    out = _bfloat16_within_sdpa_error(ours, ref, ids)
     loss = torch.nn.functional.cross_entropy(out.float().flatten(0, 1), ids.flatten())
     loss.backward()  # the backward op runs on the GPU too
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in ours.parameters() if p.requires_grad)

@@ -14,28 +14,14 @@ import warnings
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import tilelang_ops
 from tilelang_ops import nn as tnn
 from tilelang_ops.patching import MultiheadAttention as PatchedMHA
 
-from .helpers import rel_err, requires_cuda
+from .helpers import RecordOps, rel_err, requires_cuda
 
 E, HEADS = 128, 2  # head dim 64: served by the attention kernel
-
-
-class _TileopsCalls(TorchDispatchMode):
-    """Counts tileops ops reaching dispatch (proof that the patched path really ran our ops)."""
-
-    def __init__(self):
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if "tileops" in str(func):
-            self.names.append(str(func).split(".")[1])
-        return func(*args, **(kwargs or {}))
 
 
 class Block(torch.nn.Module):
@@ -237,9 +223,9 @@ def test_mha_bfloat16_runs_tileops_within_torch_error(case):
         k16 = v16 = q16
     mask16 = mask.bfloat16() if is_causal else None
     torch16, _ = mha16(q16, k16, v16, need_weights=False, attn_mask=mask16, is_causal=is_causal)
-    with _TileopsCalls() as calls:
+    with RecordOps() as calls:
         out, _ = PatchedMHA.from_module(mha16)(q16, k16, v16, need_weights=False, attn_mask=mask16, is_causal=is_causal)
-    assert "flash_attn_with_lse" in calls.names and "linear" in calls.names
+    assert "flash_attn_with_lse" in calls.tileops and "linear" in calls.tileops
     assert out.dtype == torch.bfloat16 and out.shape == ref32.shape
     assert rel_err(out, ref32) <= 2 * rel_err(torch16, ref32) + 1e-3
 

@@ -45,14 +45,16 @@ class CustomOp:
         self.op = getattr(getattr(torch.ops, NAMESPACE), name).default
         # backend dispatch key -> implementation, for the autograd kernel's direct call
         self.impls = {_C.DispatchKey.CPU: fn}
+        self._run = _no_grad_path(self.op, self.impls)  # (keyset, args) -> result, no autograd
 
     def __call__(self, *args, **kwargs):
         return self.op(*args, **kwargs)
 
     def register_kernel(self, device_type: str):
         def wrap(fn):
-            _LIB.impl(self.name, fn, {"cuda": "CUDA", "cpu": "CPU"}[device_type])
-            self.impls[_BACKEND_KEYS[device_type]] = fn
+            key = _BACKEND_KEYS[device_type]
+            _LIB.impl(self.name, fn, key.name)
+            self.impls[key] = fn
             return fn
 
         return wrap
@@ -65,12 +67,9 @@ class CustomOp:
         """backward(ctx, *grads) -> one gradient (or None) per input; setup_context(ctx, inputs, output).
 
         The gradient of an output that was not used is None (grads are not materialized)."""
-        op, impls = self.op, self.impls
-        arguments = op._schema.arguments
         # The dispatcher drops trailing arguments equal to their defaults; setup_context sees all.
-        defaults = tuple(a.default_value if a.has_default_value() else None for a in arguments)
-
-        run = _no_grad_path(op, impls)
+        defaults = tuple(a.default_value if a.has_default_value() else None for a in self.op._schema.arguments)
+        run = self._run
 
         def forward(ctx, *args):
             keyset, args = args[-1], args[:-1]
@@ -92,24 +91,23 @@ class CustomOp:
             return (*grads_in, None) if isinstance(grads_in, tuple) else (grads_in, None)
 
         fn_cls = type(f"{self.name}_autograd", (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(backward_)})
-
-        def autograd_kernel(keyset, *args):
-            if _C.is_grad_enabled() and _C._any_requires_grad(*args):
-                return fn_cls.apply(*args, keyset)
-            return run(keyset, args)
-
         self.apply_with_grad = lambda keyset, args: fn_cls.apply(*args, keyset)
-        _LIB.impl(self.name, autograd_kernel, "Autograd", with_keyset=True)
+        self._impl_autograd(self.apply_with_grad)
 
     def register_autograd_via(self, other: "CustomOp", select):
         """Autograd by delegation to `other`, an op with the same arguments and an autograd
         formula: when a gradient is needed, the result is `select(other's outputs)`, recorded by
         other's autograd; otherwise this op's own kernel runs."""
-        run = _no_grad_path(self.op, self.impls)
+        self._impl_autograd(lambda keyset, args: select(other.apply_with_grad(keyset, args)))
+
+    def _impl_autograd(self, with_grad):
+        """The Autograd kernel: `with_grad(keyset, args)` when a gradient will be needed, else the
+        no-grad path (the implementation directly, or a redispatch)."""
+        run = self._run
 
         def autograd_kernel(keyset, *args):
             if _C.is_grad_enabled() and _C._any_requires_grad(*args):
-                return select(other.apply_with_grad(keyset, args))
+                return with_grad(keyset, args)
             return run(keyset, args)
 
         _LIB.impl(self.name, autograd_kernel, "Autograd", with_keyset=True)

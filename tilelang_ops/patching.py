@@ -20,6 +20,7 @@ from ._warnings import warn_once
 # The list of (qualified name, original module) swaps, oldest first, kept on the patched model so
 # that `unpatch(model)` needs nothing else. A plain attribute: not a submodule, not in state_dict.
 _ORIGINALS_ATTR = "_tileops_originals"
+_ROUTED = object()  # in place of an original module: the module stayed, only its forward was routed
 
 
 # ---------------------------------------------------------------- MultiheadAttention
@@ -336,8 +337,6 @@ def patch(model: torch.nn.Module) -> PatchReport:
         model.__dict__.setdefault(_ORIGINALS_ATTR, []).extend(report.originals)
     return report
 
-
-_ROUTED = object()  # originals entry: the module stayed, only its forward was routed
 
 
 def unpatch(model: torch.nn.Module, report: PatchReport | None = None) -> list[str]:

@@ -91,8 +91,8 @@ def launcher(compiled) -> Callable[..., None]:
     """The compiled host function of a kernel: call it with every buffer, outputs included.
 
     `JITKernel.__call__` works out devices and output shapes in Python on every call before it
-    reaches this function; the function itself (tvm_ffi, C) checks dtype, shape, device and
-    alignment of each argument, takes torch's current stream and launches. Ops keep it in their
+    reaches this function; the function itself (tvm_ffi, C) checks the dtype, shape, strides and
+    device of each argument, takes torch's current stream and launches. Ops keep it in their
     per-key caches so a call pays only the C part.
     """
     ex = compiled.adapter._get_executable()

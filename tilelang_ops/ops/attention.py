@@ -76,18 +76,20 @@ def _compile(name: str, config, dtype: torch.dtype, device: torch.device, **stat
     return kdef.compile(config, runtime.arch_for_device(device), dtype=TL_DTYPE[dtype], **static)
 
 
-def _kernel(name: str, dtype: torch.dtype, device: torch.device, headdim: int = 0, causal: bool = False, groups: int = 1, scale: float = 0.0):
-    """Launcher for kernel `name` ("fwd", "bwd", "prep" (headdim only), "cast" (no static args))."""
-    key = (name, dtype, device.index, headdim, causal, groups, scale)  # positional: no kwargs dict per call
+def _kernel(name: str, dtype: torch.dtype, device: torch.device, headdim: int = 0, causal: bool = False, groups: int = 1, softmax_scale: Optional[float] = None):
+    """Launcher for kernel `name`: "fwd"/"bwd" (every static arg), "prep" (headdim), "cast" (none).
+    Keyed by the call's own arguments (positional, softmax_scale as given): a hit costs no math."""
+    key = (name, dtype, device.index, headdim, causal, groups, softmax_scale)
     k = _kernels.get(key)
     if k is None:
         from ..kernels import attention as K
 
-        static = {"fwd": dict(headdim=headdim, causal=causal, groups=groups, scale=scale), "prep": dict(headdim=headdim), "cast": {}}
-        static = static.get(name, static["fwd"])
         if name in ("fwd", "bwd"):
+            scale = K.default_scale(headdim) if softmax_scale is None else float(softmax_scale)
+            static = dict(headdim=headdim, causal=causal, groups=groups, scale=scale)
             config = tuning.resolve_config(TUNABLES[name], _tune_shape(static), dtype, device)
         else:
+            static = dict(headdim=headdim) if name == "prep" else {}
             config = K.PrepConfig() if name == "prep" else K.CastConfig()
         k = _kernels[key] = runtime.launcher(_compile(name, config, dtype, device, **static))
     return k
@@ -172,7 +174,7 @@ def _flash_fwd_cuda(q, k, v, causal=False, softmax_scale=None):
     lse = q.new_empty((B, H, Sq), dtype=torch.float32)
     if Sk == 0 or out.numel() == 0:  # nothing to attend to
         return out.zero_(), lse.fill_(float("-inf"))
-    _kernel("fwd", q.dtype, q.device, D, causal, H // HK, _scale(q, softmax_scale))(ready(q), ready(k), ready(v), out, lse)
+    _kernel("fwd", q.dtype, q.device, D, causal, H // HK, softmax_scale)(ready(q), ready(k), ready(v), out, lse)
     return out, lse
 
 
@@ -243,7 +245,7 @@ def _(dout, q, k, v, out, lse, causal=False, softmax_scale=None, dlse=None):
     _kernel("prep", dtype, dev, D)(ready(out), dout, ready(lse), delta, lse2, dq_acc)
     if dlse is not None:  # d lse_i / d s_ij = P_ij, so dlse folds into Delta: dS = P (dP - (Delta - dlse))
         delta[:, :, :Sq].sub_(dlse)
-    _kernel("bwd", dtype, dev, D, causal, H // HK, _scale(q, softmax_scale))(ready(q), ready(k), ready(v), dout, lse2, delta, dq_acc, dk, dv)
+    _kernel("bwd", dtype, dev, D, causal, H // HK, softmax_scale)(ready(q), ready(k), ready(v), dout, lse2, delta, dq_acc, dk, dv)
     dq = q.new_empty((B, Sq, H, D))
     _kernel("cast", dtype, dev)(dq_flat, dq.view(-1))
     return dq, dk, dv

@@ -175,9 +175,9 @@ def _act_grad_kernel(device, n, dtype, activation):
         cfg = K.default_act_grad_config(arch, n)
         static = dict(n=n, dtype=TL_DTYPE[dtype], activation=activation)
         colsum = runtime.launcher(K.colsum_kernel.compile(K.ColsumConfig(), arch, n=n, dtype=TL_DTYPE[dtype]))
-        hit = _kernels[key] = (runtime.launcher(K.act_grad_kernel.compile(cfg, arch, **static)), colsum, cfg.block_M, ("act_grad", cfg, static))
-    _last["act_grad"] = hit[3]
-    return hit[:3]
+        hit = _kernels[key] = ((runtime.launcher(K.act_grad_kernel.compile(cfg, arch, **static)), colsum, cfg.block_M), ("act_grad", cfg, static))
+    _last["act_grad"] = hit[1]
+    return hit[0]
 
 
 def _up(x: int) -> int:
@@ -249,7 +249,7 @@ def _cuda_matmul(layout, a, b, bias=None, activation="none", save_preact=False):
 
 
 def _check_pair(a, b, op: str) -> None:
-    # Fast accept (the common call, ~0.5 µs), else the full check that names what is wrong.
+    # Fast accept (the common call), else the full check that names what is wrong.
     if a.dtype in DTYPES and b.dtype is a.dtype and a.dim() == 2 and b.dim() == 2 and a.device == b.device:
         if a.shape[-2 if op == "gemm_tn" else -1] == b.shape[-1 if op == "gemm_nt" else -2]:
             return
