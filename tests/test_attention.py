@@ -443,3 +443,49 @@ def test_kernel_resolution_static_args(monkeypatch):
     assert ops._kernel("prep", torch.bfloat16, dev, 64)[1] == dict(headdim=64)
     assert ops._kernel("cast", torch.bfloat16, dev)[1] == {}
     assert len(built) == 4
+
+
+# ------------------------------------------------------------------- strided q/k/v (no copies)
+def _strided_views(layout, B, S, H, HK, D, dtype, device):
+    """q, k, v as models produce them: unbound from a packed (B, S, 3, H, D) projection, or SDPA's
+    (B, H, S, D) transposed to (B, S, H, D). Leaves that require grad come back too."""
+    if layout == "packed":
+        qkv = torch.randn(B, S, 2 * HK + H, D, dtype=dtype, device=device, requires_grad=True)
+        q, k, v = qkv.split((H, HK, HK), dim=2)
+        return (q, k, v), (qkv,)
+    leaves = [torch.randn(B, h, S, D, dtype=dtype, device=device, requires_grad=True) for h in (H, HK, HK)]
+    return tuple(t.transpose(1, 2) for t in leaves), tuple(leaves)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["packed", "sdpa"])
+@pytest.mark.parametrize("shape", [(2, 77, 4, 4, 64), (1, 200, 8, 2, 128)], ids=["mha", "gqa"])
+def test_strided_qkv_read_in_place(device, layout, shape, monkeypatch):
+    from tilelang_ops.ops import attention as ops
+
+    B, S, H, HK, D = shape
+    (q, k, v), leaves = _strided_views(layout, B, S, H, HK, D, torch.bfloat16, device)
+    assert not q.is_contiguous()
+    copies = []
+    real = ops.aligned16
+    monkeypatch.setattr(ops, "aligned16", lambda t: copies.append(tuple(t.shape)) or real(t))
+    out, lse = torch.ops.tileops.flash_attn_with_lse(q, k, v, True)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    if device == "cuda":
+        assert copies == [], f"strided q/k/v were copied: {copies}"
+    ref_out, ref_lse, ref_grads = _ref(q, k, v, True, None, dout)
+    base = _baseline_errors(q, k, v, True, None, dout, ref_out, ref_lse, ref_grads)
+    _check(out, lse, ref_out, ref_lse, torch.bfloat16, grads, ref_grads, base)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_unaligned_strides_are_copied_and_still_right():
+    # A head dim slice at an odd element offset: base address not 16-byte aligned -> copied.
+    big = torch.randn(1, 33, 2, 64 + 1, dtype=torch.bfloat16, device="cuda")
+    q = big[..., 1:]
+    assert q.data_ptr() % 16 != 0
+    out, lse = torch.ops.tileops.flash_attn_with_lse(q, q, q, False)
+    ref_out, ref_lse, _ = _ref(q, q, q, False)
+    _check(out, lse, ref_out, ref_lse, torch.bfloat16)

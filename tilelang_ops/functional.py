@@ -104,12 +104,6 @@ def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- attention
-def _compact(t):
-    # The kernels take compact tensors; copying inside the op would leave autograd saving the
-    # strided view and the backward copying it a second time.
-    return t.contiguous() if isinstance(t, torch.Tensor) and not t.is_contiguous() else t
-
-
 def flash_attn(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False
 ):
@@ -132,12 +126,11 @@ def flash_attn(
 
     Differentiable in q, k, v (and through lse). Sequence lengths, batch and head counts are
     symbolic: one compiled kernel per (headdim, dtype, causal, GQA ratio, softmax_scale).
-    Non-contiguous inputs (e.g. q, k, v unbound from a packed QKV projection) are copied here,
-    before the op, so autograd saves the compact copies and the backward does not copy them again.
+    Strided inputs whose last dim is contiguous (q, k, v unbound from a packed QKV projection,
+    SDPA's layout transposed) are read as they are, forward and backward; other layouts are copied.
     The backward's dQ is accumulated with fp32 atomics, so dQ can differ in the last bits between
     runs; dK and dV are deterministic.
     """
-    q, k, v = _compact(q), _compact(k), _compact(v)
     if return_lse:
         return torch.ops.tileops.flash_attn_with_lse(q, k, v, causal, softmax_scale)
     return torch.ops.tileops.flash_attn(q, k, v, causal, softmax_scale)
@@ -186,14 +179,14 @@ def scaled_dot_product_attention(
       - ``is_causal`` only when seqlen_q == seqlen_k: SDPA aligns its causal mask to the top-left
         corner, flash-attn (and this library) to the bottom-right; they agree only when square;
       - ``scale`` is None or a finite positive float.
-    Results therefore always follow SDPA's semantics. Inputs are transposed to (B, S, H, D) and
-    copied to contiguous memory for the kernel (before the op, so the backward reuses the copies);
-    the output is a (B, H, S, D) view of a (B, S, H, D) tensor, as with SDPA's flash backend.
+    Results therefore always follow SDPA's semantics. Inputs are passed to the kernel as
+    (B, S, H, D) transposed views (read in place, no copy); the output is a (B, H, S, D) view of a
+    (B, S, H, D) tensor, as with SDPA's flash backend.
     """
     if not _sdpa_supported(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
         kwargs = {"enable_gqa": True} if enable_gqa else {}
         return torch.nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **kwargs
         )
-    q, k, v = (_compact(t.transpose(1, 2)) for t in (query, key, value))
-    return torch.ops.tileops.flash_attn(q, k, v, is_causal, scale).transpose(1, 2)
+    out = torch.ops.tileops.flash_attn(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), is_causal, scale)
+    return out.transpose(1, 2)

@@ -87,6 +87,15 @@ FWD_SEARCH_SPACE = [
 ]
 
 
+def _qkv_param(name: str, shape: tuple, dtype: str):
+    """A (B, S, heads, D) input whose last dim is contiguous and whose other strides are symbolic
+    (read from the tensor at launch): q/k/v unbound from a packed QKV projection, or SDPA's
+    (B, H, S, D) transposed, load by TMA as they are, without a copy. The op layer checks what TMA
+    needs (16-byte aligned base and strides, int32 strides) and copies otherwise."""
+    strides = (T.dynamic(f"{name}_sb"), T.dynamic(f"{name}_ss"), T.dynamic(f"{name}_sh"), 1)
+    return T.StridedTensor(shape, strides, dtype)
+
+
 @kernel("attention", "flash_fwd", pass_configs=_PASS_CONFIGS)
 def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, groups: int, scale: float):
     B = T.dynamic("B")
@@ -102,9 +111,9 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
 
     @T.prim_func
     def flash_fwd(
-        Q: T.Tensor((B, Sq, H, D), dtype),
-        K: T.Tensor((B, Sk, HK, D), dtype),
-        V: T.Tensor((B, Sk, HK, D), dtype),
+        Q: _qkv_param("q", (B, Sq, H, D), dtype),
+        K: _qkv_param("k", (B, Sk, HK, D), dtype),
+        V: _qkv_param("v", (B, Sk, HK, D), dtype),
         O: T.Tensor((B, Sq, H, D), dtype),
         LSE: T.Tensor((B, H, Sq), acc),
     ):
@@ -312,9 +321,9 @@ def flash_bwd_kernel(config: BwdConfig, headdim: int, dtype: str, causal: bool, 
 
     @T.prim_func
     def flash_bwd(
-        Q: T.Tensor((B, Sq, H, D), dtype),
-        K: T.Tensor((B, Sk, HK, D), dtype),
-        V: T.Tensor((B, Sk, HK, D), dtype),
+        Q: _qkv_param("q", (B, Sq, H, D), dtype),
+        K: _qkv_param("k", (B, Sk, HK, D), dtype),
+        V: _qkv_param("v", (B, Sk, HK, D), dtype),
         dO: T.Tensor((B, Sq, H, D), dtype),
         LSE2: T.Tensor((B, H, SqP), acc),  # base-2 LSE from the preprocess kernel, Sq padded
         Delta: T.Tensor((B, H, SqP), acc),

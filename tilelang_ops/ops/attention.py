@@ -18,7 +18,7 @@ import torch
 
 from .. import reference, runtime, tuning
 from .._library import custom_op
-from ._checks import TL_DTYPE, check_same, check_tensor, ready
+from ._checks import INT32_MAX, TL_DTYPE, aligned16, check_same, check_tensor, ready
 
 DTYPES = (torch.float16, torch.bfloat16)
 HEADDIMS = (64, 128, 256)
@@ -155,6 +155,17 @@ TUNABLES = {
 }
 
 
+def _qkv(t: torch.Tensor) -> torch.Tensor:
+    """q, k or v as the kernels take it: any strides TMA can describe, as is (a view unbound from a
+    packed QKV projection, SDPA's transposed layout: no copy); otherwise a compact copy.
+    TMA needs the last dim contiguous, a 16-byte aligned base and every other stride a positive
+    multiple of 16 bytes (8 fp16/bf16 elements); the kernels read strides as int32."""
+    s = t.stride()
+    if s[3] == 1 and t.data_ptr() % 16 == 0 and all(0 < x <= INT32_MAX and x % 8 == 0 for x in s[:3]):
+        return t
+    return aligned16(t.contiguous())
+
+
 # ------------------------------------------------------------------------------------- forward
 @custom_op("flash_attn_with_lse")
 def flash_attn_with_lse(
@@ -174,7 +185,7 @@ def _flash_fwd_cuda(q, k, v, causal=False, softmax_scale=None):
     lse = q.new_empty((B, H, Sq), dtype=torch.float32)
     if Sk == 0 or out.numel() == 0:  # nothing to attend to
         return out.zero_(), lse.fill_(float("-inf"))
-    _kernel("fwd", q.dtype, q.device, D, causal, H // HK, softmax_scale)(ready(q), ready(k), ready(v), out, lse)
+    _kernel("fwd", q.dtype, q.device, D, causal, H // HK, softmax_scale)(_qkv(q), _qkv(k), _qkv(v), out, lse)
     return out, lse
 
 
@@ -245,7 +256,7 @@ def _(dout, q, k, v, out, lse, causal=False, softmax_scale=None, dlse=None):
     _kernel("prep", dtype, dev, D)(ready(out), dout, ready(lse), delta, lse2, dq_acc)
     if dlse is not None:  # d lse_i / d s_ij = P_ij, so dlse folds into Delta: dS = P (dP - (Delta - dlse))
         delta[:, :, :Sq].sub_(dlse)
-    _kernel("bwd", dtype, dev, D, causal, H // HK, softmax_scale)(ready(q), ready(k), ready(v), dout, lse2, delta, dq_acc, dk, dv)
+    _kernel("bwd", dtype, dev, D, causal, H // HK, softmax_scale)(_qkv(q), _qkv(k), _qkv(v), dout, lse2, delta, dq_acc, dk, dv)
     dq = q.new_empty((B, Sq, H, D))
     _kernel("cast", dtype, dev)(dq_flat, dq.view(-1))
     return dq, dk, dv
