@@ -36,36 +36,27 @@ def candidates() -> dict:
     """(m, n, backward) -> [configs]; the heuristic default is added by `plan()` when missing."""
     from tilelang_ops.kernels.softmax import SoftmaxConfig as S
 
-    # Registers from ptxas -v (sm_90a) in the comments: they set CTAs per SM. ptxas widens a row
-    # held in bf16 to fp32 anyway (rowsh barely saves registers); min_blocks caps them.
-    split_fwd = [S("split", 1, 256, 8192), S("split", 1, 256, 4096, 8)]  # stats 48 / 32, apply 44-90 / 32
-    split_bwd = [S("split", 1, 256, 4096), S("split", 1, 256, 4096, 8)]  # apply 32-88 / 32
-    # csplit (one launch, a cluster of n / chunk <= 8 CTAs per row); ept = elements per thread:
-    # fwd ept 16 ~32-40 regs, ept 32 64 regs, ept 64 128 regs; bwd ept 16 ~46, ept 32 80.
+    # csplit = a cluster of n / chunk <= 8 CTAs per row, the chunk in registers (fwd softmax also
+    # keeps exp in fp32); loop = a CTA per row, per-thread running max/sum, second read from L2.
     cs = lambda t, c, mb=0: S("csplit", 1, t, c, mb)  # noqa: E731
+    lp = lambda t, c, mb=0: S("loop", 1, t, c, mb)  # noqa: E731
     return {
-        # short rows, one warp per row: 48 registers -> 10 CTAs of 128 per SM -> 1.55 waves
-        (8192, 1024, False): [
-            S("rows", 4, 128), S("rows", 4, 128, 0, 12), S("rows", 4, 128, 0, 16),  # 40 regs (4 B spill), 32
-            S("rowsh", 4, 128, 0, 12),  # 40 regs (80 B spill)
-        ],
-        (8192, 1024, True): [S("rows", 4, 128), S("rows", 4, 128, 0, 8)],  # 78 regs, 64
-        # few long rows: split (two launches) vs csplit (one launch) vs a row per CTA
-        (256, 32768, False): split_fwd + [cs(256, 4096), cs(256, 8192)],
-        (256, 32768, True): split_bwd + [cs(256, 4096), cs(512, 8192)],
-        (128, 65536, False): split_fwd + [cs(512, 8192), cs(256, 8192)],
-        (128, 65536, True): split_bwd + [cs(512, 8192), cs(1024, 16384)],
-        (64, 131072, False): split_fwd + [S("split", 1, 512, 16384, 4), cs(1024, 16384), cs(512, 16384)],
-        (64, 131072, True): split_bwd + [cs(1024, 16384)],
-        (32, 262144, False): split_fwd + [S("split", 1, 512, 16384, 4), cs(1024, 32768)],
-        (32, 262144, True): split_bwd + [cs(1024, 32768)],
-        # many long rows: rows at 48 regs = 1 CTA of 1024 per SM; loop at 32 regs = 2-4 CTAs
+        # few long rows: csplit cluster sizes 2-8 vs the two-launch split
+        (256, 32768, False): [cs(256, 8192), cs(512, 8192), cs(256, 4096), cs(128, 4096), cs(512, 16384), cs(256, 8192, 4)],
+        (256, 32768, True): [cs(256, 4096), cs(512, 8192), cs(256, 8192), cs(128, 4096)],
+        (128, 65536, False): [cs(256, 8192), cs(512, 8192), cs(512, 16384), cs(1024, 16384)],
+        (128, 65536, True): [cs(512, 8192), cs(256, 8192), cs(1024, 16384), cs(512, 16384)],
+        (64, 131072, False): [cs(512, 16384), cs(1024, 16384)],
+        (32, 262144, False): [S("split", 1, 256, 8192), cs(1024, 32768), cs(1024, 32768, 2), cs(512, 32768)],
+        (32, 262144, True): [cs(1024, 32768), S("split", 1, 256, 4096, 8)],
+        # many long rows: a cluster per row (one read) vs loop (two reads, the second from L2)
         (4096, 32768, False): [
-            S("rows", 1, 1024), S("loop", 1, 256, 8192), S("loop", 1, 512, 8192, 2),
-            S("loop", 1, 512, 8192, 4), S("loop", 1, 256, 8192, 8),
+            cs(256, 8192), cs(512, 8192), cs(512, 16384), cs(256, 4096), cs(256, 8192, 4),
+            lp(256, 8192), lp(512, 8192), lp(512, 8192, 2), lp(1024, 16384),
         ],
         (4096, 32768, True): [
-            S("loop", 1, 256, 4096), S("loop", 1, 256, 4096, 8), S("loop", 1, 512, 4096, 4),
+            cs(256, 8192), cs(512, 8192), cs(256, 4096), cs(512, 16384),
+            lp(256, 4096), lp(256, 8192), lp(512, 8192), lp(512, 8192, 2),
         ],
     }
 

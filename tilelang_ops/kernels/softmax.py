@@ -128,7 +128,7 @@ def default_config(
     the heuristic (`heuristic_config`)."""
     if kind == "softmax" and _ESIZE[dtype] == 2 and sms == H200_SMS:  # measured on a 132-SM Hopper
         cfg = MEASURED.get(("bwd" if backward else "fwd", n, m_bucket(m, sms)))
-        if cfg is not None and (cfg.schedule != "csplit" or (m is not None and m <= CSPLIT_MAX_ROWS)):
+        if cfg is not None:
             return cfg
     return heuristic_config(n, dtype, kind, backward, m, sms)
 
@@ -172,7 +172,8 @@ def fits(cfg: SoftmaxConfig, n: int, dtype: str, kind: str = "softmax", backward
         return cfg.block_m <= cfg.threads and not idle and held <= 2 * _PER_THREAD
     ok = cfg.chunk % (cfg.threads * vec) == 0 and cfg.chunk < 2 * n
     if cfg.schedule == "csplit":  # a cluster per row; the chunk held in registers (input dtype)
-        held = cfg.chunk // cfg.threads * _arrays(kind, backward) * _ESIZE[dtype] // 4
+        ept = cfg.chunk // cfg.threads
+        held = ept * _arrays(kind, backward) * _ESIZE[dtype] // 4 + (ept if kind == "softmax" and not backward else 0)  # + fp32 exp
         ok = ok and _split_chunks(n, cfg.chunk) <= CLUSTER_MAX and held <= 2 * _PER_THREAD
     return ok
 
@@ -531,13 +532,19 @@ def split_apply(config: SoftmaxConfig, n: int, dtype: str, kind: str, backward: 
 
 # ---------------------------------------------------------------------------------------------
 # csplit: `split` in one launch. A thread-block cluster of nc CTAs owns a row (nc <= 8, the
-# portable cluster size); each CTA holds its chunk in registers (input dtype), publishes its
-# partial to global P0/P1, meets the cluster at barrier.cluster (arrive = release, wait =
-# acquire: the peers' partials are visible after it), folds the row's partials and writes its
-# chunk from registers. DRAM sees one read and one write; grid.y = M, so M <= 65535 (few rows).
+# portable cluster size); each CTA holds its chunk in registers, publishes its partial to global
+# P0/P1, meets the cluster at barrier.cluster (arrive = release, wait = acquire: the peers'
+# partials are visible after it), folds the row's partials and writes its chunk from registers.
+# DRAM sees one read and one write. The grid is 1-D (cluster-major), so any M fits.
+# Forward softmax keeps exp(x - chunk max) in fp32 registers and rescales it after the fold: one
+# exp per element (MUFU throughput is ~1/4 of a copy's time at 8M elements, paid twice otherwise).
 # ---------------------------------------------------------------------------------------------
 CLUSTER_MAX = 8
-CSPLIT_MAX_ROWS = 65535  # rows ride grid.y
+
+
+def _safe(m):
+    """The shift for a running max: 0 while it is -inf, so -inf - -inf never makes a NaN."""
+    return T.if_then_else(m == -T.infinity(_ACC), 0.0, m)
 
 
 @kernel("softmax", "softmax_csplit")
@@ -558,9 +565,11 @@ def csplit(config: SoftmaxConfig, n: int, dtype: str, kind: str, backward: bool)
         P1: T.Tensor((M, nc), _ACC),
         O: T.Tensor((M, n), dtype),
     ):
-        with T.ClusterKernel(nc, M, cluster_dims=(nc, 1, 1), threads=threads) as (ch, row):
+        with T.ClusterKernel(M * nc, cluster_dims=(nc, 1, 1), threads=threads) as bx:
             if config.min_blocks:
                 T.annotate_min_blocks_per_sm(config.min_blocks)
+            row = bx // nc
+            ch = bx % nc
             base = ch * c
             a = T.alloc_fragment((kc, w), dtype)
             part = T.alloc_fragment((w,), _ACC)
@@ -607,12 +616,17 @@ def csplit(config: SoftmaxConfig, n: int, dtype: str, kind: str, backward: bool)
                     for kk in T.serial(kc):
                         part[j] = T.max(part[j], T.Cast(_ACC, a[kk, j]))
                 T.reduce_max(part, r0, dim=0)
-                for j in T.Parallel(w):  # an all -inf chunk contributes 0, not NaN
+                if not log:
+                    e = T.alloc_fragment((kc, w), _ACC)
+                    for kk, j in T.Parallel(kc, w):  # an all -inf chunk: e = 0, sum 0, not NaN
+                        e[kk, j] = T.exp2((T.Cast(_ACC, a[kk, j]) - _safe(r0[0])) * LOG2E)
+                for j in T.Parallel(w):
                     part[j] = 0.0
                     for kk in T.serial(kc):
-                        part[j] = part[j] + T.exp2(
-                            (T.Cast(_ACC, a[kk, j]) - T.if_then_else(r0[0] == -T.infinity(_ACC), 0.0, r0[0])) * LOG2E
-                        )
+                        if log:
+                            part[j] = part[j] + T.exp2((T.Cast(_ACC, a[kk, j]) - _safe(r0[0])) * LOG2E)
+                        else:
+                            part[j] = part[j] + e[kk, j]
                 T.reduce_sum(part, r1, dim=0)
                 P0[row, ch] = r0[0]
                 P1[row, ch] = r1[0]
@@ -627,67 +641,88 @@ def csplit(config: SoftmaxConfig, n: int, dtype: str, kind: str, backward: bool)
                     acc1 = acc1 + P1[row, k] * T.exp2((P0[row, k] - acc0) * LOG2E)
                 if log:
                     acc1 = acc0 + T.log2(acc1) * LN2
-                else:
-                    acc1 = 1.0 / acc1
-                for kk, j in T.Parallel(kc, w):  # writes c
-                    if base + kk * w + j < n:
-                        if log:
+                    for kk, j in T.Parallel(kc, w):  # writes c
+                        if base + kk * w + j < n:
                             O[row, base + kk * w + j] = T.Cast(dtype, T.Cast(_ACC, a[kk, j]) - acc1)
-                        else:
-                            O[row, base + kk * w + j] = T.Cast(dtype, T.exp2((T.Cast(_ACC, a[kk, j]) - acc0) * LOG2E) * acc1)
+                else:
+                    # e was shifted by this chunk's max: rescale to the row's and normalise at once
+                    acc1 = T.exp2((_safe(r0[0]) - acc0) * LOG2E) / acc1
+                    for kk, j in T.Parallel(kc, w):  # writes c
+                        if base + kk * w + j < n:
+                            O[row, base + kk * w + j] = T.Cast(dtype, e[kk, j] * acc1)
 
     return main
 
 
 # ---------------------------------------------------------------------------------------------
-# loop: long rows and many of them; one CTA per row walks its row twice in chunks
+# loop: long rows and many of them; one CTA per row walks its row twice in chunks. Each thread
+# keeps its own running (max, sum) / dot over the vectors it loads and the CTA reduces them once
+# at the end: no barrier inside the walk, so a thread's next loads never wait on the others.
 # ---------------------------------------------------------------------------------------------
+def _loop_tile(config: SoftmaxConfig, n: int, dtype: str) -> tuple[int, int, int]:
+    """(nc, kc, w): nc chunks of kc slices of w = threads * vec elements."""
+    w = config.threads * vec_width(n, dtype)
+    return _split_chunks(n, config.chunk), config.chunk // w, w
+
+
 @kernel("softmax", "softmax_loop_fwd")
 def loop_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str):
-    """Pass 1 keeps a running (max, sum of exp) over chunks; pass 2 re-reads the row, newest chunk
-    first, while it is still in L2 (132 resident rows of 512 KB fit the H200's 50 MB)."""
+    """Pass 1 keeps per-thread running (max, sum of exp); pass 2 re-reads the row, newest chunk
+    first, while it is still in L2 (132 SMs x a few resident rows of <= 512 KB fit in 50 MB)."""
     M = T.dynamic("M")
-    c, threads = config.chunk, config.threads
-    nc = _split_chunks(n, c)
+    nc, kc, w = _loop_tile(config, n, dtype)
+    c = config.chunk
     log = kind == "log_softmax"
 
     @T.prim_func
     def fwd(X: T.Tensor((M, n), dtype), Y: T.Tensor((M, n), dtype)):
-        with T.Kernel(M, threads=threads) as row:
+        with T.Kernel(M, threads=config.threads) as row:
             if config.min_blocks:
                 T.annotate_min_blocks_per_sm(config.min_blocks)
-            a = T.alloc_fragment((c,), _ACC)
-            cm = T.alloc_fragment((1,), _ACC)
-            cs = T.alloc_fragment((1,), _ACC)
+            a = T.alloc_fragment((kc, w), dtype)
+            pm = T.alloc_fragment((w,), _ACC)  # per-lane running max
+            ps = T.alloc_fragment((w,), _ACC)  # per-lane sum of exp(x - pm)
+            nm = T.alloc_fragment((w,), _ACC)
+            r = T.alloc_fragment((1,), _ACC)
             m = T.alloc_var(_ACC)
             s = T.alloc_var(_ACC)
-            shift = T.alloc_var(_ACC)
-            m = -T.infinity(_ACC)
-            s = 0.0
+            for j in T.Parallel(w):
+                pm[j] = -T.infinity(_ACC)
+                ps[j] = 0.0
             for ch in T.serial(nc):  # reads n
-                for j in T.Parallel(c):
-                    a[j] = T.if_then_else(ch * c + j < n, T.Cast(_ACC, X[row, ch * c + j]), -T.infinity(_ACC))
-                T.reduce_max(a, cm, dim=0)
-                # Shift by 0 while everything so far is -inf, so -inf - -inf never makes a NaN sum.
-                shift = T.max(m, cm[0])
-                shift = T.if_then_else(shift == -T.infinity(_ACC), 0.0, shift)
-                for j in T.Parallel(c):
-                    a[j] = T.exp2((a[j] - shift) * LOG2E)
-                T.reduce_sum(a, cs, dim=0)
-                s = s * T.exp2((m - shift) * LOG2E) + cs[0]
-                m = T.max(m, cm[0])
+                for kk, j in T.Parallel(kc, w):
+                    a[kk, j] = T.if_then_else(
+                        ch * c + kk * w + j < n, X[row, ch * c + kk * w + j], T.Cast(dtype, -T.infinity(_ACC))
+                    )
+                for j in T.Parallel(w):
+                    nm[j] = pm[j]
+                    for kk in T.serial(kc):
+                        nm[j] = T.max(nm[j], T.Cast(_ACC, a[kk, j]))
+                for j in T.Parallel(w):  # one serial loop over `a` per parallel loop (TileLang)
+                    ps[j] = ps[j] * T.exp2((pm[j] - _safe(nm[j])) * LOG2E)
+                    for kk in T.serial(kc):
+                        ps[j] = ps[j] + T.exp2((T.Cast(_ACC, a[kk, j]) - _safe(nm[j])) * LOG2E)
+                    pm[j] = nm[j]
+            T.reduce_max(pm, r, dim=0)
+            m = r[0]
+            for j in T.Parallel(w):
+                ps[j] = ps[j] * T.exp2((pm[j] - _safe(m)) * LOG2E)
+            T.reduce_sum(ps, r, dim=0)
+            s = r[0]  # 0 for an all -inf row: NaN below, like PyTorch
             if log:
                 s = m + T.log2(s) * LN2
             else:
                 s = 1.0 / s
             for rc in T.serial(nc):  # reads n (L2), writes n
                 ch = nc - 1 - rc
-                for j in T.Parallel(c):
-                    if ch * c + j < n:
+                for kk, j in T.Parallel(kc, w):
+                    if ch * c + kk * w + j < n:
                         if log:
-                            Y[row, ch * c + j] = T.Cast(dtype, T.Cast(_ACC, X[row, ch * c + j]) - s)
+                            Y[row, ch * c + kk * w + j] = T.Cast(dtype, T.Cast(_ACC, X[row, ch * c + kk * w + j]) - s)
                         else:
-                            Y[row, ch * c + j] = T.Cast(dtype, T.exp2((T.Cast(_ACC, X[row, ch * c + j]) - m) * LOG2E) * s)
+                            Y[row, ch * c + kk * w + j] = T.Cast(
+                                dtype, T.exp2((T.Cast(_ACC, X[row, ch * c + kk * w + j]) - m) * LOG2E) * s
+                            )
 
     return fwd
 
@@ -695,42 +730,45 @@ def loop_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str):
 @kernel("softmax", "softmax_loop_bwd")
 def loop_bwd(config: SoftmaxConfig, n: int, dtype: str, kind: str):
     M = T.dynamic("M")
-    c, threads = config.chunk, config.threads
-    nc = _split_chunks(n, c)
+    nc, kc, w = _loop_tile(config, n, dtype)
+    c = config.chunk
     log = kind == "log_softmax"
 
     @T.prim_func
     def bwd(DY: T.Tensor((M, n), dtype), Yt: T.Tensor((M, n), dtype), DX: T.Tensor((M, n), dtype)):
-        with T.Kernel(M, threads=threads) as row:
+        with T.Kernel(M, threads=config.threads) as row:
             if config.min_blocks:
                 T.annotate_min_blocks_per_sm(config.min_blocks)
-            a = T.alloc_fragment((c,), _ACC)
-            cs = T.alloc_fragment((1,), _ACC)
+            a = T.alloc_fragment((kc, w), dtype)
+            b = T.alloc_fragment((kc, w), dtype)
+            pd = T.alloc_fragment((w,), _ACC)  # per-lane partial dot (sum of dy for log_softmax)
+            r = T.alloc_fragment((1,), _ACC)
             dot = T.alloc_var(_ACC)
-            dot = 0.0
+            for j in T.Parallel(w):
+                pd[j] = 0.0
             for ch in T.serial(nc):  # reads 2n (n for log_softmax)
-                if log:
-                    for j in T.Parallel(c):
-                        a[j] = T.if_then_else(ch * c + j < n, T.Cast(_ACC, DY[row, ch * c + j]), 0.0)
-                else:
-                    for j in T.Parallel(c):
-                        a[j] = T.if_then_else(
-                            ch * c + j < n, T.Cast(_ACC, DY[row, ch * c + j]) * T.Cast(_ACC, Yt[row, ch * c + j]), 0.0
-                        )
-                T.reduce_sum(a, cs, dim=0)
-                dot = dot + cs[0]
+                for kk, j in T.Parallel(kc, w):
+                    a[kk, j] = T.if_then_else(ch * c + kk * w + j < n, DY[row, ch * c + kk * w + j], T.Cast(dtype, 0.0))
+                if not log:
+                    for kk, j in T.Parallel(kc, w):
+                        b[kk, j] = T.if_then_else(ch * c + kk * w + j < n, Yt[row, ch * c + kk * w + j], T.Cast(dtype, 0.0))
+                for j in T.Parallel(w):
+                    for kk in T.serial(kc):
+                        if log:
+                            pd[j] = pd[j] + T.Cast(_ACC, a[kk, j])
+                        else:
+                            pd[j] = pd[j] + T.Cast(_ACC, a[kk, j]) * T.Cast(_ACC, b[kk, j])
+            T.reduce_sum(pd, r, dim=0)
+            dot = r[0]
             for rc in T.serial(nc):  # reads 2n (L2), writes n
                 ch = nc - 1 - rc
-                for j in T.Parallel(c):
-                    if ch * c + j < n:
+                for kk, j in T.Parallel(kc, w):
+                    if ch * c + kk * w + j < n:
+                        i = ch * c + kk * w + j
                         if log:
-                            DX[row, ch * c + j] = T.Cast(
-                                dtype, T.Cast(_ACC, DY[row, ch * c + j]) - T.exp2(T.Cast(_ACC, Yt[row, ch * c + j]) * LOG2E) * dot
-                            )
+                            DX[row, i] = T.Cast(dtype, T.Cast(_ACC, DY[row, i]) - T.exp2(T.Cast(_ACC, Yt[row, i]) * LOG2E) * dot)
                         else:
-                            DX[row, ch * c + j] = T.Cast(
-                                dtype, T.Cast(_ACC, Yt[row, ch * c + j]) * (T.Cast(_ACC, DY[row, ch * c + j]) - dot)
-                            )
+                            DX[row, i] = T.Cast(dtype, T.Cast(_ACC, Yt[row, i]) * (T.Cast(_ACC, DY[row, i]) - dot))
 
     return bwd
 

@@ -17,7 +17,6 @@ from .._library import custom_op
 from ._checks import INT32_MAX, TL_DTYPE, check_same, check_tensor, ready
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_CSPLIT_MAX_ROWS = 65535  # = kernels.softmax.CSPLIT_MAX_ROWS (not imported here: tilelang loads lazily)
 
 
 def _norm_dim(name: str, t: torch.Tensor, dim: int) -> int:
@@ -58,14 +57,10 @@ def _bucket(m: int, sms: int) -> int:
 
 def _plan(kind: str, backward: bool, m: int, n: int, dtype: torch.dtype, device: torch.device) -> tuple:
     bucket = _bucket(m, _sms(device))
-    key = (kind, backward, n, dtype, device.index, bucket, m > _CSPLIT_MAX_ROWS)  # csplit: rows ride grid.y
+    key = (kind, backward, n, dtype, device.index, bucket)
     plan = _plans.get(key)
     if plan is None:
         cfg = tuning.resolve_config(TUNABLES[_op_name(kind, backward)], (m, n), dtype, device)  # tuned ▸ default
-        if cfg.schedule == "csplit" and m > _CSPLIT_MAX_ROWS:
-            from ..kernels import softmax as K
-
-            cfg = K.heuristic_config(n, TL_DTYPE[dtype], kind, backward, m, _sms(device))
         plan = _plans[key] = (cfg, _compile(cfg, kind, backward, n, dtype, device))
     return plan
 
