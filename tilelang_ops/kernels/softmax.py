@@ -173,7 +173,7 @@ def fits(cfg: SoftmaxConfig, n: int, dtype: str, kind: str = "softmax", backward
     ok = cfg.chunk % (cfg.threads * vec) == 0 and cfg.chunk < 2 * n
     if cfg.schedule == "csplit":  # a cluster per row; the chunk held in registers (input dtype)
         ept = cfg.chunk // cfg.threads
-        held = ept * _arrays(kind, backward) * _ESIZE[dtype] // 4
+        held = ept * _arrays(kind, backward) * _ESIZE[dtype] // 4 + (ept if kind == "softmax" and not backward else 0)  # + fp32 exp
         ok = ok and _split_chunks(n, cfg.chunk) <= CLUSTER_MAX and held <= 2 * _PER_THREAD
     return ok
 
@@ -402,29 +402,47 @@ def _safe(m):
     return T.if_then_else(m == -T.infinity(_ACC), 0.0, m)
 
 
-def _chunk_stats(kc: int, w: int):
-    """(max, sum of exp(x - max)) of a (kc, w) chunk into r0, r1 (an all -inf chunk: sum 0).
-    Each lane first takes its own max and exps against it, so a thread's exps wait only for its
-    own loads, not for the CTA's slowest (a CTA-wide max first would hold every exp behind one
-    barrier: ~2 us of MUFU per SM in series with the read at 8M elements). The lane sums are
-    rescaled to the chunk max after it: vec exps per thread."""
+def _chunk_stats(kc: int, w: int, keep_exp: bool = False):
+    """(max, sum of exp(x - max)) of a (kc, w) chunk `a` into r0, r1 (an all -inf chunk: sum 0).
+    Each lane j first takes its own max pm[j] and exps against it, so a thread's exps wait only for
+    its own loads, not for the CTA's slowest: a CTA-wide max first would put every exp (~2 us of
+    MUFU per SM at 8M elements) behind one barrier, in series with the read. The lane sums are
+    rescaled to the chunk max afterwards (vec exps per thread). keep_exp: e = exp(a - pm[j]) stays
+    in registers (fp32) for the output, which then needs no second exp (`_lane_scale`)."""
 
     @T.macro
-    def stats(a, pm, ps, r0, r1):
+    def stats(a, e, pm, ps, r0, r1):
         for j in T.Parallel(w):
             pm[j] = -T.infinity(_ACC)
             for kk in T.serial(kc):
                 pm[j] = T.max(pm[j], T.Cast(_ACC, a[kk, j]))
-        for j in T.Parallel(w):
-            ps[j] = 0.0
-            for kk in T.serial(kc):
-                ps[j] = ps[j] + T.exp2((T.Cast(_ACC, a[kk, j]) - _safe(pm[j])) * LOG2E)
+        if keep_exp:
+            for kk, j in T.Parallel(kc, w):
+                e[kk, j] = T.exp2((T.Cast(_ACC, a[kk, j]) - _safe(pm[j])) * LOG2E)
+            for j in T.Parallel(w):
+                ps[j] = 0.0
+                for kk in T.serial(kc):
+                    ps[j] = ps[j] + e[kk, j]
+        else:
+            for j in T.Parallel(w):
+                ps[j] = 0.0
+                for kk in T.serial(kc):
+                    ps[j] = ps[j] + T.exp2((T.Cast(_ACC, a[kk, j]) - _safe(pm[j])) * LOG2E)
         T.reduce_max(pm, r0, dim=0)
         for j in T.Parallel(w):
             ps[j] = ps[j] * T.exp2((pm[j] - _safe(r0[0])) * LOG2E)
         T.reduce_sum(ps, r1, dim=0)
 
     return stats
+
+
+def _lane_scale(pm, m, inv):
+    """Factor taking e = exp(x - pm) to softmax = exp(x - m) * inv. A lane of only -inf (e = 0)
+    gets 0, not exp(-m) (inf for m < -88: 0 * inf = NaN), unless the whole row is -inf, where
+    PyTorch gives NaN and so does exp(0 - -inf) * inf."""
+    return T.if_then_else(
+        pm == -T.infinity(_ACC) and m != -T.infinity(_ACC), 0.0, T.exp2((_safe(pm) - m) * LOG2E) * inv
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -480,7 +498,7 @@ def split_stats(config: SoftmaxConfig, n: int, dtype: str, kind: str, backward: 
                     a[kk, j] = T.if_then_else(
                         base + kk * w + j < n, A[row, base + kk * w + j], T.Cast(dtype, -T.infinity(_ACC))
                     )
-                _chunk_stats(kc, w)(a, part, ps, r0, r1)
+                _chunk_stats(kc, w)(a, a, part, ps, r0, r1)
                 P0[row, ch] = r0[0]
                 P1[row, ch] = r1[0]
 
@@ -555,8 +573,9 @@ def split_apply(config: SoftmaxConfig, n: int, dtype: str, kind: str, backward: 
 # P0/P1, meets the cluster at barrier.cluster (arrive = release, wait = acquire: the peers'
 # partials are visible after it), folds the row's partials and writes its chunk from registers.
 # DRAM sees one read and one write. The grid is 1-D (cluster-major), so any M fits.
-# The forward's chunk stats exp against each lane's own max (`_chunk_stats`); the output phase
-# exps again, which overlaps the stores, and keeps registers at the input-dtype chunk.
+# Forward softmax: exp once per element, against each lane's own max as the loads land
+# (`_chunk_stats`), kept in fp32 registers and scaled per lane after the fold (MUFU is ~2 us per
+# SM at 8M elements: twice, or behind a barrier, it shows).
 # ---------------------------------------------------------------------------------------------
 CLUSTER_MAX = 8
 
@@ -626,7 +645,11 @@ def csplit(config: SoftmaxConfig, n: int, dtype: str, kind: str, backward: bool)
                     a[kk, j] = T.if_then_else(
                         base + kk * w + j < n, A[row, base + kk * w + j], T.Cast(dtype, -T.infinity(_ACC))
                     )
-                _chunk_stats(kc, w)(a, part, ps, r0, r1)
+                if log:
+                    _chunk_stats(kc, w)(a, a, part, ps, r0, r1)
+                else:
+                    e = T.alloc_fragment((kc, w), _ACC)
+                    _chunk_stats(kc, w, True)(a, e, part, ps, r0, r1)
                 P0[row, ch] = r0[0]
                 P1[row, ch] = r1[0]
                 T.sync_threads()
@@ -640,14 +663,16 @@ def csplit(config: SoftmaxConfig, n: int, dtype: str, kind: str, backward: bool)
                     acc1 = acc1 + P1[row, k] * T.exp2((P0[row, k] - acc0) * LOG2E)
                 if log:
                     acc1 = acc0 + T.log2(acc1) * LN2
+                    for kk, j in T.Parallel(kc, w):  # writes c
+                        if base + kk * w + j < n:
+                            O[row, base + kk * w + j] = T.Cast(dtype, T.Cast(_ACC, a[kk, j]) - acc1)
                 else:
                     acc1 = 1.0 / acc1
-                for kk, j in T.Parallel(kc, w):  # writes c; exp again (MUFU overlaps the stores)
-                    if base + kk * w + j < n:
-                        if log:
-                            O[row, base + kk * w + j] = T.Cast(dtype, T.Cast(_ACC, a[kk, j]) - acc1)
-                        else:
-                            O[row, base + kk * w + j] = T.Cast(dtype, T.exp2((T.Cast(_ACC, a[kk, j]) - acc0) * LOG2E) * acc1)
+                    for j in T.Parallel(w):  # e is relative to its lane's max: one factor per lane
+                        ps[j] = _lane_scale(part[j], acc0, acc1)
+                    for kk, j in T.Parallel(kc, w):  # writes c
+                        if base + kk * w + j < n:
+                            O[row, base + kk * w + j] = T.Cast(dtype, e[kk, j] * ps[j])
 
     return main
 
