@@ -20,9 +20,10 @@ shapes the schedule: each distinct N compiles once per (kind, dtype, direction).
   in the input dtype; apply issues its chunk's loads before folding the partials.
 
 * **loop** — long rows and many of them (M >= 4 rows per SM): one CTA per row, several CTAs per
-  SM, walking the row twice in `chunk`-sized pieces: a running (max, sum) on the way out, the
-  output newest-chunk-first on the way back. The second read hits L2 (132 SMs x a few rows of
-  <= 512 KB), so DRAM sees one read and one write, like `rows`.
+  SM, walking the row twice in `chunk`-sized pieces: each thread keeps its own running (max, sum)
+  on the way out (one CTA reduction at the end, no barrier inside the walk), the output
+  newest-chunk-first on the way back. The second read hits L2 (132 SMs x a few rows of <= 512 KB),
+  so DRAM sees one read and one write, like `rows`.
 
 * **rowsh** — `rows` with the row held in the input dtype (exp computed twice), meant to halve
   the registers; ptxas widens the row to fp32 anyway (64-128 registers measured by ptxas -v), so
@@ -30,7 +31,8 @@ shapes the schedule: each distinct N compiles once per (kind, dtype, direction).
 
 * **csplit** — `split` in one launch (sm_90+): a thread-block cluster of <= 8 CTAs per row, each
   holding its chunk in registers; partials go through global memory across barrier.cluster
-  (release/acquire). One DRAM read, one write, no second launch. Few rows only (grid.y = M).
+  (release/acquire). One DRAM read, one write, no second launch; a 1-D cluster-major grid, so any
+  M. The forward keeps exp(x - chunk max) in fp32 registers: one exp per element.
 
 `SoftmaxConfig.min_blocks` sets __launch_bounds__' min CTAs per SM: a register cap (ptxas
 otherwise spends registers freely, e.g. a 1024-thread `rows` CTA at 48 registers leaves one CTA
@@ -106,12 +108,13 @@ def _row_limit(dtype: str, backward: bool, kind: str) -> int:
 # benchmarks.sweep_softmax` (on the GPU) prints the lines to paste here, best config per shape.
 MEASURED: dict[tuple[str, int, str], SoftmaxConfig] = {
     # benchmarks/sweep_softmax.py on one H200, 2026-11-30 (bf16, 8M elements unless noted; % of copy_)
-    ("fwd", 32768, "few"): SoftmaxConfig("csplit", 1, 256, 8192, 0),  # 256x32768: 69% vs default 65%
-    ("bwd", 32768, "few"): SoftmaxConfig("csplit", 1, 256, 4096, 0),  # 256x32768: 90% vs default 71%
-    ("fwd", 65536, "few"): SoftmaxConfig("csplit", 1, 256, 8192, 0),  # 128x65536: 69% vs default 65%
-    ("bwd", 65536, "few"): SoftmaxConfig("csplit", 1, 512, 8192, 0),  # 128x65536: 81% vs default 71%
-    ("bwd", 262144, "few"): SoftmaxConfig("csplit", 1, 1024, 32768, 0),  # 32x262144: 72% vs default 61%
-    ("fwd", 32768, "many"): SoftmaxConfig("loop", 1, 512, 8192, 4),  # 4096x32768: 74% vs default 69%
+    ("fwd", 32768, "few"): SoftmaxConfig("csplit", 1, 128, 4096, 0),  # 256x32768: 76% vs default 72%
+    ("bwd", 32768, "few"): SoftmaxConfig("csplit", 1, 128, 4096, 0),  # 256x32768: 96-100% vs 90%
+    ("fwd", 65536, "few"): SoftmaxConfig("csplit", 1, 256, 8192, 0),  # 128x65536: 76% vs split 65%
+    ("bwd", 65536, "few"): SoftmaxConfig("csplit", 1, 256, 8192, 0),  # 128x65536: 93% vs 81-84%
+    ("bwd", 262144, "few"): SoftmaxConfig("csplit", 1, 512, 32768, 0),  # 32x262144: 75-77% vs 61%
+    ("fwd", 32768, "many"): SoftmaxConfig("loop", 1, 256, 8192, 0),  # 4096x32768: 77% vs 73%
+    ("bwd", 32768, "many"): SoftmaxConfig("csplit", 1, 128, 4096, 0),  # 4096x32768: 89-90% vs loop 67%
 }
 
 
@@ -397,54 +400,6 @@ def rowsh_bwd(config: SoftmaxConfig, n: int, dtype: str, kind: str):
     return bwd
 
 
-def _safe(m):
-    """The shift for a running max: 0 while it is -inf, so -inf - -inf never makes a NaN."""
-    return T.if_then_else(m == -T.infinity(_ACC), 0.0, m)
-
-
-def _chunk_stats(kc: int, w: int, keep_exp: bool = False):
-    """(max, sum of exp(x - max)) of a (kc, w) chunk `a` into r0, r1 (an all -inf chunk: sum 0).
-    Each lane j first takes its own max pm[j] and exps against it, so a thread's exps wait only for
-    its own loads, not for the CTA's slowest: a CTA-wide max first would put every exp (~2 us of
-    MUFU per SM at 8M elements) behind one barrier, in series with the read. The lane sums are
-    rescaled to the chunk max afterwards (vec exps per thread). keep_exp: e = exp(a - pm[j]) stays
-    in registers (fp32) for the output, which then needs no second exp (`_lane_scale`)."""
-
-    @T.macro
-    def stats(a, e, pm, ps, r0, r1):
-        for j in T.Parallel(w):
-            pm[j] = -T.infinity(_ACC)
-            for kk in T.serial(kc):
-                pm[j] = T.max(pm[j], T.Cast(_ACC, a[kk, j]))
-        if keep_exp:
-            for kk, j in T.Parallel(kc, w):
-                e[kk, j] = T.exp2((T.Cast(_ACC, a[kk, j]) - _safe(pm[j])) * LOG2E)
-            for j in T.Parallel(w):
-                ps[j] = 0.0
-                for kk in T.serial(kc):
-                    ps[j] = ps[j] + e[kk, j]
-        else:
-            for j in T.Parallel(w):
-                ps[j] = 0.0
-                for kk in T.serial(kc):
-                    ps[j] = ps[j] + T.exp2((T.Cast(_ACC, a[kk, j]) - _safe(pm[j])) * LOG2E)
-        T.reduce_max(pm, r0, dim=0)
-        for j in T.Parallel(w):
-            ps[j] = ps[j] * T.exp2((pm[j] - _safe(r0[0])) * LOG2E)
-        T.reduce_sum(ps, r1, dim=0)
-
-    return stats
-
-
-def _lane_scale(pm, m, inv):
-    """Factor taking e = exp(x - pm) to softmax = exp(x - m) * inv. A lane of only -inf (e = 0)
-    gets 0, not exp(-m) (inf for m < -88: 0 * inf = NaN), unless the whole row is -inf, where
-    PyTorch gives NaN and so does exp(0 - -inf) * inf."""
-    return T.if_then_else(
-        pm == -T.infinity(_ACC) and m != -T.infinity(_ACC), 0.0, T.exp2((_safe(pm) - m) * LOG2E) * inv
-    )
-
-
 # ---------------------------------------------------------------------------------------------
 # split: long rows, one CTA per (row, chunk); stats then apply
 # ---------------------------------------------------------------------------------------------
@@ -493,12 +448,23 @@ def split_stats(config: SoftmaxConfig, n: int, dtype: str, kind: str, backward: 
                 P0[row, ch] = r0[0]
             else:
                 r1 = T.alloc_fragment((1,), _ACC)
-                ps = T.alloc_fragment((w,), _ACC)
                 for kk, j in T.Parallel(kc, w):  # reads c
                     a[kk, j] = T.if_then_else(
                         base + kk * w + j < n, A[row, base + kk * w + j], T.Cast(dtype, -T.infinity(_ACC))
                     )
-                _chunk_stats(kc, w)(a, a, part, ps, r0, r1)
+                for j in T.Parallel(w):
+                    part[j] = -T.infinity(_ACC)
+                    for kk in T.serial(kc):
+                        part[j] = T.max(part[j], T.Cast(_ACC, a[kk, j]))
+                T.reduce_max(part, r0, dim=0)
+                # An all -inf chunk must contribute sum 0, not NaN (-inf - -inf): shift by 0 there.
+                for j in T.Parallel(w):
+                    part[j] = 0.0
+                    for kk in T.serial(kc):
+                        part[j] = part[j] + T.exp2(
+                            (T.Cast(_ACC, a[kk, j]) - T.if_then_else(r0[0] == -T.infinity(_ACC), 0.0, r0[0])) * LOG2E
+                        )
+                T.reduce_sum(part, r1, dim=0)
                 P0[row, ch] = r0[0]
                 P1[row, ch] = r1[0]
 
@@ -573,11 +539,15 @@ def split_apply(config: SoftmaxConfig, n: int, dtype: str, kind: str, backward: 
 # P0/P1, meets the cluster at barrier.cluster (arrive = release, wait = acquire: the peers'
 # partials are visible after it), folds the row's partials and writes its chunk from registers.
 # DRAM sees one read and one write. The grid is 1-D (cluster-major), so any M fits.
-# Forward softmax: exp once per element, against each lane's own max as the loads land
-# (`_chunk_stats`), kept in fp32 registers and scaled per lane after the fold (MUFU is ~2 us per
-# SM at 8M elements: twice, or behind a barrier, it shows).
+# Forward softmax keeps exp(x - chunk max) in fp32 registers and rescales it after the fold: one
+# exp per element (MUFU throughput is ~1/4 of a copy's time at 8M elements, paid twice otherwise).
 # ---------------------------------------------------------------------------------------------
 CLUSTER_MAX = 8
+
+
+def _safe(m):
+    """The shift for a running max: 0 while it is -inf, so -inf - -inf never makes a NaN."""
+    return T.if_then_else(m == -T.infinity(_ACC), 0.0, m)
 
 
 @kernel("softmax", "softmax_csplit")
@@ -640,16 +610,27 @@ def csplit(config: SoftmaxConfig, n: int, dtype: str, kind: str, backward: bool)
                             O[row, base + kk * w + j] = T.Cast(dtype, T.Cast(_ACC, bb[kk, j]) * (T.Cast(_ACC, a[kk, j]) - acc0))
             else:
                 r1 = T.alloc_fragment((1,), _ACC)
-                ps = T.alloc_fragment((w,), _ACC)
                 for kk, j in T.Parallel(kc, w):  # reads c
                     a[kk, j] = T.if_then_else(
                         base + kk * w + j < n, A[row, base + kk * w + j], T.Cast(dtype, -T.infinity(_ACC))
                     )
-                if log:
-                    _chunk_stats(kc, w)(a, a, part, ps, r0, r1)
-                else:
+                for j in T.Parallel(w):
+                    part[j] = -T.infinity(_ACC)
+                    for kk in T.serial(kc):
+                        part[j] = T.max(part[j], T.Cast(_ACC, a[kk, j]))
+                T.reduce_max(part, r0, dim=0)
+                if not log:
                     e = T.alloc_fragment((kc, w), _ACC)
-                    _chunk_stats(kc, w, True)(a, e, part, ps, r0, r1)
+                    for kk, j in T.Parallel(kc, w):  # an all -inf chunk: e = 0, sum 0, not NaN
+                        e[kk, j] = T.exp2((T.Cast(_ACC, a[kk, j]) - _safe(r0[0])) * LOG2E)
+                for j in T.Parallel(w):
+                    part[j] = 0.0
+                    for kk in T.serial(kc):
+                        if log:
+                            part[j] = part[j] + T.exp2((T.Cast(_ACC, a[kk, j]) - _safe(r0[0])) * LOG2E)
+                        else:
+                            part[j] = part[j] + e[kk, j]
+                T.reduce_sum(part, r1, dim=0)
                 P0[row, ch] = r0[0]
                 P1[row, ch] = r1[0]
                 T.sync_threads()
@@ -667,12 +648,11 @@ def csplit(config: SoftmaxConfig, n: int, dtype: str, kind: str, backward: bool)
                         if base + kk * w + j < n:
                             O[row, base + kk * w + j] = T.Cast(dtype, T.Cast(_ACC, a[kk, j]) - acc1)
                 else:
-                    acc1 = 1.0 / acc1
-                    for j in T.Parallel(w):  # e is relative to its lane's max: one factor per lane
-                        ps[j] = _lane_scale(part[j], acc0, acc1)
+                    # e was shifted by this chunk's max: rescale to the row's and normalise at once
+                    acc1 = T.exp2((_safe(r0[0]) - acc0) * LOG2E) / acc1
                     for kk, j in T.Parallel(kc, w):  # writes c
                         if base + kk * w + j < n:
-                            O[row, base + kk * w + j] = T.Cast(dtype, e[kk, j] * ps[j])
+                            O[row, base + kk * w + j] = T.Cast(dtype, e[kk, j] * acc1)
 
     return main
 
