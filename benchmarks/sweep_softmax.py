@@ -101,6 +101,9 @@ def default_kernels() -> list[tuple]:
         big = 4 * K.H200_SMS + 1  # test_cuda_loop_path_many_long_rows
         shapes = list(GPU_SHAPES) + [(big, 40000), (big, 65536)]
         want += [(m, n, d, k, bwd) for m, n in shapes for d in K.DTYPES for k in K.KINDS for bwd in (False, True)]
+        from tests.test_softmax import _FUZZ_N  # hypothesis fuzz (M <= 81: the "few" bucket) and opcheck rows
+
+        want += [(1, n, d, k, bwd) for n in sorted(set(_FUZZ_N) | {6, 17, 65}) for d in K.DTYPES for k in K.KINDS for bwd in (False, True)]
         from tests.test_softmax import EXTRA_SCHEDULES
     except ImportError as e:
         print(f"(test shapes skipped: {e})")
