@@ -52,6 +52,7 @@ class KernelDef:
     name: str
     build: Callable[..., Any]
     pass_configs: tuple[tuple[str, Any], ...] = ()
+    min_sm: int = 0  # e.g. 90: uses Hopper-only features (thread-block clusters); no sm_80 build
 
     def compile(self, config, arch: str, **static):
         """Compiled kernel for (config, static, arch); compiles at most once per process."""
@@ -74,7 +75,7 @@ class KernelDef:
         return self.compile(config, arch, **static).get_kernel_source()
 
 
-def kernel(family: str, name: str | None = None, pass_configs=None):
+def kernel(family: str, name: str | None = None, pass_configs=None, min_sm: int = 0):
     """Decorator turning a PrimFunc builder into a KernelDef.
 
     Kernels take every buffer, outputs included, as parameters (no TileLang `out_idx`): the op
@@ -82,7 +83,7 @@ def kernel(family: str, name: str | None = None, pass_configs=None):
     """
 
     def wrap(build):
-        return KernelDef(family, name or build.__name__, build, tuple(sorted((pass_configs or {}).items())))
+        return KernelDef(family, name or build.__name__, build, tuple(sorted((pass_configs or {}).items())), min_sm)
 
     return wrap
 

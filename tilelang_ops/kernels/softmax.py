@@ -550,7 +550,7 @@ def _safe(m):
     return T.if_then_else(m == -T.infinity(_ACC), 0.0, m)
 
 
-@kernel("softmax", "softmax_csplit")
+@kernel("softmax", "softmax_csplit", min_sm=90)
 def csplit(config: SoftmaxConfig, n: int, dtype: str, kind: str, backward: bool):
     M = T.dynamic("M")
     c, threads = config.chunk, config.threads
@@ -792,4 +792,7 @@ REPRESENTATIVE = (
     + [(rowsh_fwd, SoftmaxConfig("rowsh", 8, 128, 0, 8), {"n": 1024, "dtype": "bfloat16", "kind": "softmax"})]
     + _rep(65536, "bfloat16", "softmax", False, 4096)  # loop
     + _rep(65536, "bfloat16", "softmax", True, 4096)
+    # csplit (Hopper clusters; the MEASURED default for few long rows on an H200)
+    + [(csplit, MEASURED[("fwd", 65536, "few")], {"n": 65536, "dtype": "bfloat16", "kind": "softmax", "backward": False})]
+    + [(csplit, MEASURED[("bwd", 32768, "many")], {"n": 32768, "dtype": "bfloat16", "kind": "softmax", "backward": True})]
 )
