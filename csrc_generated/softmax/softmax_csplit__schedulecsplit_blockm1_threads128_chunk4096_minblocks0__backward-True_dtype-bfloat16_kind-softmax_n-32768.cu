@@ -38,10 +38,14 @@ extern "C" __global__ void __launch_bounds__(128, 1) main_kernel(const bfloat16_
     *(uint4*)(bb + (i_1 * 8)) = *(uint4*)(B + (((((int64_t)((int)blockIdx.x)) * (int64_t)4096) + (((int64_t)i_1) * (int64_t)1024)) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)));
   }
   #pragma unroll
-  for (int i_2 = 0; i_2 < 8; ++i_2) {
-    part[i_2] = 0x0p+0f/*0.000000e+00*/;
+  for (int i_2 = 0; i_2 < 2; ++i_2) {
+    float broadcast_var = 0x0p+0f/*0.000000e+00*/;
+    *(float4*)(part + (i_2 * 4)) = make_float4(broadcast_var, broadcast_var, broadcast_var, broadcast_var);
+  }
+  #pragma unroll
+  for (int i_3 = 0; i_3 < 8; ++i_3) {
     for (int kk = 0; kk < 4; ++kk) {
-      part[i_2] = (part[i_2] + (((float)a[((kk * 8) + i_2)]) * ((float)bb[((kk * 8) + i_2)])));
+      part[i_3] = (part[i_3] + (((float)a[((kk * 8) + i_3)]) * ((float)bb[((kk * 8) + i_3)])));
     }
   }
   r0[0] = 0x0p+0f/*0.000000e+00*/;
@@ -61,18 +65,18 @@ extern "C" __global__ void __launch_bounds__(128, 1) main_kernel(const bfloat16_
     acc0 = (acc0 + P0[(((((int64_t)((int)blockIdx.x)) >> (int64_t)3) * (int64_t)8) + ((int64_t)k))]);
   }
   #pragma unroll
-  for (int i_3 = 0; i_3 < 4; ++i_3) {
+  for (int i_4 = 0; i_4 < 4; ++i_4) {
     bfloat16_t O_local_cast[8];
     for (int vec = 0; vec < 2; ++vec) {
       uint2 __1;
       float4 __2;
         float4 __3;
-        uint2 v_ = *(uint2*)(bb + ((i_3 * 8) + (vec * 4)));
+        uint2 v_ = *(uint2*)(bb + ((i_4 * 8) + (vec * 4)));
         ((float2*)(&__3))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v_))[0]);
         ((float2*)(&__3))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v_))[1]);
         float4 __4;
           float4 __5;
-          uint2 v__1 = *(uint2*)(a + ((i_3 * 8) + (vec * 4)));
+          uint2 v__1 = *(uint2*)(a + ((i_4 * 8) + (vec * 4)));
           ((float2*)(&__5))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__1))[0]);
           ((float2*)(&__5))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__1))[1]);
           float4 v__2 = make_float4(acc0, acc0, acc0, acc0);
@@ -88,7 +92,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) main_kernel(const bfloat16_
       (reinterpret_cast<__nv_bfloat162*>(&__1))[1] = __float22bfloat162_rn(((float2*)(&__2))[1]);
       *(uint2*)(O_local_cast + (vec * 4)) = __1;
     }
-    *(uint4*)(O + (((((int64_t)((int)blockIdx.x)) * (int64_t)4096) + (((int64_t)i_3) * (int64_t)1024)) + (((int64_t)((int)threadIdx.x)) * (int64_t)8))) = *(uint4*)(O_local_cast + 0);
+    *(uint4*)(O + (((((int64_t)((int)blockIdx.x)) * (int64_t)4096) + (((int64_t)i_4) * (int64_t)1024)) + (((int64_t)((int)threadIdx.x)) * (int64_t)8))) = *(uint4*)(O_local_cast + 0);
   }
 }
 

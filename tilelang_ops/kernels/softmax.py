@@ -400,6 +400,22 @@ def rowsh_bwd(config: SoftmaxConfig, n: int, dtype: str, kind: str):
     return bwd
 
 
+def _lane_dot(kc: int, w: int, log: bool):
+    """part[j] += the lane's sum over its kc slices of dy * y (softmax) or dy (log_softmax): the
+    backward's row dot, thread-local until the caller's one CTA reduction."""
+
+    @T.macro
+    def acc(a, b, part):
+        for j in T.Parallel(w):
+            for kk in T.serial(kc):
+                if log:
+                    part[j] = part[j] + T.Cast(_ACC, a[kk, j])
+                else:
+                    part[j] = part[j] + T.Cast(_ACC, a[kk, j]) * T.Cast(_ACC, b[kk, j])
+
+    return acc
+
+
 # ---------------------------------------------------------------------------------------------
 # split: long rows, one CTA per (row, chunk); stats then apply
 # ---------------------------------------------------------------------------------------------
@@ -439,11 +455,7 @@ def split_stats(config: SoftmaxConfig, n: int, dtype: str, kind: str, backward: 
                         bb[kk, j] = T.if_then_else(base + kk * w + j < n, B[row, base + kk * w + j], T.Cast(dtype, 0.0))
                 for j in T.Parallel(w):
                     part[j] = 0.0
-                    for kk in T.serial(kc):
-                        if log:
-                            part[j] = part[j] + T.Cast(_ACC, a[kk, j])
-                        else:
-                            part[j] = part[j] + T.Cast(_ACC, a[kk, j]) * T.Cast(_ACC, bb[kk, j])
+                _lane_dot(kc, w, log)(a, bb, part)
                 T.reduce_sum(part, r0, dim=0)
                 P0[row, ch] = r0[0]
             else:
@@ -587,11 +599,7 @@ def csplit(config: SoftmaxConfig, n: int, dtype: str, kind: str, backward: bool)
                     bb[kk, j] = T.if_then_else(base + kk * w + j < n, B[row, base + kk * w + j], T.Cast(dtype, 0.0))
                 for j in T.Parallel(w):
                     part[j] = 0.0
-                    for kk in T.serial(kc):
-                        if log:
-                            part[j] = part[j] + T.Cast(_ACC, a[kk, j])
-                        else:
-                            part[j] = part[j] + T.Cast(_ACC, a[kk, j]) * T.Cast(_ACC, bb[kk, j])
+                _lane_dot(kc, w, log)(a, bb, part)
                 T.reduce_sum(part, r0, dim=0)
                 P0[row, ch] = r0[0]
                 T.sync_threads()
@@ -755,12 +763,7 @@ def loop_bwd(config: SoftmaxConfig, n: int, dtype: str, kind: str):
                 if not log:
                     for kk, j in T.Parallel(kc, w):
                         b[kk, j] = T.if_then_else(ch * c + kk * w + j < n, Yt[row, ch * c + kk * w + j], T.Cast(dtype, 0.0))
-                for j in T.Parallel(w):
-                    for kk in T.serial(kc):
-                        if log:
-                            pd[j] = pd[j] + T.Cast(_ACC, a[kk, j])
-                        else:
-                            pd[j] = pd[j] + T.Cast(_ACC, a[kk, j]) * T.Cast(_ACC, b[kk, j])
+                _lane_dot(kc, w, log)(a, b, pd)
             T.reduce_sum(pd, r, dim=0)
             dot = r[0]
             for rc in T.serial(nc):  # reads 2n (L2), writes n
