@@ -200,6 +200,20 @@ def _launch_matmul(layout, a, b, bias=None, activation="none", save_preact=False
     Hot path (static dims multiples of 8, operands contiguous and aligned): no copies, one
     output allocation (two with save_preact), a dict lookup and the launch.
     """
+    if layout != "tn" and a.dim() == 2 and b.dim() == 2:  # the common call, checked with a few C calls
+        M, K = a.shape
+        N = b.shape[0] if layout == "nt" else b.shape[1]
+        if (
+            not (K & 7 or N & 7) and a.is_contiguous() and b.is_contiguous() and not (a.data_ptr() & 15 or b.data_ptr() & 15)
+            and (bias is None or (bias.is_contiguous() and not bias.data_ptr() & 15))
+        ):
+            c = a.new_empty((M, N))
+            z = a.new_empty((M, N)) if save_preact else None
+            if M and N:
+                kern = _matmul_kernel(a.device, layout, N, K, a.dtype, 0, False, bias is not None, activation, save_preact, M)
+                args = (a, b, c) if bias is None else (a, b, bias, c)
+                kern(*args, z) if save_preact else kern(*args)
+            return c, z
     if layout == "tn":
         P, N = a.shape[-1], b.shape[-1]
         rows, n, k = _up(P), _up(N), 0
