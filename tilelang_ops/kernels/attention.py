@@ -304,10 +304,11 @@ BWD_SEARCH_SPACE = [
 
 
 @kernel("attention", "flash_bwd", pass_configs=_PASS_CONFIGS)
-def flash_bwd_kernel(config: BwdConfig, headdim: int, dtype: str, causal: bool, groups: int, scale: float):
+def flash_bwd_kernel(config: BwdConfig, headdim: int, dtype: str, causal: bool, groups: int, scale: float, dq: bool = True):
     """One CTA per (key block, kv head, batch): walks every query block of every query head in the
     GQA group, so dK/dV accumulate in registers and are written once (deterministic, no atomics).
-    dQ tiles are atomically added into a zeroed fp32 (B, Sq, H, D) buffer (not deterministic)."""
+    dq=True: dQ tiles are also atomically added into a zeroed fp32 (B, Sq, H, D) buffer (fast, not
+    deterministic). dq=False: dK/dV only, no dQacc argument; `flash_bwd_dq` computes dQ."""
     B = T.dynamic("B")
     Sq = T.dynamic("Sq")
     SqP = T.dynamic("SqP")
@@ -318,19 +319,10 @@ def flash_bwd_kernel(config: BwdConfig, headdim: int, dtype: str, causal: bool, 
     bm, bn = config.block_m, config.block_n
     acc = "float32"
     scale_log2 = scale * LOG2E
+    with_dq = dq  # the dQ fragment below is named `dq`, as in the exported kernels
 
-    @T.prim_func
-    def flash_bwd(
-        Q: _qkv_param("q", (B, Sq, H, D), dtype),
-        K: _qkv_param("k", (B, Sk, HK, D), dtype),
-        V: _qkv_param("v", (B, Sk, HK, D), dtype),
-        dO: T.Tensor((B, Sq, H, D), dtype),
-        LSE2: T.Tensor((B, H, SqP), acc),  # base-2 LSE from the preprocess kernel, Sq padded
-        Delta: T.Tensor((B, H, SqP), acc),
-        dQacc: T.Tensor((B, Sq, H, D), acc),  # zeroed by the caller
-        dK: T.Tensor((B, Sk, HK, D), dtype),
-        dV: T.Tensor((B, Sk, HK, D), dtype),
-    ):
+    @T.macro
+    def body(Q, K, V, dO, LSE2, Delta, dQacc, dK, dV):
         with T.Kernel(T.ceildiv(Sk, bm), HK, B, threads=config.threads) as (bx, by, bz):
             k_s = T.alloc_shared((bm, D), dtype)
             v_s = T.alloc_shared((bm, D), dtype)
@@ -340,14 +332,14 @@ def flash_bwd_kernel(config: BwdConfig, headdim: int, dtype: str, causal: bool, 
             delta_s = T.alloc_shared((bn,), acc)
             ds_s = T.alloc_shared((bm, bn), dtype)
             p_s = T.alloc_shared((bm, bn), dtype)
-            dq_s = T.alloc_shared((bn, D), acc)
+            dq_s = T.alloc_shared((bn, D), acc) if with_dq else None
             dk_s = T.alloc_shared((bm, D), dtype)
             dv_s = T.alloc_shared((bm, D), dtype)
             sT = T.alloc_fragment((bm, bn), acc)  # S^T, then P^T
             dpT = T.alloc_fragment((bm, bn), acc)  # dP^T = V dO^T
             pT = T.alloc_fragment((bm, bn), dtype)
             dsT = T.alloc_fragment((bm, bn), dtype)
-            dq = T.alloc_fragment((bn, D), acc)
+            dq = T.alloc_fragment((bn, D), acc) if with_dq else None
             dk = T.alloc_fragment((bm, D), acc)
             dv = T.alloc_fragment((bm, D), acc)
 
@@ -393,24 +385,58 @@ def flash_bwd_kernel(config: BwdConfig, headdim: int, dtype: str, causal: bool, 
                     T.gemm(p_s, do_s, dv)
                 for i, j in T.Parallel(bm, bn):
                     dsT[i, j] = sT[i, j] * (dpT[i, j] - delta_s[j]) * scale  # dS^T, softmax scale folded in
-                T.copy(dsT, ds_s)
+                if with_dq or not config.rs_gemm:
+                    T.copy(dsT, ds_s)
                 if config.rs_gemm:
                     T.gemm(dsT, q_s, dk, policy=T.GemmWarpPolicy.FullRow)  # dK += dS^T Q
                 else:
                     T.gemm(ds_s, q_s, dk)
-                T.gemm(ds_s, k_s, dq, transpose_A=True, clear_accum=True)  # dQ tile = dS K
-                if config.tma_dq:
-                    T.copy(dq, dq_s)
-                    T.atomic_add(dQacc[bz, qb * bn : (qb + 1) * bn, h, :], dq_s, use_tma=True)
-                else:
-                    for i, j in T.Parallel(bn, D):
-                        if qb * bn + i < Sq:
-                            T.atomic_add(dQacc[bz, qb * bn + i, h, j], dq[i, j])
+                if with_dq:
+                    T.gemm(ds_s, k_s, dq, transpose_A=True, clear_accum=True)  # dQ tile = dS K
+                    if config.tma_dq:
+                        T.copy(dq, dq_s)
+                        T.atomic_add(dQacc[bz, qb * bn : (qb + 1) * bn, h, :], dq_s, use_tma=True)
+                    else:
+                        for i, j in T.Parallel(bn, D):
+                            if qb * bn + i < Sq:
+                                T.atomic_add(dQacc[bz, qb * bn + i, h, j], dq[i, j])
 
             T.copy(dv, dv_s)
             T.copy(dv_s, dV[bz, bx * bm : (bx + 1) * bm, by, :])
             T.copy(dk, dk_s)
             T.copy(dk_s, dK[bz, bx * bm : (bx + 1) * bm, by, :])
+
+    # T.prim_func needs an explicit signature per argument list: with and without dQacc.
+    if dq:
+
+        @T.prim_func
+        def flash_bwd(
+            Q: _qkv_param("q", (B, Sq, H, D), dtype),
+            K: _qkv_param("k", (B, Sk, HK, D), dtype),
+            V: _qkv_param("v", (B, Sk, HK, D), dtype),
+            dO: T.Tensor((B, Sq, H, D), dtype),
+            LSE2: T.Tensor((B, H, SqP), acc),  # base-2 LSE from the preprocess kernel, Sq padded
+            Delta: T.Tensor((B, H, SqP), acc),
+            dQacc: T.Tensor((B, Sq, H, D), acc),  # zeroed by the caller
+            dK: T.Tensor((B, Sk, HK, D), dtype),
+            dV: T.Tensor((B, Sk, HK, D), dtype),
+        ):
+            body(Q, K, V, dO, LSE2, Delta, dQacc, dK, dV)
+
+    else:
+
+        @T.prim_func
+        def flash_bwd(
+            Q: _qkv_param("q", (B, Sq, H, D), dtype),
+            K: _qkv_param("k", (B, Sk, HK, D), dtype),
+            V: _qkv_param("v", (B, Sk, HK, D), dtype),
+            dO: T.Tensor((B, Sq, H, D), dtype),
+            LSE2: T.Tensor((B, H, SqP), acc),
+            Delta: T.Tensor((B, H, SqP), acc),
+            dK: T.Tensor((B, Sk, HK, D), dtype),
+            dV: T.Tensor((B, Sk, HK, D), dtype),
+        ):
+            body(Q, K, V, dO, LSE2, Delta, None, dK, dV)
 
     return flash_bwd
 
