@@ -214,12 +214,12 @@ class PrepConfig:
 
 
 @kernel("attention", "flash_bwd_prep", pass_configs=_PASS_CONFIGS)
-def flash_bwd_prep_kernel(config: PrepConfig, headdim: int, dtype: str):
+def flash_bwd_prep_kernel(config: PrepConfig, headdim: int, dtype: str, dq: bool = True):
     """Delta = rowsum(dO * O) and lse2 = lse * log2(e), as (B, H, SqP) fp32 with SqP = Sq rounded
     up to a multiple of 4: the backward loads them by TMA, whose global strides must be 16-byte
     multiples. Entries past Sq are written as 0 (never left uninitialized: 0 * NaN is NaN).
-    Also zeroes the fp32 dQ accumulator the main kernel reduce-adds into: one launch (and one
-    host call) fewer than a separate memset."""
+    dq=True also zeroes the fp32 dQ accumulator the main kernel reduce-adds into: one launch (and
+    one host call) fewer than a separate memset. dq=False (deterministic path): no accumulator."""
     B = T.dynamic("B")
     Sq = T.dynamic("Sq")
     SqP = T.dynamic("SqP")
@@ -227,20 +227,15 @@ def flash_bwd_prep_kernel(config: PrepConfig, headdim: int, dtype: str):
     D = headdim
     blk = config.block
     acc = "float32"
+    with_dq = dq
 
-    @T.prim_func
-    def flash_bwd_prep(
-        O: T.Tensor((B, Sq, H, D), dtype),
-        dO: T.Tensor((B, Sq, H, D), dtype),
-        LSE: T.Tensor((B, H, Sq), acc),
-        Delta: T.Tensor((B, H, SqP), acc),
-        LSE2: T.Tensor((B, H, SqP), acc),
-        DQacc: T.Tensor((B, Sq, H, D), acc),
-    ):
+    @T.macro
+    def body(O, dO, LSE, Delta, LSE2, DQacc):
         with T.Kernel(T.ceildiv(SqP, blk), H, B, threads=config.threads) as (bx, by, bz):
-            for i, j in T.Parallel(blk, D):
-                if bx * blk + i < Sq:
-                    DQacc[bz, bx * blk + i, by, j] = T.float32(0)
+            if with_dq:
+                for i, j in T.Parallel(blk, D):
+                    if bx * blk + i < Sq:
+                        DQacc[bz, bx * blk + i, by, j] = T.float32(0)
             o = T.alloc_fragment((blk, D), dtype)
             do = T.alloc_fragment((blk, D), dtype)
             prod = T.alloc_fragment((blk, D), acc)
@@ -257,6 +252,31 @@ def flash_bwd_prep_kernel(config: PrepConfig, headdim: int, dtype: str):
                     LSE2[bz, by, bx * blk + i] = T.if_then_else(
                         bx * blk + i < Sq, LSE[bz, by, T.min(bx * blk + i, Sq - 1)] * LOG2E, 0
                     )
+
+    if dq:
+
+        @T.prim_func
+        def flash_bwd_prep(
+            O: T.Tensor((B, Sq, H, D), dtype),
+            dO: T.Tensor((B, Sq, H, D), dtype),
+            LSE: T.Tensor((B, H, Sq), acc),
+            Delta: T.Tensor((B, H, SqP), acc),
+            LSE2: T.Tensor((B, H, SqP), acc),
+            DQacc: T.Tensor((B, Sq, H, D), acc),
+        ):
+            body(O, dO, LSE, Delta, LSE2, DQacc)
+
+    else:
+
+        @T.prim_func
+        def flash_bwd_prep(
+            O: T.Tensor((B, Sq, H, D), dtype),
+            dO: T.Tensor((B, Sq, H, D), dtype),
+            LSE: T.Tensor((B, H, Sq), acc),
+            Delta: T.Tensor((B, H, SqP), acc),
+            LSE2: T.Tensor((B, H, SqP), acc),
+        ):
+            body(O, dO, LSE, Delta, LSE2, None)
 
     return flash_bwd_prep
 
@@ -441,6 +461,132 @@ def flash_bwd_kernel(config: BwdConfig, headdim: int, dtype: str, causal: bool, 
     return flash_bwd
 
 
+# ---------------------------------------------------------------------------------------------
+# Deterministic backward: flash_bwd(dq=False) for dK/dV, and dQ from its own kernel
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DqConfig:
+    block_m: int = 128  # query rows per CTA (their dQ rows held in registers)
+    block_n: int = 64  # keys per pipeline step
+    num_stages: int = 2
+    threads: int = 256
+    # dS as the register operand of the dQ GEMM; False stages it in shared memory, needed when the
+    # GEMM splits N over warps (64 rows on 8 warps, D=256).
+    rs_gemm: bool = True
+
+    def for_arch(self, arch: str) -> "DqConfig":
+        return self if _is_hopper(arch) else dataclasses.replace(self, num_stages=1)
+
+
+def dq_default_config(headdim: int, causal: bool, arch: str = "sm_90a") -> DqConfig:
+    """Not tuned yet (no GPU when written): mirrors the main backward's tile choices."""
+    if not _is_hopper(arch):  # Ampere: one stage, see fwd_default_config; 164 KB shared memory
+        return DqConfig(128, 64, 1, 256) if headdim <= 128 else DqConfig(64, 32, 1, 256, False)
+    if headdim <= 64:
+        return DqConfig(128, 128, 2, 256)
+    if headdim <= 128:
+        return DqConfig(128, 64, 2, 256)
+    # D=256: 64 query rows (two stages of 64-key K/V tiles: 201 KB of shared memory); 64x256 fp32
+    # dQ needs 8 warps to stay in registers, so dS goes through shared memory.
+    return DqConfig(64, 64, 2, 256, False)
+
+
+DQ_SEARCH_SPACE = [
+    DqConfig(bm, bn, st, th, rs)
+    for bm, bn, th, rs in ((128, 64, 256, True), (128, 128, 256, True), (64, 64, 128, True), (64, 128, 128, True), (64, 64, 256, False))
+    for st in (1, 2)
+]
+
+
+@kernel("attention", "flash_bwd_dq", pass_configs=_PASS_CONFIGS)
+def flash_bwd_dq_kernel(config: DqConfig, headdim: int, dtype: str, causal: bool, groups: int, scale: float):
+    """dQ without atomics: one CTA per (query block, head, batch) walks the key blocks its rows see,
+    in a fixed order, recomputing P = exp2(S * scale * log2(e) - lse2) from the base-2 LSE that
+    flash_bwd_prep writes. dS = P * (dO V^T - Delta); dQ = scale * sum over key blocks of dS K,
+    fp32 in registers, written once in dtype. Run to run bitwise identical: no atomics, no
+    accumulation order that depends on scheduling. Costs a second S and dP GEMM per (query, key)
+    block pair (7 GEMMs in all instead of 5), in exchange for no fp32 dQ buffer and no cast."""
+    B = T.dynamic("B")
+    Sq = T.dynamic("Sq")
+    SqP = T.dynamic("SqP")
+    Sk = T.dynamic("Sk")
+    H = T.dynamic("H")
+    HK = T.dynamic("HK")
+    D = headdim
+    bm, bn = config.block_m, config.block_n
+    acc = "float32"
+    scale_log2 = scale * LOG2E
+
+    @T.prim_func
+    def flash_bwd_dq(
+        Q: _qkv_param("q", (B, Sq, H, D), dtype),
+        K: _qkv_param("k", (B, Sk, HK, D), dtype),
+        V: _qkv_param("v", (B, Sk, HK, D), dtype),
+        dO: T.Tensor((B, Sq, H, D), dtype),
+        LSE2: T.Tensor((B, H, SqP), acc),  # base-2 LSE from the preprocess kernel, Sq padded
+        Delta: T.Tensor((B, H, SqP), acc),
+        dQ: T.Tensor((B, Sq, H, D), dtype),
+    ):
+        with T.Kernel(T.ceildiv(Sq, bm), H, B, threads=config.threads) as (bx, by, bz):
+            q_s = T.alloc_shared((bm, D), dtype)
+            do_s = T.alloc_shared((bm, D), dtype)
+            k_s = T.alloc_shared((bn, D), dtype)
+            v_s = T.alloc_shared((bn, D), dtype)
+            lse_s = T.alloc_shared((bm,), acc)
+            delta_s = T.alloc_shared((bm,), acc)
+            ds_s = T.alloc_shared((bm, bn), dtype)
+            dq_s = T.alloc_shared((bm, D), dtype)
+            s = T.alloc_fragment((bm, bn), acc)  # S, then P
+            dp = T.alloc_fragment((bm, bn), acc)  # dP = dO V^T
+            ds = T.alloc_fragment((bm, bn), dtype)
+            dq = T.alloc_fragment((bm, D), acc)
+
+            # Causal: heaviest query tiles first, as in the forward.
+            qt = T.ceildiv(Sq, bm) - 1 - bx if causal else bx
+            kvh = by // groups
+            offset = Sk - Sq  # bottom-right causal alignment
+            T.copy(Q[bz, qt * bm : (qt + 1) * bm, by, :], q_s)
+            T.copy(dO[bz, qt * bm : (qt + 1) * bm, by, :], do_s)
+            T.copy(LSE2[bz, by, qt * bm : (qt + 1) * bm], lse_s)
+            T.copy(Delta[bz, by, qt * bm : (qt + 1) * bm], delta_s)
+            T.clear(dq)
+            if causal:
+                # At least one (fully masked, P = 0) step for a tile that sees no key (Sq > Sk), so
+                # the pipeline never has zero trips; its rows then write dQ = 0.
+                n_blocks = T.max(T.min(T.ceildiv(Sk, bn), T.ceildiv((qt + 1) * bm + offset, bn)), 1)
+            else:
+                n_blocks = T.ceildiv(Sk, bn)
+
+            for kb in T.Pipelined(n_blocks, num_stages=config.num_stages):
+                T.copy(K[bz, kb * bn : (kb + 1) * bn, kvh, :], k_s)
+                T.copy(V[bz, kb * bn : (kb + 1) * bn, kvh, :], v_s)
+                T.gemm(q_s, k_s, s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                T.gemm(do_s, v_s, dp, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                for i, j in T.Parallel(bm, bn):
+                    # select, not multiply: TMA zero-fills keys >= Sk (score 0, not -inf), and lse2
+                    # is -inf on rows that see no key (exp2 -> inf there)
+                    if causal:
+                        s[i, j] = T.if_then_else(
+                            (kb * bn + j < Sk) & (kb * bn + j <= qt * bm + i + offset),
+                            T.exp2(s[i, j] * scale_log2 - lse_s[i]),
+                            0,
+                        )
+                    else:
+                        s[i, j] = T.if_then_else(kb * bn + j < Sk, T.exp2(s[i, j] * scale_log2 - lse_s[i]), 0)
+                for i, j in T.Parallel(bm, bn):
+                    ds[i, j] = s[i, j] * (dp[i, j] - delta_s[i]) * scale  # softmax scale folded in
+                if config.rs_gemm:
+                    T.gemm(ds, k_s, dq, policy=T.GemmWarpPolicy.FullRow)  # dQ += dS K
+                else:
+                    T.copy(ds, ds_s)
+                    T.gemm(ds_s, k_s, dq)
+
+            T.copy(dq, dq_s)
+            T.copy(dq_s, dQ[bz, qt * bm : (qt + 1) * bm, by, :])
+
+    return flash_bwd_dq
+
+
 @dataclass(frozen=True)
 class CastConfig:
     block: int = 4096  # elements per CTA: 16 per thread = four 16-byte fp32 loads
@@ -474,6 +620,7 @@ def cast_f32_kernel(config: CastConfig, dtype: str):
 flash_fwd_kernel = _arch_aware(flash_fwd_kernel)
 flash_bwd_prep_kernel = _arch_aware(flash_bwd_prep_kernel)
 flash_bwd_kernel = _arch_aware(flash_bwd_kernel)
+flash_bwd_dq_kernel = _arch_aware(flash_bwd_dq_kernel)
 cast_f32_kernel = _arch_aware(cast_f32_kernel)
 
 
