@@ -13,6 +13,13 @@ Semantics shared by every kernel here:
 Tails: with symbolic lengths the last tile reads past the end; TMA fills those rows with zeros, so
 the scores of key index >= Sk are set to -inf explicitly (a zero K row would score 0, not -inf),
 and stores are clipped to the tensor.
+
+Backward, two paths over the same preprocess (Delta, base-2 LSE):
+- fast (default): flash_bwd, one CTA per key block, dK/dV in registers, dQ reduce-added with fp32
+  atomics into a zeroed buffer, then cast_f32. dQ's summation order depends on scheduling.
+- deterministic (torch.use_deterministic_algorithms(True)): flash_bwd(dq=False) for dK/dV, and
+  flash_bwd_dq, one CTA per query block, for dQ. Every sum runs in a fixed order inside one CTA,
+  so dq, dk, dv are bitwise identical run to run.
 """
 # No `from __future__ import annotations`: TileLang evaluates the T.Tensor annotations, and a
 # symbolic dim used only there (e.g. HK) must be a live closure variable, not a string.
@@ -625,11 +632,11 @@ cast_f32_kernel = _arch_aware(cast_f32_kernel)
 
 
 def default_config(headdim: int, causal: bool, arch: str = "sm_90a", kind: str = "fwd"):
-    """Default config of the forward ("fwd") or backward main ("bwd") kernel."""
-    return (fwd_default_config if kind == "fwd" else bwd_default_config)(headdim, causal, arch)
+    """Default config of the forward ("fwd"), backward main ("bwd") or deterministic dQ ("dq") kernel."""
+    return {"fwd": fwd_default_config, "bwd": bwd_default_config, "dq": dq_default_config}[kind](headdim, causal, arch)
 
 
-SEARCH_SPACE = {"fwd": FWD_SEARCH_SPACE, "bwd": BWD_SEARCH_SPACE}
+SEARCH_SPACE = {"fwd": FWD_SEARCH_SPACE, "bwd": BWD_SEARCH_SPACE, "dq": DQ_SEARCH_SPACE}
 
 
 def default_scale(headdim: int) -> float:
@@ -645,4 +652,9 @@ REPRESENTATIVE = [
     (flash_bwd_prep_kernel, PrepConfig(), dict(headdim=128, dtype="bfloat16")),
     (flash_bwd_kernel, bwd_default_config(128, True), dict(headdim=128, dtype="bfloat16", causal=True, groups=1, scale=default_scale(128))),
     (cast_f32_kernel, CastConfig(), dict(dtype="bfloat16")),
+    # deterministic backward: prep without the dQ accumulator, dK/dV only, dQ without atomics
+    (flash_bwd_prep_kernel, PrepConfig(), dict(headdim=128, dtype="bfloat16", dq=False)),
+    (flash_bwd_kernel, bwd_default_config(128, True), dict(headdim=128, dtype="bfloat16", causal=True, groups=1, scale=default_scale(128), dq=False)),
+    (flash_bwd_dq_kernel, dq_default_config(128, True), dict(headdim=128, dtype="bfloat16", causal=True, groups=1, scale=default_scale(128))),
+    (flash_bwd_dq_kernel, dq_default_config(256, False), dict(headdim=256, dtype="bfloat16", causal=False, groups=4, scale=default_scale(256))),
 ]
