@@ -279,7 +279,7 @@ def flash_attn_backward(
 
 
 @flash_attn_backward.register_kernel("cuda")
-def _(dout, q, k, v, out, lse, causal=False, softmax_scale=None, dlse=None):
+def _flash_bwd_cuda(dout, q, k, v, out, lse, causal=False, softmax_scale=None, dlse=None):
     _check_bwd(dout, q, k, v, out, lse, softmax_scale, dlse)
     B, Sq, H, D = q.shape
     Sk, HK = k.shape[1], k.shape[2]
