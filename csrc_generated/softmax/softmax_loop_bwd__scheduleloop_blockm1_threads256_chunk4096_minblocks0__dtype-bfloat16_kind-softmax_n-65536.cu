@@ -22,78 +22,74 @@
 
 extern "C" __global__ void bwd_kernel(bfloat16_t* __restrict__ DX, const bfloat16_t* __restrict__ DY, const bfloat16_t* __restrict__ Yt, int M);
 extern "C" __global__ void __launch_bounds__(256, 1) bwd_kernel(bfloat16_t* __restrict__ DX, const bfloat16_t* __restrict__ DY, const bfloat16_t* __restrict__ Yt, int M) {
-  float dot = 0x0p+0f/*0.000000e+00*/;
-  float a[16];
-  float cs[1];
+  float pd[8];
+  bfloat16_t a[16];
+  bfloat16_t b[16];
+  float r[1];
   extern __shared__ __align__(1024) float workspace[];
-  dot = 0x0p+0f/*0.000000e+00*/;
+  float dot = 0x0p+0f/*0.000000e+00*/;
+  #pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    float broadcast_var = 0x0p+0f/*0.000000e+00*/;
+    *(float4*)(pd + (i * 4)) = make_float4(broadcast_var, broadcast_var, broadcast_var, broadcast_var);
+  }
   for (int ch = 0; ch < 16; ++ch) {
     #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      bfloat16_t DY_local_cast[8];
-      bfloat16_t Yt_local_cast_1[8];
-      *(uint4*)(DY_local_cast + 0) = *(uint4*)(DY + ((((((int64_t)((int)blockIdx.x)) * (int64_t)65536) + (((int64_t)ch) * (int64_t)4096)) + (((int64_t)i) * (int64_t)2048)) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)));
-      *(uint4*)(Yt_local_cast_1 + 0) = *(uint4*)(Yt + ((((((int64_t)((int)blockIdx.x)) * (int64_t)65536) + (((int64_t)ch) * (int64_t)4096)) + (((int64_t)i) * (int64_t)2048)) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)));
-      for (int vec = 0; vec < 2; ++vec) {
-        float4 __1;
-          float4 __2;
-          uint2 v_ = *(uint2*)(DY_local_cast + (vec * 4));
-          ((float2*)(&__2))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v_))[0]);
-          ((float2*)(&__2))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v_))[1]);
-          float4 __3;
-          uint2 v__1 = *(uint2*)(Yt_local_cast_1 + (vec * 4));
-          ((float2*)(&__3))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__1))[0]);
-          ((float2*)(&__3))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__1))[1]);
-          __1.x = (__2.x*__3.x);
-          __1.y = (__2.y*__3.y);
-          __1.z = (__2.z*__3.z);
-          __1.w = (__2.w*__3.w);
-        *(float4*)(a + ((i * 8) + (vec * 4))) = __1;
+    for (int i_1 = 0; i_1 < 4; ++i_1) {
+      *(uint2*)(a + (i_1 * 4)) = *(uint2*)(DY + ((((((int64_t)((int)blockIdx.x)) * (int64_t)65536) + (((int64_t)ch) * (int64_t)4096)) + (((int64_t)i_1) * (int64_t)1024)) + (((int64_t)((int)threadIdx.x)) * (int64_t)4)));
+    }
+    #pragma unroll
+    for (int i_2 = 0; i_2 < 4; ++i_2) {
+      *(uint2*)(b + (i_2 * 4)) = *(uint2*)(Yt + ((((((int64_t)((int)blockIdx.x)) * (int64_t)65536) + (((int64_t)ch) * (int64_t)4096)) + (((int64_t)i_2) * (int64_t)1024)) + (((int64_t)((int)threadIdx.x)) * (int64_t)4)));
+    }
+    #pragma unroll
+    for (int i_3 = 0; i_3 < 8; ++i_3) {
+      for (int kk = 0; kk < 2; ++kk) {
+        pd[i_3] = (pd[i_3] + (((float)a[((kk * 8) + i_3)]) * ((float)b[((kk * 8) + i_3)])));
       }
     }
-    cs[0] = 0x0p+0f/*0.000000e+00*/;
-    #pragma unroll
-    for (int rv = 0; rv < 16; ++rv) {
-      cs[0] = (cs[0] + a[(((rv & 1) * 8) + (rv >> 1))]);
-    }
-    __syncthreads();
-    cs[0] = tl::AllReduce<tl::SumOp, 256, 1, 0, tl::NamedBarrier<256>>::run(cs[0], (&(workspace[0])));
-    dot = (dot + cs[0]);
   }
+  r[0] = 0x0p+0f/*0.000000e+00*/;
+  #pragma unroll
+  for (int rv = 0; rv < 8; ++rv) {
+    r[0] = (r[0] + pd[(((rv & 1) * 4) + (rv >> 1))]);
+  }
+  r[0] = tl::AllReduce<tl::SumOp, 256, 1, 0, tl::NamedBarrier<256>>::run(r[0], (&(workspace[0])));
+  dot = r[0];
   for (int rc = 0; rc < 16; ++rc) {
     #pragma unroll
-    for (int i_1 = 0; i_1 < 2; ++i_1) {
-      bfloat16_t Yt_local_cast_3[8];
-      bfloat16_t DY_local_cast_4[8];
-      bfloat16_t DX_local_cast_2[8];
-      *(uint4*)(Yt_local_cast_3 + 0) = *(uint4*)(Yt + (((((((int64_t)((int)blockIdx.x)) * (int64_t)65536) + (((int64_t)i_1) * (int64_t)2048)) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)) + (int64_t)61440) - (((int64_t)rc) * (int64_t)4096)));
-      *(uint4*)(DY_local_cast_4 + 0) = *(uint4*)(DY + (((((((int64_t)((int)blockIdx.x)) * (int64_t)65536) + (((int64_t)i_1) * (int64_t)2048)) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)) + (int64_t)61440) - (((int64_t)rc) * (int64_t)4096)));
-      for (int vec_1 = 0; vec_1 < 2; ++vec_1) {
-        uint2 __4;
-        float4 __5;
-          float4 __6;
-          uint2 v__2 = *(uint2*)(Yt_local_cast_3 + (vec_1 * 4));
-          ((float2*)(&__6))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__2))[0]);
-          ((float2*)(&__6))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__2))[1]);
-          float4 __7;
-            float4 __8;
-            uint2 v__3 = *(uint2*)(DY_local_cast_4 + (vec_1 * 4));
-            ((float2*)(&__8))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__3))[0]);
-            ((float2*)(&__8))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__3))[1]);
-            float4 v__4 = make_float4(dot, dot, dot, dot);
-            __7.x = (__8.x-v__4.x);
-            __7.y = (__8.y-v__4.y);
-            __7.z = (__8.z-v__4.z);
-            __7.w = (__8.w-v__4.w);
-          __5.x = (__6.x*__7.x);
-          __5.y = (__6.y*__7.y);
-          __5.z = (__6.z*__7.z);
-          __5.w = (__6.w*__7.w);
-        (reinterpret_cast<__nv_bfloat162*>(&__4))[0] = __float22bfloat162_rn(((float2*)(&__5))[0]);
-        (reinterpret_cast<__nv_bfloat162*>(&__4))[1] = __float22bfloat162_rn(((float2*)(&__5))[1]);
-        *(uint2*)(DX_local_cast_2 + (vec_1 * 4)) = __4;
+    for (int i_4 = 0; i_4 < 2; ++i_4) {
+      bfloat16_t Yt_local_cast_1[8];
+      bfloat16_t DY_local_cast_2[8];
+      bfloat16_t DX_local_cast[8];
+      *(uint4*)(Yt_local_cast_1 + 0) = *(uint4*)(Yt + (((((((int64_t)((int)blockIdx.x)) * (int64_t)65536) + (((int64_t)i_4) * (int64_t)2048)) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)) + (int64_t)61440) - (((int64_t)rc) * (int64_t)4096)));
+      *(uint4*)(DY_local_cast_2 + 0) = *(uint4*)(DY + (((((((int64_t)((int)blockIdx.x)) * (int64_t)65536) + (((int64_t)i_4) * (int64_t)2048)) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)) + (int64_t)61440) - (((int64_t)rc) * (int64_t)4096)));
+      for (int vec = 0; vec < 2; ++vec) {
+        uint2 __1;
+        float4 __2;
+          float4 __3;
+          uint2 v_ = *(uint2*)(Yt_local_cast_1 + (vec * 4));
+          ((float2*)(&__3))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v_))[0]);
+          ((float2*)(&__3))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v_))[1]);
+          float4 __4;
+            float4 __5;
+            uint2 v__1 = *(uint2*)(DY_local_cast_2 + (vec * 4));
+            ((float2*)(&__5))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__1))[0]);
+            ((float2*)(&__5))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__1))[1]);
+            float4 v__2 = make_float4(dot, dot, dot, dot);
+            __4.x = (__5.x-v__2.x);
+            __4.y = (__5.y-v__2.y);
+            __4.z = (__5.z-v__2.z);
+            __4.w = (__5.w-v__2.w);
+          __2.x = (__3.x*__4.x);
+          __2.y = (__3.y*__4.y);
+          __2.z = (__3.z*__4.z);
+          __2.w = (__3.w*__4.w);
+        (reinterpret_cast<__nv_bfloat162*>(&__1))[0] = __float22bfloat162_rn(((float2*)(&__2))[0]);
+        (reinterpret_cast<__nv_bfloat162*>(&__1))[1] = __float22bfloat162_rn(((float2*)(&__2))[1]);
+        *(uint2*)(DX_local_cast + (vec * 4)) = __1;
       }
-      *(uint4*)(DX + (((((((int64_t)((int)blockIdx.x)) * (int64_t)65536) + (((int64_t)i_1) * (int64_t)2048)) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)) + (int64_t)61440) - (((int64_t)rc) * (int64_t)4096))) = *(uint4*)(DX_local_cast_2 + 0);
+      *(uint4*)(DX + (((((((int64_t)((int)blockIdx.x)) * (int64_t)65536) + (((int64_t)i_4) * (int64_t)2048)) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)) + (int64_t)61440) - (((int64_t)rc) * (int64_t)4096))) = *(uint4*)(DX_local_cast + 0);
     }
   }
 }

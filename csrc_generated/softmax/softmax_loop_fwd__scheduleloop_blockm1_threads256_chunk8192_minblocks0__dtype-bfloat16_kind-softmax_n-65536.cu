@@ -25,56 +25,82 @@ extern "C" __global__ void fwd_kernel(const bfloat16_t* __restrict__ X, bfloat16
 extern "C" __global__ void __launch_bounds__(256, 1) fwd_kernel(const bfloat16_t* __restrict__ X, bfloat16_t* __restrict__ Y, int M) {
   extern __shared__ __align__(1024) uchar buf_dyn_shmem[];
   void* workspace = ((void*)((char*)buf_dyn_shmem + 0));
-  void* workspace_1 = ((void*)((char*)buf_dyn_shmem + 1024));
+  void* workspace_1 = ((void*)((char*)buf_dyn_shmem + 0));
+  float pm[8];
+  float ps[8];
+  bfloat16_t a[32];
+  float nm[8];
+  float r[1];
   float m = 0x0p+0f/*0.000000e+00*/;
   float s = 0x0p+0f/*0.000000e+00*/;
-  float a[32];
-  float cm[1];
-  float shift = 0x0p+0f/*0.000000e+00*/;
-  float cs[1];
-  m = -CUDART_INF_F;
-  s = 0x0p+0f/*0.000000e+00*/;
+  #pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    float broadcast_var = -CUDART_INF_F;
+    *(float4*)(pm + (i * 4)) = make_float4(broadcast_var, broadcast_var, broadcast_var, broadcast_var);
+    float broadcast_var_1 = 0x0p+0f/*0.000000e+00*/;
+    *(float4*)(ps + (i * 4)) = make_float4(broadcast_var_1, broadcast_var_1, broadcast_var_1, broadcast_var_1);
+  }
   for (int ch = 0; ch < 8; ++ch) {
     #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      bfloat16_t X_local_cast[8];
-      *(uint4*)(X_local_cast + 0) = *(uint4*)(X + ((((((int64_t)((int)blockIdx.x)) * (int64_t)65536) + (((int64_t)ch) * (int64_t)8192)) + (((int64_t)i) * (int64_t)2048)) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)));
-      for (int vec = 0; vec < 2; ++vec) {
-        float4 __1;
-        uint2 v_ = *(uint2*)(X_local_cast + (vec * 4));
-        ((float2*)(&__1))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v_))[0]);
-        ((float2*)(&__1))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v_))[1]);
-        *(float4*)(a + ((i * 8) + (vec * 4))) = __1;
+    for (int i_1 = 0; i_1 < 8; ++i_1) {
+      *(uint2*)(a + (i_1 * 4)) = *(uint2*)(X + ((((((int64_t)((int)blockIdx.x)) * (int64_t)65536) + (((int64_t)ch) * (int64_t)8192)) + (((int64_t)i_1) * (int64_t)1024)) + (((int64_t)((int)threadIdx.x)) * (int64_t)4)));
+    }
+    #pragma unroll
+    for (int i_2 = 0; i_2 < 8; ++i_2) {
+      nm[i_2] = pm[i_2];
+      for (int kk = 0; kk < 4; ++kk) {
+        nm[i_2] = max(nm[i_2], ((float)a[((kk * 8) + i_2)]));
       }
     }
-    cm[0] = -CUDART_INF_F;
     #pragma unroll
-    for (int rv = 0; rv < 32; ++rv) {
-      cm[0] = max(cm[0], a[(((rv & 3) * 8) + (rv >> 2))]);
+    for (int i_3 = 0; i_3 < 8; ++i_3) {
+      float condval;
+      if ((nm[i_3] == -CUDART_INF_F)) {
+        condval = 0x0p+0f/*0.000000e+00*/;
+      } else {
+        condval = nm[i_3];
+      }
+      ps[i_3] = (ps[i_3] * exp2f(((pm[i_3] - condval) * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
+      for (int kk_1 = 0; kk_1 < 4; ++kk_1) {
+        float condval_1;
+        if ((nm[i_3] == -CUDART_INF_F)) {
+          condval_1 = 0x0p+0f/*0.000000e+00*/;
+        } else {
+          condval_1 = nm[i_3];
+        }
+        ps[i_3] = (ps[i_3] + exp2f(((((float)a[((kk_1 * 8) + i_3)]) - condval_1) * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
+      }
+      pm[i_3] = nm[i_3];
     }
-    __syncthreads();
-    cm[0] = tl::AllReduce<tl::MaxOp, 256, 1, 0, tl::NamedBarrier<256>>::run(cm[0], (&(((float*)workspace_1)[0])));
-    shift = max(m, cm[0]);
-    float condval;
-    if ((shift == -CUDART_INF_F)) {
-      condval = 0x0p+0f/*0.000000e+00*/;
-    } else {
-      condval = shift;
-    }
-    shift = condval;
-    #pragma unroll
-    for (int i_1 = 0; i_1 < 8; ++i_1) {
-      float broadcast_var = 0x1.71547652b82fep+0f/*1.442695e+00*/;
+  }
+  r[0] = -CUDART_INF_F;
+  #pragma unroll
+  for (int rv = 0; rv < 8; ++rv) {
+    r[0] = max(r[0], pm[(((rv & 1) * 4) + (rv >> 1))]);
+  }
+  r[0] = tl::AllReduce<tl::MaxOp, 256, 1, 0, tl::NamedBarrier<256>>::run(r[0], (&(((float*)workspace_1)[0])));
+  m = r[0];
+  #pragma unroll
+  for (int i_4 = 0; i_4 < 2; ++i_4) {
+    float broadcast_var_2 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
+    float4 __1;
+      float4 v_ = *(float4*)(ps + (i_4 * 4));
       float4 __2;
       float4 __3;
         float4 __4;
-          float4 v__1 = *(float4*)(a + (i_1 * 4));
-          float4 v__2 = make_float4(shift, shift, shift, shift);
+          float4 v__1 = *(float4*)(pm + (i_4 * 4));
+          float condval_2;
+          if ((m == -CUDART_INF_F)) {
+            condval_2 = 0x0p+0f/*0.000000e+00*/;
+          } else {
+            condval_2 = m;
+          }
+          float4 v__2 = make_float4(condval_2, condval_2, condval_2, condval_2);
           __4.x = (v__1.x-v__2.x);
           __4.y = (v__1.y-v__2.y);
           __4.z = (v__1.z-v__2.z);
           __4.w = (v__1.w-v__2.w);
-        float4 v__3 = make_float4(broadcast_var, broadcast_var, broadcast_var, broadcast_var);
+        float4 v__3 = make_float4(broadcast_var_2, broadcast_var_2, broadcast_var_2, broadcast_var_2);
         __3.x = (__4.x*v__3.x);
         __3.y = (__4.y*v__3.y);
         __3.z = (__4.z*v__3.z);
@@ -83,33 +109,36 @@ extern "C" __global__ void __launch_bounds__(256, 1) fwd_kernel(const bfloat16_t
       __2.y = exp2f(__3.y);
       __2.z = exp2f(__3.z);
       __2.w = exp2f(__3.w);
-      *(float4*)(a + (i_1 * 4)) = __2;
-    }
-    cs[0] = 0x0p+0f/*0.000000e+00*/;
-    #pragma unroll
-    for (int rv_1 = 0; rv_1 < 32; ++rv_1) {
-      cs[0] = (cs[0] + a[(((rv_1 & 3) * 8) + (rv_1 >> 2))]);
-    }
-    cs[0] = tl::AllReduce<tl::SumOp, 256, 1, 0, tl::NamedBarrier<256>>::run(cs[0], (&(((float*)workspace)[0])));
-    s = ((s * exp2f(((m - shift) * 0x1.71547652b82fep+0f/*1.442695e+00*/))) + cs[0]);
-    m = max(m, cm[0]);
+      __1.x = (v_.x*__2.x);
+      __1.y = (v_.y*__2.y);
+      __1.z = (v_.z*__2.z);
+      __1.w = (v_.w*__2.w);
+    *(float4*)(ps + (i_4 * 4)) = __1;
   }
+  r[0] = 0x0p+0f/*0.000000e+00*/;
+  #pragma unroll
+  for (int rv_1 = 0; rv_1 < 8; ++rv_1) {
+    r[0] = (r[0] + ps[(((rv_1 & 1) * 4) + (rv_1 >> 1))]);
+  }
+  __syncthreads();
+  r[0] = tl::AllReduce<tl::SumOp, 256, 1, 0, tl::NamedBarrier<256>>::run(r[0], (&(((float*)workspace)[0])));
+  s = r[0];
   s = (0x1p+0f/*1.000000e+00*/ / s);
   for (int rc = 0; rc < 8; ++rc) {
     #pragma unroll
-    for (int i_2 = 0; i_2 < 4; ++i_2) {
-      bfloat16_t X_local_cast_2[8];
-      bfloat16_t Y_local_cast_1[8];
-      *(uint4*)(X_local_cast_2 + 0) = *(uint4*)(X + (((((((int64_t)((int)blockIdx.x)) * (int64_t)65536) + (((int64_t)i_2) * (int64_t)2048)) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)) + (int64_t)57344) - (((int64_t)rc) * (int64_t)8192)));
-      for (int vec_1 = 0; vec_1 < 2; ++vec_1) {
-        float broadcast_var_1 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
+    for (int i_5 = 0; i_5 < 4; ++i_5) {
+      bfloat16_t X_local_cast_1[8];
+      bfloat16_t Y_local_cast[8];
+      *(uint4*)(X_local_cast_1 + 0) = *(uint4*)(X + (((((((int64_t)((int)blockIdx.x)) * (int64_t)65536) + (((int64_t)i_5) * (int64_t)2048)) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)) + (int64_t)57344) - (((int64_t)rc) * (int64_t)8192)));
+      for (int vec = 0; vec < 2; ++vec) {
+        float broadcast_var_3 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
         uint2 __5;
         float4 __6;
           float4 __7;
           float4 __8;
             float4 __9;
               float4 __10;
-              uint2 v__4 = *(uint2*)(X_local_cast_2 + (vec_1 * 4));
+              uint2 v__4 = *(uint2*)(X_local_cast_1 + (vec * 4));
               ((float2*)(&__10))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__4))[0]);
               ((float2*)(&__10))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__4))[1]);
               float4 v__5 = make_float4(m, m, m, m);
@@ -117,7 +146,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) fwd_kernel(const bfloat16_t
               __9.y = (__10.y-v__5.y);
               __9.z = (__10.z-v__5.z);
               __9.w = (__10.w-v__5.w);
-            float4 v__6 = make_float4(broadcast_var_1, broadcast_var_1, broadcast_var_1, broadcast_var_1);
+            float4 v__6 = make_float4(broadcast_var_3, broadcast_var_3, broadcast_var_3, broadcast_var_3);
             __8.x = (__9.x*v__6.x);
             __8.y = (__9.y*v__6.y);
             __8.z = (__9.z*v__6.z);
@@ -133,9 +162,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) fwd_kernel(const bfloat16_t
           __6.w = (__7.w*v__7.w);
         (reinterpret_cast<__nv_bfloat162*>(&__5))[0] = __float22bfloat162_rn(((float2*)(&__6))[0]);
         (reinterpret_cast<__nv_bfloat162*>(&__5))[1] = __float22bfloat162_rn(((float2*)(&__6))[1]);
-        *(uint2*)(Y_local_cast_1 + (vec_1 * 4)) = __5;
+        *(uint2*)(Y_local_cast + (vec * 4)) = __5;
       }
-      *(uint4*)(Y + (((((((int64_t)((int)blockIdx.x)) * (int64_t)65536) + (((int64_t)i_2) * (int64_t)2048)) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)) + (int64_t)57344) - (((int64_t)rc) * (int64_t)8192))) = *(uint4*)(Y_local_cast_1 + 0);
+      *(uint4*)(Y + (((((((int64_t)((int)blockIdx.x)) * (int64_t)65536) + (((int64_t)i_5) * (int64_t)2048)) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)) + (int64_t)57344) - (((int64_t)rc) * (int64_t)8192))) = *(uint4*)(Y_local_cast + 0);
     }
   }
 }
