@@ -98,11 +98,32 @@ def _check(out, lse, ref_out, ref_lse, dtype, grads=None, ref_grads=None, base_e
             assert g.abs().max() <= 1e-4, f"{name}: expected ~0, got max {g.abs().max().item():.2e}"
 
 
-def _run_and_check(shape, dtype, device, causal, scale=None):
+@contextlib.contextmanager
+def _deterministic_algorithms(on: bool = True):
+    """torch.use_deterministic_algorithms(on) for the block; the previous setting (warn_only too)
+    comes back even when the block raises, so no other test runs under a leaked flag."""
+    prev, prev_warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(on, warn_only=prev_warn)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(prev, warn_only=prev_warn)
+
+
+@pytest.fixture
+def deterministic():
+    with _deterministic_algorithms(True):
+        yield
+
+
+def _run_and_check(shape, dtype, device, causal, scale=None, deterministic=False):
+    """Our op's forward and backward (the backward under torch.use_deterministic_algorithms when
+    `deterministic`; the references outside it: they use cuBLAS and index ops the flag may refuse)."""
     q, k, v = _inputs(shape, dtype, device)
     out, lse = torch.ops.tileops.flash_attn_with_lse(q, k, v, causal, scale)
     dout = torch.randn_like(out)
-    grads = torch.autograd.grad(out, (q, k, v), dout)
+    with _deterministic_algorithms(True) if deterministic else contextlib.nullcontext():
+        grads = torch.autograd.grad(out, (q, k, v), dout)
     ref_out, ref_lse, ref_grads = _ref(q, k, v, causal, scale, dout)
     base = _baseline_errors(q, k, v, causal, scale, dout, ref_out, ref_lse, ref_grads)
     _check(out, lse, ref_out, ref_lse, dtype, grads, ref_grads, base)
@@ -223,24 +244,6 @@ def test_flash_attn_cuda_poisoned_out_only(shape):
     assert torch.isfinite(out).all() and rel_err(out, ref_out) <= ATTENTION_REL_ERR[torch.bfloat16]
 
 
-@contextlib.contextmanager
-def _deterministic_algorithms(on: bool = True):
-    """torch.use_deterministic_algorithms(on) for the block; the previous setting (warn_only too)
-    comes back even when the block raises, so no other test runs under a leaked flag."""
-    prev, prev_warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(on, warn_only=prev_warn)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(prev, warn_only=prev_warn)
-
-
-@pytest.fixture
-def deterministic():
-    with _deterministic_algorithms(True):
-        yield
-
-
 def test_deterministic_flag_restored_after_error():
     before = torch.are_deterministic_algorithms_enabled()
     with pytest.raises(RuntimeError, match="boom"):
@@ -269,8 +272,9 @@ DETERMINISTIC_SHAPES = [
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", DETERMINISTIC_SHAPES)
-def test_flash_attn_cuda_deterministic_matches_reference(shape, dtype, causal, deterministic):
-    _run_and_check(shape, dtype, "cuda", causal)
+def test_flash_attn_cuda_deterministic_matches_reference(shape, dtype, causal):
+    _run_and_check(shape, dtype, "cuda", causal, deterministic=True)
+    assert not torch.are_deterministic_algorithms_enabled()  # restored for the next test
 
 
 @pytest.mark.gpu
