@@ -1,12 +1,17 @@
 """FlashAttention forward and backward: tileops vs SDPA (cuDNN, FlashAttention-2) and FlexAttention.
 
-    python -m benchmarks.bench_attention [--quick] [--no-flex]
+    python -m benchmarks.bench_attention [--quick] [--no-flex] [--no-deterministic]
 
 TFLOP/s with forward FLOPs = 4 * B * H * Sq * Sk * D (two GEMMs), halved when causal, and backward
 FLOPs = 2.5x forward (five GEMMs instead of two). The backward is timed alone: one forward with
 autograd, then `torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)` per run, which is
 the backward kernels (plus a few small elementwise ops) for every implementation. Peers read
 (B, H, S, D) tensors, tileops (B, S, H, D): each gets its own layout, no transposes are timed.
+`tileops_det` is tileops with the backward under `torch.use_deterministic_algorithms(True)`
+(bitwise reproducible: dK/dV kernel + a separate dQ kernel instead of fp32 atomics), timed beside
+the default; "bwd det cost" = deterministic backward time / default backward time. It runs with
+PyTorch's defaults for that flag, so it includes the NaN fill of the op's fresh buffers
+(`torch.utils.deterministic.fill_uninitialized_memory`), as a user's run would.
 Writes $OUT/bench_attention.json (or bench_results/) and prints a table last.
 """
 from __future__ import annotations
@@ -27,6 +32,7 @@ CASES = [
 ]
 QUICK = [(8, 32, 32, 4096, 128), (8, 32, 8, 4096, 128)]
 FLEX_BUDGET_S = 100  # start no FlexAttention compile past this wall time (the run must stay < 4 min)
+DETERMINISTIC = {"tileops_det"}  # impls whose backward runs under torch.use_deterministic_algorithms(True)
 
 
 def _flops(B, H, S, D, causal):
@@ -34,7 +40,21 @@ def _flops(B, H, S, D, causal):
     return f / 2 if causal else f
 
 
-def _impls(B, H, HK, S, D, causal, flex: bool):
+def _deterministic(fn):
+    """fn run under torch.use_deterministic_algorithms(True), the previous setting restored."""
+
+    def run():
+        prev = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(True)
+        try:
+            return fn()
+        finally:
+            torch.use_deterministic_algorithms(prev)
+
+    return run
+
+
+def _impls(B, H, HK, S, D, causal, flex: bool, det: bool = True):
     """name -> (make inputs, forward fn). Inputs: (q, k, v) that require grad."""
     import tilelang_ops  # noqa: F401
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -64,6 +84,7 @@ def _impls(B, H, HK, S, D, causal, flex: bool):
 
     impls = {
         "tileops": (bshd, lambda q, k, v: torch.ops.tileops.flash_attn(q, k, v, causal)),
+        **({"tileops_det": (bshd, lambda q, k, v: torch.ops.tileops.flash_attn(q, k, v, causal))} if det else {}),
         "sdpa_cudnn": (bhsd, sdpa(SDPBackend.CUDNN_ATTENTION)),
         "sdpa_flash": (bhsd, sdpa(SDPBackend.FLASH_ATTENTION)),
     }
@@ -87,7 +108,7 @@ def _impls(B, H, HK, S, D, causal, flex: bool):
     return impls
 
 
-def run(cases, flex: bool = True) -> list[dict]:
+def run(cases, flex: bool = True, det: bool = True) -> list[dict]:
     rows = []
     t_start = time.time()
     for B, H, HK, S, D in cases:
@@ -95,7 +116,7 @@ def run(cases, flex: bool = True) -> list[dict]:
             use_flex = flex and time.time() - t_start < FLEX_BUDGET_S
             fl = _flops(B, H, S, D, causal)
             shape = f"{B}x{H}/{HK}x{S}x{D}"
-            for name, (make, fwd) in _impls(B, H, HK, S, D, causal, use_flex).items():
+            for name, (make, fwd) in _impls(B, H, HK, S, D, causal, use_flex, det).items():
                 row = {"impl": name, "shape (BxH/HKxSxD)": shape, "causal": causal}
                 try:
                     q, k, v = make()
@@ -103,7 +124,8 @@ def run(cases, flex: bool = True) -> list[dict]:
                         ms_f = bench(lambda: fwd(q, k, v), warmup=5, rep=30)
                     out = fwd(q, k, v)
                     dout = torch.randn_like(out)
-                    ms_b = bench(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True), warmup=3, rep=20)
+                    bwd = lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)  # noqa: E731
+                    ms_b = bench(_deterministic(bwd) if name in DETERMINISTIC else bwd, warmup=3, rep=20)
                     row.update(fwd_ms=ms_f, fwd_tflops=fl / ms_f * 1e-9, bwd_ms=ms_b, bwd_tflops=2.5 * fl / ms_b * 1e-9)
                     del q, k, v, out, dout
                 except Exception as e:  # a peer without support for a case (e.g. GQA) reports n/a
@@ -128,6 +150,9 @@ def _summary(rows):
             cudnn = next((r for r in case if r["impl"] == "sdpa_cudnn"), None)
             if ours and cudnn:
                 line[f"{d} vs cudnn"] = ours[f"{d}_tflops"] / cudnn[f"{d}_tflops"]
+        det = next((r for r in case if r["impl"] == "tileops_det"), None)
+        if ours and det:  # the deterministic backward's cost: its time over the default's
+            line["bwd det cost"] = det["bwd_ms"] / ours["bwd_ms"]
         out.append(line)
     return out
 
@@ -136,14 +161,16 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true", help="two cases only")
     p.add_argument("--no-flex", action="store_true", help="skip FlexAttention (its compiles take ~10-30 s per case)")
+    p.add_argument("--no-deterministic", action="store_true", help="skip tileops_det (the deterministic backward)")
     args = p.parse_args(argv)
     t0 = time.time()
-    rows = run(QUICK if args.quick else CASES, flex=not args.no_flex)
+    rows = run(QUICK if args.quick else CASES, flex=not args.no_flex, det=not args.no_deterministic)
     summary = _summary(rows)
     path = write_json("bench_attention", rows, {"summary": summary, "wall_s": time.time() - t0})
     impls = ["tileops", "sdpa_cudnn", "sdpa_flash", "flex_compiled"]
     cols = ["shape (BxH/HKxSxD)", "causal"]
-    cols += [f"fwd {i}" for i in impls] + ["fwd vs cudnn"] + [f"bwd {i}" for i in impls] + ["bwd vs cudnn"]
+    cols += [f"fwd {i}" for i in impls] + ["fwd vs cudnn"] + [f"bwd {i}" for i in ["tileops", "tileops_det", *impls[1:]]]
+    cols += ["bwd vs cudnn", "bwd det cost"]
     cols = [c for c in cols if any(c in r for r in summary)]
     print(f"\nwrote {path} ({time.time() - t0:.0f} s). TFLOP/s, bf16, H200:")
     print(table(summary, cols))

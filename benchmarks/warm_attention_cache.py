@@ -6,7 +6,9 @@ Fills TileLang's disk cache for sm_90a (the H200) with the exact kernels the op 
 (same builder, default config, static args and target), so carrying `.tl-cache` to the GPU host
 turns each first call into a cache load instead of a ~5 s nvcc compile. `--quick` covers only the
 benchmark's kernels; `--tune` the search spaces `tileops tune --op flash_attn --op
-flash_attn_backward` times (bf16, head dims 64 and 128, causal and not, MHA).
+flash_attn_backward --op flash_attn_backward_dq` times (bf16, head dims 64 and 128, causal and
+not, MHA). Both backward paths are warmed: the default one (prep, bwd, cast) and the
+deterministic one (prep_nodq, bwd_nodq, dq; under torch.use_deterministic_algorithms(True)).
 
 `--manifest FILE` lists the cache entries used (relative to the cache root; each entry's
 executable.so embeds the cubin). They compress ~50x with xz (near-identical host wrappers):
@@ -28,7 +30,7 @@ def _tune_jobs() -> list[tuple]:
 
     return [
         (kind, d, "bfloat16", c, 1, default_scale(d), cfg)
-        for kind in ("fwd", "bwd")
+        for kind in ("fwd", "bwd", "dq")
         for d in (128, 64)
         for c in (False, True)
         for cfg in SEARCH_SPACE[kind]
@@ -49,10 +51,11 @@ def _jobs(quick: bool) -> list[tuple]:
         # tests with a non-default softmax_scale (opcheck 0.2, SDPA drop-in 0.5), head dim 64, bf16
         combos += [(64, "bfloat16", c, g, s) for s in (0.2, 0.5) for c in (False, True) for g in (1, 2)]
     for d, dt, c, g, s in combos:
-        jobs.append(("fwd", d, dt, c, g, s))
-        jobs.append(("bwd", d, dt, c, g, s))
+        for kind in ("fwd", "bwd", "bwd_nodq", "dq"):
+            jobs.append((kind, d, dt, c, g, s))
     for d, dt in itertools.product((64, 128) if quick else (64, 128, 256), ("bfloat16",) if quick else ("bfloat16", "float16")):
         jobs.append(("prep", d, dt, False, 1, 0.0))
+        jobs.append(("prep_nodq", d, dt, False, 1, 0.0))
     for dt in ("bfloat16",) if quick else ("bfloat16", "float16"):
         jobs.append(("cast", 0, dt, False, 1, 0.0))
     return jobs
@@ -63,15 +66,17 @@ def _compile(job) -> tuple:
 
     kind, d, dt, causal, groups, scale = job[:6]
     t0 = time.time()
-    if kind in ("fwd", "bwd"):
-        kdef = K.flash_fwd_kernel if kind == "fwd" else K.flash_bwd_kernel
-        config = job[6] if len(job) > 6 else K.default_config(d, causal, ARCH, kind)
+    if kind in ("fwd", "bwd", "bwd_nodq", "dq"):
+        # as ops/attention.py resolves them: bwd_nodq is flash_bwd(dq=False) at the bwd config
+        kdef = {"fwd": K.flash_fwd_kernel, "bwd": K.flash_bwd_kernel, "bwd_nodq": K.flash_bwd_kernel, "dq": K.flash_bwd_dq_kernel}[kind]
+        flags = {"dq": False} if kind == "bwd_nodq" else {}
+        config = job[6] if len(job) > 6 else K.default_config(d, causal, ARCH, "bwd" if kind == "bwd_nodq" else kind)
         try:
-            k = kdef.compile(config, ARCH, headdim=d, dtype=dt, causal=causal, groups=groups, scale=scale)
+            k = kdef.compile(config, ARCH, headdim=d, dtype=dt, causal=causal, groups=groups, scale=scale, **flags)
         except Exception as e:  # a search-space config may not fit (shared memory, warp layout)
             return job, f"failed: {type(e).__name__}: {str(e).splitlines()[0][:100]}", None
-    elif kind == "prep":
-        k = K.flash_bwd_prep_kernel.compile(K.PrepConfig(), ARCH, headdim=d, dtype=dt)
+    elif kind in ("prep", "prep_nodq"):
+        k = K.flash_bwd_prep_kernel.compile(K.PrepConfig(), ARCH, headdim=d, dtype=dt, **({"dq": False} if kind == "prep_nodq" else {}))
     else:
         k = K.cast_f32_kernel.compile(K.CastConfig(), ARCH, dtype=dt)
     # the cache entry's directory: its executable.so embeds the cubin, so it alone serves the GPU host

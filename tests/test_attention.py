@@ -6,6 +6,8 @@ error; CPU runs the reference path with small shapes, the GPU tests run the Tile
 from __future__ import annotations
 
 import contextlib
+import math
+import re
 
 import pytest
 import torch
@@ -96,11 +98,32 @@ def _check(out, lse, ref_out, ref_lse, dtype, grads=None, ref_grads=None, base_e
             assert g.abs().max() <= 1e-4, f"{name}: expected ~0, got max {g.abs().max().item():.2e}"
 
 
-def _run_and_check(shape, dtype, device, causal, scale=None):
+@contextlib.contextmanager
+def _deterministic_algorithms(on: bool = True):
+    """torch.use_deterministic_algorithms(on) for the block; the previous setting (warn_only too)
+    comes back even when the block raises, so no other test runs under a leaked flag."""
+    prev, prev_warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(on, warn_only=prev_warn)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(prev, warn_only=prev_warn)
+
+
+@pytest.fixture
+def deterministic():
+    with _deterministic_algorithms(True):
+        yield
+
+
+def _run_and_check(shape, dtype, device, causal, scale=None, deterministic=False):
+    """Our op's forward and backward (the backward under torch.use_deterministic_algorithms when
+    `deterministic`; the references outside it: they use cuBLAS and index ops the flag may refuse)."""
     q, k, v = _inputs(shape, dtype, device)
     out, lse = torch.ops.tileops.flash_attn_with_lse(q, k, v, causal, scale)
     dout = torch.randn_like(out)
-    grads = torch.autograd.grad(out, (q, k, v), dout)
+    with _deterministic_algorithms(True) if deterministic else contextlib.nullcontext():
+        grads = torch.autograd.grad(out, (q, k, v), dout)
     ref_out, ref_lse, ref_grads = _ref(q, k, v, causal, scale, dout)
     base = _baseline_errors(q, k, v, causal, scale, dout, ref_out, ref_lse, ref_grads)
     _check(out, lse, ref_out, ref_lse, dtype, grads, ref_grads, base)
@@ -219,6 +242,72 @@ def test_flash_attn_cuda_poisoned_out_only(shape):
     assert out.data_ptr() == ptr, "poison did not reach the output; the test would not catch unwritten elements"
     ref_out, _, _ = _ref(q, k, v, True)
     assert torch.isfinite(out).all() and rel_err(out, ref_out) <= ATTENTION_REL_ERR[torch.bfloat16]
+
+
+def test_deterministic_flag_restored_after_error():
+    before = torch.are_deterministic_algorithms_enabled()
+    with pytest.raises(RuntimeError, match="boom"):
+        with _deterministic_algorithms(not before):
+            assert torch.are_deterministic_algorithms_enabled() is not before
+            raise RuntimeError("boom")
+    assert torch.are_deterministic_algorithms_enabled() is before
+
+
+# Deterministic backward (B, Sq, Sk, H, HK, D): the dq kernel's tails, causal offsets, GQA ratios.
+DETERMINISTIC_SHAPES = [
+    (1, 1, 1, 2, 2, 64),  # one query, one key
+    (2, 17, 17, 4, 4, 128),  # one ragged tile, MHA
+    (2, 1000, 1000, 8, 2, 128),  # many tiles + tail, GQA 4
+    (1, 1000, 1000, 4, 1, 64),  # MQA (GQA 4 with one kv head), D 64
+    (1, 300, 1000, 4, 4, 64),  # Sq < Sk: causal offset > 0
+    (1, 1000, 300, 4, 1, 128),  # Sq > Sk: leading rows see no key (dq must be 0 there), GQA 4
+    (1, 1, 4097, 4, 1, 128),  # decode-like: Sq = 1, long cache, GQA 4
+    (1, 17, 1000, 2, 2, 64),  # Sq = 17 against a ragged Sk
+    (1, 129, 257, 4, 2, 256),  # head dim 256, tails in both lengths
+]
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", DETERMINISTIC_SHAPES)
+def test_flash_attn_cuda_deterministic_matches_reference(shape, dtype, causal):
+    _run_and_check(shape, dtype, "cuda", causal, deterministic=True)
+    assert not torch.are_deterministic_algorithms_enabled()  # restored for the next test
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", [(2, 1000, 1000, 8, 2, 128), (1, 1000, 300, 4, 4, 64), (3, 17, 4097, 8, 8, 64)])
+def test_flash_attn_cuda_deterministic_bitwise(shape, causal, deterministic):
+    """Two backwards (and a third after other work on the GPU) give identical dq, dk, dv; with dlse too."""
+    q, k, v = _inputs(shape, torch.bfloat16, "cuda", requires_grad=False)
+    out, lse = torch.ops.tileops.flash_attn_with_lse(q, k, v, causal)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    for extra in (None, dlse):
+        a = torch.ops.tileops.flash_attn_backward(dout, q, k, v, out, lse, causal, None, extra)
+        b = torch.ops.tileops.flash_attn_backward(dout, q, k, v, out, lse, causal, None, extra)
+        torch.ops.tileops.flash_attn_backward(dout * 2, q, k, v, out, lse, causal, None, extra)  # reshuffle caches
+        c = torch.ops.tileops.flash_attn_backward(dout, q, k, v, out, lse, causal, None, extra)
+        for name, x, y, z in zip(("dq", "dk", "dv"), a, b, c):
+            assert torch.equal(x, y) and torch.equal(x, z), f"{name} differs between runs"
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_flash_attn_cuda_deterministic_close_to_fast_path():
+    # Same math, another summation order: the two paths agree to rounding, and the flag is read
+    # per call (the fast path runs again once it is off).
+    q, k, v = _inputs((2, 1000, 1000, 8, 2, 128), torch.bfloat16, "cuda", requires_grad=False)
+    out, lse = torch.ops.tileops.flash_attn_with_lse(q, k, v, True)
+    dout = torch.randn_like(out)
+    with _deterministic_algorithms(True):
+        det = torch.ops.tileops.flash_attn_backward(dout, q, k, v, out, lse, True, None)
+    fast = torch.ops.tileops.flash_attn_backward(dout, q, k, v, out, lse, True, None)
+    for name, a, b in zip(("dq", "dk", "dv"), det, fast):
+        assert rel_err(a, b) <= ATTENTION_REL_ERR[torch.bfloat16], name
 
 
 @pytest.mark.gpu
@@ -442,7 +531,107 @@ def test_kernel_resolution_static_args(monkeypatch):
     assert ops._kernel("bwd", torch.bfloat16, dev, 128, False, 1, 0.5)[1] == dict(headdim=128, causal=False, groups=1, scale=0.5)
     assert ops._kernel("prep", torch.bfloat16, dev, 64)[1] == dict(headdim=64)
     assert ops._kernel("cast", torch.bfloat16, dev)[1] == {}
-    assert len(built) == 4
+    # the deterministic backward's kernels: same static args, resolved and cached under their own names
+    assert ops._kernel("dq", torch.bfloat16, dev, 128, True, 4, None)[1] == dict(headdim=128, causal=True, groups=4, scale=1 / math.sqrt(128))
+    assert ops._kernel("bwd_nodq", torch.bfloat16, dev, 128, True, 4, None)[0] == "bwd_nodq"
+    assert ops._kernel("prep_nodq", torch.bfloat16, dev, 64)[1] == dict(headdim=64)
+    assert len(built) == 7
+
+
+def _launch_recorder(monkeypatch):
+    """Run the op's CUDA impl on CPU tensors: every KernelDef "compiles" to its PrimFunc (built by
+    TileLang, no nvcc) and launching checks the arguments against that PrimFunc's parameters
+    (count, rank, dtype). Returns the list of launched kernel names."""
+    from tilelang_ops import runtime
+    from tilelang_ops.ops import attention as ops
+
+    launched = []
+    tl_dtype = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+    def launcher(func):
+        def launch(*args):
+            launched.append(func.attrs["global_symbol"] if func.attrs and "global_symbol" in func.attrs else "?")
+            assert len(args) == len(func.params), f"{len(args)} arguments for {len(func.params)} parameters"
+            for p, a in zip(func.params, args):
+                buf = func.buffer_map[p]
+                assert len(buf.shape) == a.dim() and str(buf.dtype) == tl_dtype[a.dtype], (buf.name, tuple(a.shape), a.dtype)
+
+        return launch
+
+    monkeypatch.setattr(ops, "_kernels", {})
+    monkeypatch.setattr(runtime.KernelDef, "compile", lambda self, config, arch, **static: self.build(config.for_arch(arch), **static))
+    monkeypatch.setattr(ops.runtime, "launcher", launcher)
+    monkeypatch.setattr(ops.runtime, "arch_for_device", lambda device: "sm_90a")
+    monkeypatch.setattr(ops.tuning, "resolve_config", lambda tunable, shape, dtype, device: tunable.default(shape, dtype))
+    return launched
+
+
+@pytest.mark.parametrize("with_dlse", [False, True], ids=["dout", "dout+dlse"])
+@pytest.mark.parametrize("det", [False, True], ids=["fast", "deterministic"])
+def test_backward_path_follows_deterministic_flag(det, with_dlse, monkeypatch):
+    # Which kernels the CUDA backward launches, with which arguments, under each setting of the flag.
+    from tilelang_ops.ops import attention as ops
+
+    launched = _launch_recorder(monkeypatch)
+    q, k, v = _inputs((2, 33, 40, 8, 2, 64), torch.bfloat16, "cpu", requires_grad=False)
+    out, lse = torch.ops.tileops.flash_attn_with_lse(q, k, v, True)
+    dlse = torch.randn_like(lse) if with_dlse else None
+    with _deterministic_algorithms(det):
+        dq, dk, dv = ops._flash_bwd_cuda(torch.randn_like(out), q, k, v, out, lse, True, None, dlse)
+    assert launched == (["flash_bwd_prep", "flash_bwd", "flash_bwd_dq"] if det else ["flash_bwd_prep", "flash_bwd", "cast_f32"])
+    assert dq.shape == q.shape and dq.dtype == q.dtype and dk.shape == k.shape and dv.shape == v.shape
+
+
+# atomicAdd (sm_80), TMA reduce-add (sm_90a): what the deterministic kernels must not contain.
+_ATOMICS = re.compile(r"atomic|store_add|cp\.reduce", re.IGNORECASE)
+
+
+def _det_compile_cases():
+    from tilelang_ops.kernels import attention as K
+
+    cases = []
+    for arch, d, causal, groups in [
+        ("sm_90a", 64, True, 4),
+        ("sm_90a", 128, False, 1),
+        ("sm_90a", 128, True, 4),
+        ("sm_90a", 256, True, 2),
+        ("sm_80", 128, True, 4),
+        ("sm_80", 256, False, 1),
+    ]:
+        static = dict(headdim=d, dtype="bfloat16", causal=causal, groups=groups, scale=K.default_scale(d))
+        tag = f"{arch}-d{d}-{'causal' if causal else 'full'}-g{groups}"
+        cases.append(pytest.param(arch, "dq", static, id=f"dq-{tag}"))
+        cases.append(pytest.param(arch, "bwd_nodq", static, id=f"dkdv-{tag}"))
+    return cases
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch, kind, static", _det_compile_cases())
+def test_deterministic_backward_kernels_compile_without_atomics(arch, kind, static):
+    # The deterministic backward's kernels at their default configs (as the op resolves them)
+    # compile for Hopper and Ampere, and their code has no atomic or reduce-add instruction: every
+    # sum is in registers of one CTA, in a fixed order.
+    from tilelang_ops.kernels import attention as K
+
+    d, causal = static["headdim"], static["causal"]
+    if kind == "dq":
+        src = K.flash_bwd_dq_kernel.source(K.dq_default_config(d, causal, arch), arch, **static)
+    else:
+        src = K.flash_bwd_kernel.source(K.bwd_default_config(d, causal, arch), arch, **static, dq=False)
+    assert "__global__" in src
+    hit = _ATOMICS.search(src)
+    assert hit is None, f"atomic in the deterministic {kind} kernel: {hit and hit.group(0)}"
+
+
+@pytest.mark.slow
+def test_fast_backward_kernel_uses_atomics():
+    # Guards the check above: the pattern does find the fast path's dQ reduce-add.
+    from tilelang_ops.kernels import attention as K
+
+    static = dict(headdim=128, dtype="bfloat16", causal=True, groups=1, scale=K.default_scale(128))
+    for arch in ("sm_90a", "sm_80"):
+        assert _ATOMICS.search(K.flash_bwd_kernel.source(K.bwd_default_config(128, True, arch), arch, **static))
+    assert not _ATOMICS.search(K.flash_bwd_prep_kernel.source(K.PrepConfig(), "sm_90a", headdim=128, dtype="bfloat16", dq=False))
 
 
 # ------------------------------------------------------------------- strided q/k/v (no copies)

@@ -128,8 +128,13 @@ def flash_attn(
     symbolic: one compiled kernel per (headdim, dtype, causal, GQA ratio, softmax_scale).
     Strided inputs whose last dim is contiguous (q, k, v unbound from a packed QKV projection,
     SDPA's layout transposed) are read as they are, forward and backward; other layouts are copied.
-    The backward's dQ is accumulated with fp32 atomics, so dQ can differ in the last bits between
-    runs; dK and dV are deterministic.
+    Backward determinism: by default dQ is accumulated with fp32 atomics (fastest), so dQ can differ
+    in the last bits between runs; dK and dV are deterministic. Under
+    ``torch.use_deterministic_algorithms(True)`` the CUDA backward is bitwise deterministic (dq, dk,
+    dv identical run to run on the same device and inputs): dQ comes from a separate kernel that
+    recomputes the scores per query block instead of using atomics, which costs backward time
+    (measured cost: docs/benchmarks.md, "Deterministic backward"). The flag is read when the
+    backward runs.
     """
     if return_lse:
         return torch.ops.tileops.flash_attn_with_lse(q, k, v, causal, softmax_scale)

@@ -13,6 +13,13 @@ Semantics shared by every kernel here:
 Tails: with symbolic lengths the last tile reads past the end; TMA fills those rows with zeros, so
 the scores of key index >= Sk are set to -inf explicitly (a zero K row would score 0, not -inf),
 and stores are clipped to the tensor.
+
+Backward, two paths over the same preprocess (Delta, base-2 LSE):
+- fast (default): flash_bwd, one CTA per key block, dK/dV in registers, dQ reduce-added with fp32
+  atomics into a zeroed buffer, then cast_f32. dQ's summation order depends on scheduling.
+- deterministic (torch.use_deterministic_algorithms(True)): flash_bwd(dq=False) for dK/dV, and
+  flash_bwd_dq, one CTA per query block, for dQ. Every sum runs in a fixed order inside one CTA,
+  so dq, dk, dv are bitwise identical run to run.
 """
 # No `from __future__ import annotations`: TileLang evaluates the T.Tensor annotations, and a
 # symbolic dim used only there (e.g. HK) must be a live closure variable, not a string.
@@ -214,12 +221,12 @@ class PrepConfig:
 
 
 @kernel("attention", "flash_bwd_prep", pass_configs=_PASS_CONFIGS)
-def flash_bwd_prep_kernel(config: PrepConfig, headdim: int, dtype: str):
+def flash_bwd_prep_kernel(config: PrepConfig, headdim: int, dtype: str, dq: bool = True):
     """Delta = rowsum(dO * O) and lse2 = lse * log2(e), as (B, H, SqP) fp32 with SqP = Sq rounded
     up to a multiple of 4: the backward loads them by TMA, whose global strides must be 16-byte
     multiples. Entries past Sq are written as 0 (never left uninitialized: 0 * NaN is NaN).
-    Also zeroes the fp32 dQ accumulator the main kernel reduce-adds into: one launch (and one
-    host call) fewer than a separate memset."""
+    dq=True also zeroes the fp32 dQ accumulator the main kernel reduce-adds into: one launch (and
+    one host call) fewer than a separate memset. dq=False (deterministic path): no accumulator."""
     B = T.dynamic("B")
     Sq = T.dynamic("Sq")
     SqP = T.dynamic("SqP")
@@ -227,20 +234,15 @@ def flash_bwd_prep_kernel(config: PrepConfig, headdim: int, dtype: str):
     D = headdim
     blk = config.block
     acc = "float32"
+    with_dq = dq
 
-    @T.prim_func
-    def flash_bwd_prep(
-        O: T.Tensor((B, Sq, H, D), dtype),
-        dO: T.Tensor((B, Sq, H, D), dtype),
-        LSE: T.Tensor((B, H, Sq), acc),
-        Delta: T.Tensor((B, H, SqP), acc),
-        LSE2: T.Tensor((B, H, SqP), acc),
-        DQacc: T.Tensor((B, Sq, H, D), acc),
-    ):
+    @T.macro
+    def body(O, dO, LSE, Delta, LSE2, DQacc):
         with T.Kernel(T.ceildiv(SqP, blk), H, B, threads=config.threads) as (bx, by, bz):
-            for i, j in T.Parallel(blk, D):
-                if bx * blk + i < Sq:
-                    DQacc[bz, bx * blk + i, by, j] = T.float32(0)
+            if with_dq:
+                for i, j in T.Parallel(blk, D):
+                    if bx * blk + i < Sq:
+                        DQacc[bz, bx * blk + i, by, j] = T.float32(0)
             o = T.alloc_fragment((blk, D), dtype)
             do = T.alloc_fragment((blk, D), dtype)
             prod = T.alloc_fragment((blk, D), acc)
@@ -257,6 +259,31 @@ def flash_bwd_prep_kernel(config: PrepConfig, headdim: int, dtype: str):
                     LSE2[bz, by, bx * blk + i] = T.if_then_else(
                         bx * blk + i < Sq, LSE[bz, by, T.min(bx * blk + i, Sq - 1)] * LOG2E, 0
                     )
+
+    if dq:
+
+        @T.prim_func
+        def flash_bwd_prep(
+            O: T.Tensor((B, Sq, H, D), dtype),
+            dO: T.Tensor((B, Sq, H, D), dtype),
+            LSE: T.Tensor((B, H, Sq), acc),
+            Delta: T.Tensor((B, H, SqP), acc),
+            LSE2: T.Tensor((B, H, SqP), acc),
+            DQacc: T.Tensor((B, Sq, H, D), acc),
+        ):
+            body(O, dO, LSE, Delta, LSE2, DQacc)
+
+    else:
+
+        @T.prim_func
+        def flash_bwd_prep(
+            O: T.Tensor((B, Sq, H, D), dtype),
+            dO: T.Tensor((B, Sq, H, D), dtype),
+            LSE: T.Tensor((B, H, Sq), acc),
+            Delta: T.Tensor((B, H, SqP), acc),
+            LSE2: T.Tensor((B, H, SqP), acc),
+        ):
+            body(O, dO, LSE, Delta, LSE2, None)
 
     return flash_bwd_prep
 
@@ -304,10 +331,11 @@ BWD_SEARCH_SPACE = [
 
 
 @kernel("attention", "flash_bwd", pass_configs=_PASS_CONFIGS)
-def flash_bwd_kernel(config: BwdConfig, headdim: int, dtype: str, causal: bool, groups: int, scale: float):
+def flash_bwd_kernel(config: BwdConfig, headdim: int, dtype: str, causal: bool, groups: int, scale: float, dq: bool = True):
     """One CTA per (key block, kv head, batch): walks every query block of every query head in the
     GQA group, so dK/dV accumulate in registers and are written once (deterministic, no atomics).
-    dQ tiles are atomically added into a zeroed fp32 (B, Sq, H, D) buffer (not deterministic)."""
+    dq=True: dQ tiles are also atomically added into a zeroed fp32 (B, Sq, H, D) buffer (fast, not
+    deterministic). dq=False: dK/dV only, no dQacc argument; `flash_bwd_dq` computes dQ."""
     B = T.dynamic("B")
     Sq = T.dynamic("Sq")
     SqP = T.dynamic("SqP")
@@ -318,19 +346,10 @@ def flash_bwd_kernel(config: BwdConfig, headdim: int, dtype: str, causal: bool, 
     bm, bn = config.block_m, config.block_n
     acc = "float32"
     scale_log2 = scale * LOG2E
+    with_dq = dq  # the dQ fragment below is named `dq`, as in the exported kernels
 
-    @T.prim_func
-    def flash_bwd(
-        Q: _qkv_param("q", (B, Sq, H, D), dtype),
-        K: _qkv_param("k", (B, Sk, HK, D), dtype),
-        V: _qkv_param("v", (B, Sk, HK, D), dtype),
-        dO: T.Tensor((B, Sq, H, D), dtype),
-        LSE2: T.Tensor((B, H, SqP), acc),  # base-2 LSE from the preprocess kernel, Sq padded
-        Delta: T.Tensor((B, H, SqP), acc),
-        dQacc: T.Tensor((B, Sq, H, D), acc),  # zeroed by the caller
-        dK: T.Tensor((B, Sk, HK, D), dtype),
-        dV: T.Tensor((B, Sk, HK, D), dtype),
-    ):
+    @T.macro
+    def body(Q, K, V, dO, LSE2, Delta, dQacc, dK, dV):
         with T.Kernel(T.ceildiv(Sk, bm), HK, B, threads=config.threads) as (bx, by, bz):
             k_s = T.alloc_shared((bm, D), dtype)
             v_s = T.alloc_shared((bm, D), dtype)
@@ -340,14 +359,14 @@ def flash_bwd_kernel(config: BwdConfig, headdim: int, dtype: str, causal: bool, 
             delta_s = T.alloc_shared((bn,), acc)
             ds_s = T.alloc_shared((bm, bn), dtype)
             p_s = T.alloc_shared((bm, bn), dtype)
-            dq_s = T.alloc_shared((bn, D), acc)
+            dq_s = T.alloc_shared((bn, D), acc) if with_dq else None
             dk_s = T.alloc_shared((bm, D), dtype)
             dv_s = T.alloc_shared((bm, D), dtype)
             sT = T.alloc_fragment((bm, bn), acc)  # S^T, then P^T
             dpT = T.alloc_fragment((bm, bn), acc)  # dP^T = V dO^T
             pT = T.alloc_fragment((bm, bn), dtype)
             dsT = T.alloc_fragment((bm, bn), dtype)
-            dq = T.alloc_fragment((bn, D), acc)
+            dq = T.alloc_fragment((bn, D), acc) if with_dq else None
             dk = T.alloc_fragment((bm, D), acc)
             dv = T.alloc_fragment((bm, D), acc)
 
@@ -393,26 +412,186 @@ def flash_bwd_kernel(config: BwdConfig, headdim: int, dtype: str, causal: bool, 
                     T.gemm(p_s, do_s, dv)
                 for i, j in T.Parallel(bm, bn):
                     dsT[i, j] = sT[i, j] * (dpT[i, j] - delta_s[j]) * scale  # dS^T, softmax scale folded in
-                T.copy(dsT, ds_s)
+                if with_dq or not config.rs_gemm:
+                    T.copy(dsT, ds_s)
                 if config.rs_gemm:
                     T.gemm(dsT, q_s, dk, policy=T.GemmWarpPolicy.FullRow)  # dK += dS^T Q
                 else:
                     T.gemm(ds_s, q_s, dk)
-                T.gemm(ds_s, k_s, dq, transpose_A=True, clear_accum=True)  # dQ tile = dS K
-                if config.tma_dq:
-                    T.copy(dq, dq_s)
-                    T.atomic_add(dQacc[bz, qb * bn : (qb + 1) * bn, h, :], dq_s, use_tma=True)
-                else:
-                    for i, j in T.Parallel(bn, D):
-                        if qb * bn + i < Sq:
-                            T.atomic_add(dQacc[bz, qb * bn + i, h, j], dq[i, j])
+                if with_dq:
+                    T.gemm(ds_s, k_s, dq, transpose_A=True, clear_accum=True)  # dQ tile = dS K
+                    if config.tma_dq:
+                        T.copy(dq, dq_s)
+                        T.atomic_add(dQacc[bz, qb * bn : (qb + 1) * bn, h, :], dq_s, use_tma=True)
+                    else:
+                        for i, j in T.Parallel(bn, D):
+                            if qb * bn + i < Sq:
+                                T.atomic_add(dQacc[bz, qb * bn + i, h, j], dq[i, j])
 
             T.copy(dv, dv_s)
             T.copy(dv_s, dV[bz, bx * bm : (bx + 1) * bm, by, :])
             T.copy(dk, dk_s)
             T.copy(dk_s, dK[bz, bx * bm : (bx + 1) * bm, by, :])
 
+    # T.prim_func needs an explicit signature per argument list: with and without dQacc.
+    if dq:
+
+        @T.prim_func
+        def flash_bwd(
+            Q: _qkv_param("q", (B, Sq, H, D), dtype),
+            K: _qkv_param("k", (B, Sk, HK, D), dtype),
+            V: _qkv_param("v", (B, Sk, HK, D), dtype),
+            dO: T.Tensor((B, Sq, H, D), dtype),
+            LSE2: T.Tensor((B, H, SqP), acc),  # base-2 LSE from the preprocess kernel, Sq padded
+            Delta: T.Tensor((B, H, SqP), acc),
+            dQacc: T.Tensor((B, Sq, H, D), acc),  # zeroed by the caller
+            dK: T.Tensor((B, Sk, HK, D), dtype),
+            dV: T.Tensor((B, Sk, HK, D), dtype),
+        ):
+            body(Q, K, V, dO, LSE2, Delta, dQacc, dK, dV)
+
+    else:
+
+        @T.prim_func
+        def flash_bwd(
+            Q: _qkv_param("q", (B, Sq, H, D), dtype),
+            K: _qkv_param("k", (B, Sk, HK, D), dtype),
+            V: _qkv_param("v", (B, Sk, HK, D), dtype),
+            dO: T.Tensor((B, Sq, H, D), dtype),
+            LSE2: T.Tensor((B, H, SqP), acc),
+            Delta: T.Tensor((B, H, SqP), acc),
+            dK: T.Tensor((B, Sk, HK, D), dtype),
+            dV: T.Tensor((B, Sk, HK, D), dtype),
+        ):
+            body(Q, K, V, dO, LSE2, Delta, None, dK, dV)
+
     return flash_bwd
+
+
+# ---------------------------------------------------------------------------------------------
+# Deterministic backward: flash_bwd(dq=False) for dK/dV, and dQ from its own kernel
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DqConfig:
+    block_m: int = 128  # query rows per CTA (their dQ rows held in registers)
+    block_n: int = 64  # keys per pipeline step
+    num_stages: int = 2
+    threads: int = 256
+    # dS as the register operand of the dQ GEMM; False stages it in shared memory, needed when the
+    # GEMM splits N over warps (64 rows on 8 warps, D=256).
+    rs_gemm: bool = True
+
+    def for_arch(self, arch: str) -> "DqConfig":
+        return self if _is_hopper(arch) else dataclasses.replace(self, num_stages=1)
+
+
+def dq_default_config(headdim: int, causal: bool, arch: str = "sm_90a") -> DqConfig:
+    """Not tuned yet (no GPU when written): mirrors the main backward's tile choices."""
+    if not _is_hopper(arch):  # Ampere: one stage, see fwd_default_config; 164 KB shared memory
+        return DqConfig(128, 64, 1, 256) if headdim <= 128 else DqConfig(64, 32, 1, 256, False)
+    if headdim <= 64:
+        return DqConfig(128, 128, 2, 256)
+    if headdim <= 128:
+        return DqConfig(128, 64, 2, 256)
+    # D=256: 64 query rows (two stages of 64-key K/V tiles: 201 KB of shared memory); 64x256 fp32
+    # dQ needs 8 warps to stay in registers, so dS goes through shared memory.
+    return DqConfig(64, 64, 2, 256, False)
+
+
+DQ_SEARCH_SPACE = [
+    DqConfig(bm, bn, st, th, rs)
+    for bm, bn, th, rs in ((128, 64, 256, True), (128, 128, 256, True), (64, 64, 128, True), (64, 128, 128, True), (64, 64, 256, False))
+    for st in (1, 2)
+]
+
+
+@kernel("attention", "flash_bwd_dq", pass_configs=_PASS_CONFIGS)
+def flash_bwd_dq_kernel(config: DqConfig, headdim: int, dtype: str, causal: bool, groups: int, scale: float):
+    """dQ without atomics: one CTA per (query block, head, batch) walks the key blocks its rows see,
+    in a fixed order, recomputing P = exp2(S * scale * log2(e) - lse2) from the base-2 LSE that
+    flash_bwd_prep writes. dS = P * (dO V^T - Delta); dQ = scale * sum over key blocks of dS K,
+    fp32 in registers, written once in dtype. Run to run bitwise identical: no atomics, no
+    accumulation order that depends on scheduling. Costs a second S and dP GEMM per (query, key)
+    block pair (7 GEMMs in all instead of 5), in exchange for no fp32 dQ buffer and no cast."""
+    B = T.dynamic("B")
+    Sq = T.dynamic("Sq")
+    SqP = T.dynamic("SqP")
+    Sk = T.dynamic("Sk")
+    H = T.dynamic("H")
+    HK = T.dynamic("HK")
+    D = headdim
+    bm, bn = config.block_m, config.block_n
+    acc = "float32"
+    scale_log2 = scale * LOG2E
+
+    @T.prim_func
+    def flash_bwd_dq(
+        Q: _qkv_param("q", (B, Sq, H, D), dtype),
+        K: _qkv_param("k", (B, Sk, HK, D), dtype),
+        V: _qkv_param("v", (B, Sk, HK, D), dtype),
+        dO: T.Tensor((B, Sq, H, D), dtype),
+        LSE2: T.Tensor((B, H, SqP), acc),  # base-2 LSE from the preprocess kernel, Sq padded
+        Delta: T.Tensor((B, H, SqP), acc),
+        dQ: T.Tensor((B, Sq, H, D), dtype),
+    ):
+        with T.Kernel(T.ceildiv(Sq, bm), H, B, threads=config.threads) as (bx, by, bz):
+            q_s = T.alloc_shared((bm, D), dtype)
+            do_s = T.alloc_shared((bm, D), dtype)
+            k_s = T.alloc_shared((bn, D), dtype)
+            v_s = T.alloc_shared((bn, D), dtype)
+            lse_s = T.alloc_shared((bm,), acc)
+            delta_s = T.alloc_shared((bm,), acc)
+            ds_s = T.alloc_shared((bm, bn), dtype)
+            dq_s = T.alloc_shared((bm, D), dtype)
+            s = T.alloc_fragment((bm, bn), acc)  # S, then P
+            dp = T.alloc_fragment((bm, bn), acc)  # dP = dO V^T
+            ds = T.alloc_fragment((bm, bn), dtype)
+            dq = T.alloc_fragment((bm, D), acc)
+
+            # Causal: heaviest query tiles first, as in the forward.
+            qt = T.ceildiv(Sq, bm) - 1 - bx if causal else bx
+            kvh = by // groups
+            offset = Sk - Sq  # bottom-right causal alignment
+            T.copy(Q[bz, qt * bm : (qt + 1) * bm, by, :], q_s)
+            T.copy(dO[bz, qt * bm : (qt + 1) * bm, by, :], do_s)
+            T.copy(LSE2[bz, by, qt * bm : (qt + 1) * bm], lse_s)
+            T.copy(Delta[bz, by, qt * bm : (qt + 1) * bm], delta_s)
+            T.clear(dq)
+            if causal:
+                # At least one (fully masked, P = 0) step for a tile that sees no key (Sq > Sk), so
+                # the pipeline never has zero trips; its rows then write dQ = 0.
+                n_blocks = T.max(T.min(T.ceildiv(Sk, bn), T.ceildiv((qt + 1) * bm + offset, bn)), 1)
+            else:
+                n_blocks = T.ceildiv(Sk, bn)
+
+            for kb in T.Pipelined(n_blocks, num_stages=config.num_stages):
+                T.copy(K[bz, kb * bn : (kb + 1) * bn, kvh, :], k_s)
+                T.copy(V[bz, kb * bn : (kb + 1) * bn, kvh, :], v_s)
+                T.gemm(q_s, k_s, s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                T.gemm(do_s, v_s, dp, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                for i, j in T.Parallel(bm, bn):
+                    # select, not multiply: TMA zero-fills keys >= Sk (score 0, not -inf), and lse2
+                    # is -inf on rows that see no key (exp2 -> inf there)
+                    if causal:
+                        s[i, j] = T.if_then_else(
+                            (kb * bn + j < Sk) & (kb * bn + j <= qt * bm + i + offset),
+                            T.exp2(s[i, j] * scale_log2 - lse_s[i]),
+                            0,
+                        )
+                    else:
+                        s[i, j] = T.if_then_else(kb * bn + j < Sk, T.exp2(s[i, j] * scale_log2 - lse_s[i]), 0)
+                for i, j in T.Parallel(bm, bn):
+                    ds[i, j] = s[i, j] * (dp[i, j] - delta_s[i]) * scale  # softmax scale folded in
+                if config.rs_gemm:
+                    T.gemm(ds, k_s, dq, policy=T.GemmWarpPolicy.FullRow)  # dQ += dS K
+                else:
+                    T.copy(ds, ds_s)
+                    T.gemm(ds_s, k_s, dq)
+
+            T.copy(dq, dq_s)
+            T.copy(dq_s, dQ[bz, qt * bm : (qt + 1) * bm, by, :])
+
+    return flash_bwd_dq
 
 
 @dataclass(frozen=True)
@@ -448,15 +627,16 @@ def cast_f32_kernel(config: CastConfig, dtype: str):
 flash_fwd_kernel = _arch_aware(flash_fwd_kernel)
 flash_bwd_prep_kernel = _arch_aware(flash_bwd_prep_kernel)
 flash_bwd_kernel = _arch_aware(flash_bwd_kernel)
+flash_bwd_dq_kernel = _arch_aware(flash_bwd_dq_kernel)
 cast_f32_kernel = _arch_aware(cast_f32_kernel)
 
 
 def default_config(headdim: int, causal: bool, arch: str = "sm_90a", kind: str = "fwd"):
-    """Default config of the forward ("fwd") or backward main ("bwd") kernel."""
-    return (fwd_default_config if kind == "fwd" else bwd_default_config)(headdim, causal, arch)
+    """Default config of the forward ("fwd"), backward main ("bwd") or deterministic dQ ("dq") kernel."""
+    return {"fwd": fwd_default_config, "bwd": bwd_default_config, "dq": dq_default_config}[kind](headdim, causal, arch)
 
 
-SEARCH_SPACE = {"fwd": FWD_SEARCH_SPACE, "bwd": BWD_SEARCH_SPACE}
+SEARCH_SPACE = {"fwd": FWD_SEARCH_SPACE, "bwd": BWD_SEARCH_SPACE, "dq": DQ_SEARCH_SPACE}
 
 
 def default_scale(headdim: int) -> float:
@@ -472,4 +652,9 @@ REPRESENTATIVE = [
     (flash_bwd_prep_kernel, PrepConfig(), dict(headdim=128, dtype="bfloat16")),
     (flash_bwd_kernel, bwd_default_config(128, True), dict(headdim=128, dtype="bfloat16", causal=True, groups=1, scale=default_scale(128))),
     (cast_f32_kernel, CastConfig(), dict(dtype="bfloat16")),
+    # deterministic backward: prep without the dQ accumulator, dK/dV only, dQ without atomics
+    (flash_bwd_prep_kernel, PrepConfig(), dict(headdim=128, dtype="bfloat16", dq=False)),
+    (flash_bwd_kernel, bwd_default_config(128, True), dict(headdim=128, dtype="bfloat16", causal=True, groups=1, scale=default_scale(128), dq=False)),
+    (flash_bwd_dq_kernel, dq_default_config(128, True), dict(headdim=128, dtype="bfloat16", causal=True, groups=1, scale=default_scale(128))),
+    (flash_bwd_dq_kernel, dq_default_config(256, False), dict(headdim=256, dtype="bfloat16", causal=False, groups=4, scale=default_scale(256))),
 ]

@@ -5,6 +5,8 @@ Layout as flash-attn's `flash_attn_func`: q (B, Sq, H, D), k and v (B, Sk, HK, D
 Causal masks are bottom-right aligned: query i sees key j iff j <= i + Sk - Sq (flash-attn >= 2.1).
 A query row that sees no key (causal with Sq > Sk) gets output 0 and lse = -inf.
 LSE is fp32, natural log, (B, H, Sq).
+Backward: fast (dQ by fp32 atomics) by default; bitwise deterministic under
+torch.use_deterministic_algorithms(True) (a separate dQ kernel, see _backward_deterministic).
 
 Reading order: validation → kernel resolution → forward op → CUDA impl → fake → backward op →
 CUDA impl → fake → autograd → out-only op.
@@ -22,6 +24,7 @@ from ._checks import INT32_MAX, TL_DTYPE, aligned16, check_same, check_tensor, r
 
 DTYPES = (torch.float16, torch.bfloat16)
 HEADDIMS = (64, 128, 256)
+_deterministic = torch.are_deterministic_algorithms_enabled  # one C call per backward
 
 
 # ------------------------------------------------------------------------------------ validation
@@ -71,28 +74,46 @@ def _tune_shape(static: dict) -> tuple:
     return (4, 4096, 8 * static["groups"], 8, static["headdim"], int(static["causal"]))
 
 
+# kernel name -> (KernelDef in kernels/attention.py, static flags the name fixes). The *_nodq
+# variants are the deterministic backward's: prep without the fp32 dQ accumulator, the main
+# kernel for dK/dV only; "dq" computes dQ per query block without atomics.
+_KDEFS = {
+    "fwd": ("flash_fwd_kernel", {}),
+    "bwd": ("flash_bwd_kernel", {}),
+    "bwd_nodq": ("flash_bwd_kernel", {"dq": False}),
+    "dq": ("flash_bwd_dq_kernel", {}),
+    "prep": ("flash_bwd_prep_kernel", {}),
+    "prep_nodq": ("flash_bwd_prep_kernel", {"dq": False}),
+    "cast": ("cast_f32_kernel", {}),
+}
+# Kernels with every static arg, and the tuned-config entry each resolves its config from
+# (dK/dV-only uses the main backward's: same tiles, minus the dQ work).
+_TUNED_AS = {"fwd": "fwd", "bwd": "bwd", "bwd_nodq": "bwd", "dq": "dq"}
+
+
 def _compile(name: str, config, dtype: torch.dtype, device: torch.device, **static):
     from ..kernels import attention as K
 
-    kdef = {"fwd": K.flash_fwd_kernel, "bwd": K.flash_bwd_kernel, "prep": K.flash_bwd_prep_kernel, "cast": K.cast_f32_kernel}[name]
-    return kdef.compile(config, runtime.arch_for_device(device), dtype=TL_DTYPE[dtype], **static)
+    attr, flags = _KDEFS[name]
+    return getattr(K, attr).compile(config, runtime.arch_for_device(device), dtype=TL_DTYPE[dtype], **static, **flags)
 
 
 def _kernel(name: str, dtype: torch.dtype, device: torch.device, headdim: int = 0, causal: bool = False, groups: int = 1, softmax_scale: Optional[float] = None):
-    """Launcher for kernel `name`: "fwd"/"bwd" (every static arg), "prep" (headdim), "cast" (none).
-    Keyed by the call's own arguments (positional, softmax_scale as given): a hit costs no math."""
+    """Launcher for kernel `name`: "fwd"/"bwd"/"bwd_nodq"/"dq" (every static arg), "prep"/"prep_nodq"
+    (headdim), "cast" (none). Keyed by the call's own arguments (positional, softmax_scale as
+    given): a hit costs no math."""
     key = (name, dtype, device.index, headdim, causal, groups, softmax_scale)
     k = _kernels.get(key)
     if k is None:
         from ..kernels import attention as K
 
-        if name in ("fwd", "bwd"):
+        if name in _TUNED_AS:
             scale = K.default_scale(headdim) if softmax_scale is None else float(softmax_scale)
             static = dict(headdim=headdim, causal=causal, groups=groups, scale=scale)
-            config = tuning.resolve_config(TUNABLES[name], _tune_shape(static), dtype, device)
+            config = tuning.resolve_config(TUNABLES[_TUNED_AS[name]], _tune_shape(static), dtype, device)
         else:
-            static = dict(headdim=headdim) if name == "prep" else {}
-            config = K.PrepConfig() if name == "prep" else K.CastConfig()
+            static = dict(headdim=headdim) if name != "cast" else {}
+            config = K.PrepConfig() if name != "cast" else K.CastConfig()
         k = _kernels[key] = runtime.launcher(_compile(name, config, dtype, device, **static))
     return k
 
@@ -150,10 +171,25 @@ def _bwd_runner(config, shape, dtype, device):
     return lambda: kern(q, k, v, dout, lse2, delta, dq_acc, dk, dv)
 
 
+def _dq_runner(config, shape, dtype, device):
+    q, k, v, static = _tune_inputs(shape, dtype, device)
+    kern = _compile("dq", config, dtype, device, **static)
+    out, lse = torch.ops.tileops.flash_attn_with_lse(q, k, v, static["causal"])
+    dout = torch.randn_like(out)
+    B, S, H, D = q.shape
+    delta = torch.empty(B, H, (S + 3) // 4 * 4, dtype=torch.float32, device=device)
+    lse2 = torch.empty_like(delta)
+    _kernel("prep_nodq", dtype, device, D)(out, dout, lse, delta, lse2)
+    dq = torch.empty_like(q)
+    return lambda: kern(q, k, v, dout, lse2, delta, dq)
+
+
 _PRESETS = {"default": [(8, 4096, 32, 32, 128, c) for c in (0, 1)] + [(16, 2048, 32, 32, 64, c) for c in (0, 1)]}
 TUNABLES = {
     "fwd": tuning.Tunable("flash_attn", _PRESETS, DTYPES[1:], _tune_key, _tune_space("fwd"), _tune_default("fwd"), _fwd_runner),
     "bwd": tuning.Tunable("flash_attn_backward", _PRESETS, DTYPES[1:], _tune_key, _tune_space("bwd"), _tune_default("bwd"), _bwd_runner),
+    # the deterministic backward's dQ kernel (torch.use_deterministic_algorithms(True))
+    "dq": tuning.Tunable("flash_attn_backward_dq", _PRESETS, DTYPES[1:], _tune_key, _tune_space("dq"), _tune_default("dq"), _dq_runner),
 }
 
 
@@ -236,14 +272,18 @@ def flash_attn_backward(
     softmax_scale: Optional[float] = None,
     dlse: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of flash_attn_with_lse: (dq, dk, dv) from dout (and dlse, the gradient of lse)."""
+    """Gradients of flash_attn_with_lse: (dq, dk, dv) from dout (and dlse, the gradient of lse).
+
+    On CUDA, with torch.are_deterministic_algorithms_enabled(), dq, dk and dv are bitwise identical
+    run to run (same inputs, same device); by default dq is accumulated with fp32 atomics and may
+    differ in the last bits (dk, dv are deterministic either way)."""
     _check_bwd(dout, q, k, v, out, lse, softmax_scale, dlse)
     grads = reference.flash_attn_backward(dout, q, k, v, out, lse, causal, _scale(q, softmax_scale), dlse)
     return tuple(g.contiguous() for g in grads)
 
 
 @flash_attn_backward.register_kernel("cuda")
-def _(dout, q, k, v, out, lse, causal=False, softmax_scale=None, dlse=None):
+def _flash_bwd_cuda(dout, q, k, v, out, lse, causal=False, softmax_scale=None, dlse=None):
     _check_bwd(dout, q, k, v, out, lse, softmax_scale, dlse)
     B, Sq, H, D = q.shape
     Sk, HK = k.shape[1], k.shape[2]
@@ -255,6 +295,10 @@ def _(dout, q, k, v, out, lse, causal=False, softmax_scale=None, dlse=None):
     sqp = (Sq + 3) // 4 * 4  # lse2/delta rows padded: TMA needs 16-byte global strides
     delta = lse.new_empty((B, H, sqp))
     lse2 = lse.new_empty((B, H, sqp))
+    # The flag is read when the backward runs (it is not in the schema): eager calls and
+    # torch.compile'd graphs follow the flag in force then; a captured CUDA graph keeps its path.
+    if _deterministic():
+        return _backward_deterministic(dout, q, k, v, out, lse, causal, softmax_scale, dlse, dk, dv, delta, lse2)
     dq_flat = lse.new_empty(B * Sq * H * D)  # fp32 reduce-add target, zeroed by prep; flat for the cast
     dq_acc = dq_flat.view(B, Sq, H, D)
     _kernel("prep", dtype, dev, D)(ready(out), dout, ready(lse), delta, lse2, dq_acc)
@@ -263,6 +307,23 @@ def _(dout, q, k, v, out, lse, causal=False, softmax_scale=None, dlse=None):
     _kernel("bwd", dtype, dev, D, causal, H // HK, softmax_scale)(_qkv(q), _qkv(k), _qkv(v), dout, lse2, delta, dq_acc, dk, dv)
     dq = q.new_empty((B, Sq, H, D))
     _kernel("cast", dtype, dev)(dq_flat, dq.view(-1))
+    return dq, dk, dv
+
+
+def _backward_deterministic(dout, q, k, v, out, lse, causal, softmax_scale, dlse, dk, dv, delta, lse2):
+    """Bitwise reproducible backward: dK/dV from the main kernel without its dQ atomics (GQA
+    groups already sum inside one CTA), dQ from its own kernel, one CTA per query block summing
+    over key blocks in a fixed order. No fp32 dQ buffer and no cast; S and dP are computed twice."""
+    B, Sq, H, D = q.shape
+    HK = k.shape[2]
+    dev, dtype = q.device, q.dtype
+    _kernel("prep_nodq", dtype, dev, D)(ready(out), dout, ready(lse), delta, lse2)
+    if dlse is not None:  # as in the fast path
+        delta[:, :, :Sq].sub_(dlse)
+    q, k, v = _qkv(q), _qkv(k), _qkv(v)
+    _kernel("bwd_nodq", dtype, dev, D, causal, H // HK, softmax_scale)(q, k, v, dout, lse2, delta, dk, dv)
+    dq = q.new_empty((B, Sq, H, D))
+    _kernel("dq", dtype, dev, D, causal, H // HK, softmax_scale)(q, k, v, dout, lse2, delta, dq)
     return dq, dk, dv
 
 
