@@ -36,10 +36,10 @@ GRAPH_N = 10
 REP = 10
 
 
-def _cfg(bm, bn, bk, st, th=256, sw=8, pol="Square", persistent=0):
+def _cfg(bm, bn, bk, st, th=256, sw=8, pol="Square"):
     from tilelang_ops.kernels.gemm import GemmConfig
 
-    return GemmConfig(bm, bn, bk, st, th, sw, pol, persistent)
+    return GemmConfig(bm, bn, bk, st, th, sw, pol)
 
 
 def candidates():
@@ -47,20 +47,17 @@ def candidates():
     C0 = _cfg(128, 256, 64, 3)  # the current default
     big = [C0, _cfg(128, 256, 64, 4, pol="FullRow"), _cfg(128, 256, 64, 4), _cfg(256, 128, 64, 3)]
     small = [_cfg(128, 128, 64, 4), _cfg(128, 128, 64, 3), _cfg(128, 128, 128, 3), _cfg(64, 256, 64, 4, th=128)]
-    # persistent grids (132 CTAs = the H200's SMs): the producer loads the next tile during the epilogue
-    pers = [_cfg(128, 256, 64, 3, persistent=132), _cfg(128, 256, 64, 4, persistent=132), _cfg(256, 128, 64, 3, persistent=132),
-            _cfg(128, 256, 64, 4, pol="FullRow", persistent=132), _cfg(128, 256, 64, 3, sw=0, persistent=132)]
     gemm = dict(layout="nn", rows=0, dtype="bfloat16", batched=False, bias=False, activation="none", save_preact=False)
     lin = dict(layout="nt", rows=0, dtype="bfloat16", batched=False, bias=True, activation="gelu_tanh", save_preact=False)
     nt_plain = dict(lin, bias=False, activation="none")
     return {
-        "nn_4096_4096": (dict(gemm, n=4096, k=4096), big + pers[:3] + [_cfg(128, 256, 64, 3, sw=0)], [("gemm", 1024), ("gemm", 4096)]),
+        "nn_4096_4096": (dict(gemm, n=4096, k=4096), big + small + [_cfg(128, 256, 64, 3, sw=0)], [("gemm", 1024), ("gemm", 4096)]),
         # K=768: 12 k-steps of 64 (6 of 128): shallow pipelines, wide K tiles
-        "nn_3072_768": (dict(gemm, n=3072, k=768), big + pers + [_cfg(128, 256, 128, 2), _cfg(128, 128, 64, 4, persistent=132)],
+        "nn_3072_768": (dict(gemm, n=3072, k=768), big + small + [_cfg(128, 256, 128, 2), _cfg(128, 256, 64, 2), _cfg(128, 128, 64, 2), _cfg(128, 128, 128, 2)],
                         [("gemm", 1024), ("gemm", 4096), ("gemm", 16384)]),
         "nn_11008_4096": (dict(gemm, n=11008, k=4096), big + [_cfg(128, 128, 64, 4), _cfg(128, 192, 64, 4)], [("gemm", 1024), ("gemm", 4096)]),
         # 448 CTAs of 128×256 = 3.4 waves on 132 SMs: tile shapes that quantize better
-        "nn_14336_4096": (dict(gemm, n=14336, k=4096), big[:3] + pers[:3] + [_cfg(128, 192, 64, 4)], [("gemm", 1024)]),
+        "nn_14336_4096": (dict(gemm, n=14336, k=4096), big[:3] + [_cfg(128, 128, 64, 4), _cfg(128, 192, 64, 4)], [("gemm", 1024)]),
         "lin_14336_4096": (dict(lin, n=14336, k=4096), big + [_cfg(128, 128, 64, 4)], [("linear", 8192)]),
         "lin_4096_4096": (dict(lin, n=4096, k=4096), big + [_cfg(128, 128, 64, 4)], [("linear", 4096)]),
         # the same GEMM without bias/activation: the epilogue's cost is the difference

@@ -41,11 +41,6 @@ class GemmConfig:
     threads: int = 256  # consumer threads under warp specialization (Hopper adds a producer warpgroup)
     swizzle: int = 8  # T.use_swizzle panel size (L2 reuse across neighbouring CTAs); 0 = off
     policy: str = "Square"  # T.GemmWarpPolicy member: Square | FullRow | FullCol
-    # CTAs of a persistent grid (0: one CTA per output tile). Persistent CTAs walk the tiles
-    # (T.Persistent, swizzle = its group size); the warp-specialized producer can then load the
-    # next tile's first stages while the consumers run this tile's epilogue: the gap a
-    # one-tile CTA leaves on short-K shapes (K=768: 12 k-steps per tile).
-    persistent: int = 0
 
 
 # Defaults per (arch, shape class). The static dims (N, K; output rows for "tn") are baked into
@@ -196,8 +191,14 @@ def matmul_kernel(
     m_blocks = T.ceildiv(M, bm)
 
     @T.macro
-    def body(A, B, Bias, C, Z, bx, by, bz, A_s, B_s, C_f, C_s):
+    def body(A, B, Bias, C, Z, bx, by, bz):
         ix = (bz,) if batched else ()
+        A_s = T.alloc_shared(a_tile, dtype)
+        B_s = T.alloc_shared(b_tile, dtype)
+        C_f = T.alloc_fragment((bm, bn), accum)
+        C_s = T.alloc_shared((bm, bn), dtype)
+        if config.swizzle:
+            T.use_swizzle(config.swizzle)
         T.clear(C_f)
         for kk in T.Pipelined(T.ceildiv(K, bk), num_stages=config.num_stages):
             if trans_a:
@@ -232,24 +233,10 @@ def matmul_kernel(
     def launch(A, B, Bias, C, Z):
         if batched:
             with T.Kernel(n_blocks, m_blocks, Bt, threads=config.threads) as (bx, by, bz):
-                A_s, B_s = T.alloc_shared(a_tile, dtype), T.alloc_shared(b_tile, dtype)
-                C_f, C_s = T.alloc_fragment((bm, bn), accum), T.alloc_shared((bm, bn), dtype)
-                if config.swizzle:
-                    T.use_swizzle(config.swizzle)
-                body(A, B, Bias, C, Z, bx, by, bz, A_s, B_s, C_f, C_s)
-        elif config.persistent:
-            with T.Kernel(config.persistent, threads=config.threads) as pid:
-                A_s, B_s = T.alloc_shared(a_tile, dtype), T.alloc_shared(b_tile, dtype)
-                C_f, C_s = T.alloc_fragment((bm, bn), accum), T.alloc_shared((bm, bn), dtype)
-                for by, bx in T.Persistent([m_blocks, n_blocks], config.persistent, pid, group_size=config.swizzle or 1):
-                    body(A, B, Bias, C, Z, bx, by, None, A_s, B_s, C_f, C_s)
+                body(A, B, Bias, C, Z, bx, by, bz)
         else:
             with T.Kernel(n_blocks, m_blocks, threads=config.threads) as (bx, by):
-                A_s, B_s = T.alloc_shared(a_tile, dtype), T.alloc_shared(b_tile, dtype)
-                C_f, C_s = T.alloc_fragment((bm, bn), accum), T.alloc_shared((bm, bn), dtype)
-                if config.swizzle:
-                    T.use_swizzle(config.swizzle)
-                body(A, B, Bias, C, Z, bx, by, None, A_s, B_s, C_f, C_s)
+                body(A, B, Bias, C, Z, bx, by, None)
 
     # T.prim_func needs explicit signatures: one per argument combination we ship.
     if bias and save_preact:
