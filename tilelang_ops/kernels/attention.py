@@ -330,18 +330,19 @@ BWD_SEARCH_SPACE = [
 ]
 
 
+def _bwd_dims():
+    """Symbolic (B, Sq, SqP, Sk, H, HK) of the backward kernels; SqP = Sq padded to 4 (the
+    prep kernel's lse2/delta rows, 16-byte strides for TMA)."""
+    return tuple(T.dynamic(n) for n in ("B", "Sq", "SqP", "Sk", "H", "HK"))
+
+
 @kernel("attention", "flash_bwd", pass_configs=_PASS_CONFIGS)
 def flash_bwd_kernel(config: BwdConfig, headdim: int, dtype: str, causal: bool, groups: int, scale: float, dq: bool = True):
     """One CTA per (key block, kv head, batch): walks every query block of every query head in the
     GQA group, so dK/dV accumulate in registers and are written once (deterministic, no atomics).
     dq=True: dQ tiles are also atomically added into a zeroed fp32 (B, Sq, H, D) buffer (fast, not
     deterministic). dq=False: dK/dV only, no dQacc argument; `flash_bwd_dq` computes dQ."""
-    B = T.dynamic("B")
-    Sq = T.dynamic("Sq")
-    SqP = T.dynamic("SqP")
-    Sk = T.dynamic("Sk")
-    H = T.dynamic("H")
-    HK = T.dynamic("HK")
+    B, Sq, SqP, Sk, H, HK = _bwd_dims()
     D = headdim
     bm, bn = config.block_m, config.block_n
     acc = "float32"
@@ -513,12 +514,7 @@ def flash_bwd_dq_kernel(config: DqConfig, headdim: int, dtype: str, causal: bool
     fp32 in registers, written once in dtype. Run to run bitwise identical: no atomics, no
     accumulation order that depends on scheduling. Costs a second S and dP GEMM per (query, key)
     block pair (7 GEMMs in all instead of 5), in exchange for no fp32 dQ buffer and no cast."""
-    B = T.dynamic("B")
-    Sq = T.dynamic("Sq")
-    SqP = T.dynamic("SqP")
-    Sk = T.dynamic("Sk")
-    H = T.dynamic("H")
-    HK = T.dynamic("HK")
+    B, Sq, SqP, Sk, H, HK = _bwd_dims()
     D = headdim
     bm, bn = config.block_m, config.block_n
     acc = "float32"

@@ -157,31 +157,32 @@ def _fwd_runner(config, shape, dtype, device):
     return lambda: kern(q, k, v, out, lse)
 
 
-def _bwd_runner(config, shape, dtype, device):
+def _bwd_inputs(shape, dtype, device, prep: str):
+    """q, k, v, static, dout and the prep kernel's delta/lse2 (and zeroed dQ accumulator when
+    prep == "prep") for timing a backward kernel alone."""
     q, k, v, static = _tune_inputs(shape, dtype, device)
-    kern = _compile("bwd", config, dtype, device, **static)
     out, lse = torch.ops.tileops.flash_attn_with_lse(q, k, v, static["causal"])
     dout = torch.randn_like(out)
     B, S, H, D = q.shape
     delta = torch.empty(B, H, (S + 3) // 4 * 4, dtype=torch.float32, device=device)
     lse2 = torch.empty_like(delta)
-    dq_acc = torch.empty(q.shape, dtype=torch.float32, device=device)
-    _kernel("prep", dtype, device, D)(out, dout, lse, delta, lse2, dq_acc)  # zeroes dq_acc
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
-    return lambda: kern(q, k, v, dout, lse2, delta, dq_acc, dk, dv)
+    extra = (torch.empty(q.shape, dtype=torch.float32, device=device),) if prep == "prep" else ()
+    _kernel(prep, dtype, device, D)(out, dout, lse, delta, lse2, *extra)
+    return (q, k, v, dout, lse2, delta, *extra), static
+
+
+def _bwd_runner(config, shape, dtype, device):
+    args, static = _bwd_inputs(shape, dtype, device, "prep")  # (..., dq_acc zeroed by prep)
+    kern = _compile("bwd", config, dtype, device, **static)
+    dk, dv = torch.empty_like(args[1]), torch.empty_like(args[2])
+    return lambda: kern(*args, dk, dv)
 
 
 def _dq_runner(config, shape, dtype, device):
-    q, k, v, static = _tune_inputs(shape, dtype, device)
+    args, static = _bwd_inputs(shape, dtype, device, "prep_nodq")
     kern = _compile("dq", config, dtype, device, **static)
-    out, lse = torch.ops.tileops.flash_attn_with_lse(q, k, v, static["causal"])
-    dout = torch.randn_like(out)
-    B, S, H, D = q.shape
-    delta = torch.empty(B, H, (S + 3) // 4 * 4, dtype=torch.float32, device=device)
-    lse2 = torch.empty_like(delta)
-    _kernel("prep_nodq", dtype, device, D)(out, dout, lse, delta, lse2)
-    dq = torch.empty_like(q)
-    return lambda: kern(q, k, v, dout, lse2, delta, dq)
+    dq = torch.empty_like(args[0])
+    return lambda: kern(*args, dq)
 
 
 _PRESETS = {"default": [(8, 4096, 32, 32, 128, c) for c in (0, 1)] + [(16, 2048, 32, 32, 64, c) for c in (0, 1)]}
