@@ -49,6 +49,9 @@ def pytest_collection_modifyitems(config, items):
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped with a reason elsewhere")
     config.addinivalue_line("markers", "slow: compiles kernels or runs long")
+    # Always list why tests were skipped (GPU tests on a CPU machine), as `-rs` would.
+    if "s" not in config.option.reportchars and "a" not in config.option.reportchars:
+        config.option.reportchars += "s"
 
 
 @pytest.fixture(autouse=True)
