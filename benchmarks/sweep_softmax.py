@@ -40,24 +40,15 @@ def candidates() -> dict:
     # keeps exp in fp32); loop = a CTA per row, per-thread running max/sum, second read from L2.
     cs = lambda t, c, mb=0: S("csplit", 1, t, c, mb)  # noqa: E731
     lp = lambda t, c, mb=0: S("loop", 1, t, c, mb)  # noqa: E731
+    sm = lambda t, c: [S("csmem", 1, t, c), S("csmemx", 1, t, c)]  # noqa: E731  (chunk in shared memory)
     return {
-        # few long rows: csplit cluster sizes 2-8 vs the two-launch split
-        (256, 32768, False): [cs(256, 8192), cs(128, 4096), cs(256, 4096), cs(512, 16384), cs(256, 8192, 4), cs(128, 4096, 8)],
-        (256, 32768, True): [cs(256, 8192), cs(256, 4096), cs(128, 4096)],
-        (128, 65536, False): [cs(256, 8192), cs(512, 16384), cs(256, 8192, 4), cs(512, 8192)],
-        (128, 65536, True): [cs(256, 8192), cs(512, 8192)],
-        (64, 131072, False): [cs(512, 16384), cs(1024, 16384), S("split", 1, 256, 8192)],
-        (32, 262144, False): [
-            S("split", 1, 256, 8192), S("split", 1, 512, 16384, 4), S("split", 1, 256, 4096, 8),
-            cs(1024, 32768), cs(1024, 32768, 2),
-        ],
-        (32, 262144, True): [cs(1024, 32768), cs(512, 32768)],
-        # many long rows: a cluster per row (one read) vs loop (two reads, the second from L2)
-        (4096, 32768, False): [
-            cs(256, 8192), cs(128, 4096), cs(256, 4096), cs(256, 8192, 4), cs(128, 4096, 8), cs(512, 16384),
-            cs(1024, 32768), lp(256, 8192), lp(512, 8192),
-        ],
-        (4096, 32768, True): [cs(256, 8192), cs(128, 4096), cs(256, 4096), lp(512, 8192, 2)],
+        # few long rows: csplit (chunk in registers) vs csmem/csmemx (chunk in shared memory)
+        (256, 32768, False): [cs(128, 4096), cs(256, 8192)] + sm(256, 8192) + sm(128, 4096) + sm(512, 16384) + sm(256, 4096),
+        (128, 65536, False): [cs(256, 8192)] + sm(256, 8192) + sm(512, 16384) + sm(1024, 32768),
+        (64, 131072, False): [cs(512, 16384), S("split", 1, 256, 8192)] + sm(512, 16384) + sm(1024, 32768),
+        (32, 262144, False): [S("split", 1, 256, 8192)] + sm(512, 32768) + sm(1024, 32768) + sm(256, 32768),
+        # many long rows
+        (4096, 32768, False): [lp(256, 8192), cs(256, 8192)] + sm(256, 8192) + sm(512, 16384) + sm(1024, 32768),
     }
 
 

@@ -387,6 +387,9 @@ EXTRA_SCHEDULES = [
     (("csplit", 1, 512, 8192, 0), 32768, False),  # 4 CTAs per cluster, 2 slices per thread
     (("loop", 1, 256, 8192, 0), 30001, False),  # per-thread running max/sum, ragged last chunk
     (("loop", 1, 512, 8192, 4), 32768, True),
+    (("csmem", 1, 256, 8192, 0), 30001, False),  # chunk in shared memory, ragged last chunk
+    (("csmemx", 1, 256, 8192, 0), 32768, False),  # exp kept in place in the input dtype
+    (("csmemx", 1, 512, 32768, 0), 262144, False),
 ]
 
 

@@ -174,6 +174,8 @@ def fits(cfg: SoftmaxConfig, n: int, dtype: str, kind: str = "softmax", backward
         held = k * vec * _arrays(kind, backward) * (_ESIZE[dtype] if cfg.schedule == "rowsh" else 4) // 4  # 32-bit registers
         return cfg.block_m <= cfg.threads and not idle and held <= 2 * _PER_THREAD
     ok = cfg.chunk % (cfg.threads * vec) == 0 and cfg.chunk < 2 * n
+    if cfg.schedule in ("csmem", "csmemx"):  # forward only; the chunk in shared memory (<= 96 KB)
+        return ok and not backward and _split_chunks(n, cfg.chunk) <= CLUSTER_MAX and cfg.chunk * _ESIZE[dtype] <= 96 * 1024
     if cfg.schedule == "csplit":  # a cluster per row; the chunk held in registers (input dtype)
         ept = cfg.chunk // cfg.threads
         held = ept * _arrays(kind, backward) * _ESIZE[dtype] // 4 + (ept if kind == "softmax" and not backward else 0)  # + fp32 exp
@@ -190,8 +192,10 @@ def schedule_kernels(cfg: SoftmaxConfig, n: int, dtype: str, kind: str, backward
         return [(rowsh_bwd if backward else rowsh_fwd, cfg, st)]
     if cfg.schedule == "loop":
         return [(loop_bwd if backward else loop_fwd, cfg, st)]
-    if cfg.schedule == "csplit":
+    if cfg.schedule == "csplit" or (backward and cfg.schedule in ("csmem", "csmemx")):
         return [(csplit, cfg, {**st, "backward": backward})]
+    if cfg.schedule in ("csmem", "csmemx"):
+        return [(csmem, cfg, {**st, "keep_exp": cfg.schedule == "csmemx"})]
     return [(split_stats, cfg, {**st, "backward": backward}), (split_apply, cfg, {**st, "backward": backward})]
 
 
@@ -661,6 +665,88 @@ def csplit(config: SoftmaxConfig, n: int, dtype: str, kind: str, backward: bool)
                     for kk, j in T.Parallel(kc, w):  # writes c
                         if base + kk * w + j < n:
                             O[row, base + kk * w + j] = T.Cast(dtype, e[kk, j] * acc1)
+
+    return main
+
+
+# ---------------------------------------------------------------------------------------------
+# csmem / csmemx: `csplit`'s forward with the chunk in shared memory (input dtype, packed) instead
+# of registers. At 8M elements the whole input is one wave: 124 KB of bf16 per SM, which as
+# registers (one 32-bit register per element, plus the fp32 exps) no longer fits beside the CTAs
+# it needs; in shared memory it does, and registers stay free. csmemx overwrites the chunk with
+# exp(x - chunk max) rounded to the input dtype (one exp per element; rounding twice stays within
+# one ulp of the output dtype), csmem exps again in the output pass (exact as `csplit`).
+# ---------------------------------------------------------------------------------------------
+@kernel("softmax", "softmax_csmem", min_sm=90)
+def csmem(config: SoftmaxConfig, n: int, dtype: str, kind: str, keep_exp: bool):
+    M = T.dynamic("M")
+    c, threads = config.chunk, config.threads
+    nc = _split_chunks(n, c)
+    assert nc <= CLUSTER_MAX, (n, c)
+    log = kind == "log_softmax"
+    keep = keep_exp and not log
+    w = threads * vec_width(n, dtype)
+    kc = c // w
+
+    @T.prim_func
+    def main(
+        A: T.Tensor((M, n), dtype),
+        B: T.Tensor((M, n), dtype),  # unused (the launch signature of csplit)
+        P0: T.Tensor((M, nc), _ACC),
+        P1: T.Tensor((M, nc), _ACC),
+        O: T.Tensor((M, n), dtype),
+    ):
+        with T.ClusterKernel(M * nc, cluster_dims=(nc, 1, 1), threads=threads) as bx:
+            if config.min_blocks:
+                T.annotate_min_blocks_per_sm(config.min_blocks)
+            row = bx // nc
+            ch = bx % nc
+            base = ch * c
+            a = T.alloc_shared((kc, w), dtype)
+            part = T.alloc_fragment((w,), _ACC)
+            r0 = T.alloc_fragment((1,), _ACC)
+            r1 = T.alloc_fragment((1,), _ACC)
+            acc0 = T.alloc_var(_ACC)
+            acc1 = T.alloc_var(_ACC)
+            for kk, j in T.Parallel(kc, w):  # reads c
+                a[kk, j] = T.if_then_else(base + kk * w + j < n, A[row, base + kk * w + j], T.Cast(dtype, -T.infinity(_ACC)))
+            for j in T.Parallel(w):
+                part[j] = -T.infinity(_ACC)
+                for kk in T.serial(kc):
+                    part[j] = T.max(part[j], T.Cast(_ACC, a[kk, j]))
+            T.reduce_max(part, r0, dim=0)
+            for j in T.Parallel(w):  # an all -inf chunk contributes 0, not NaN
+                part[j] = 0.0
+                for kk in T.serial(kc):
+                    part[j] = part[j] + T.exp2((T.Cast(_ACC, a[kk, j]) - _safe(r0[0])) * LOG2E)
+                    if keep:  # the same expression as above, before the store: nvcc computes it once
+                        a[kk, j] = T.Cast(dtype, T.exp2((T.Cast(_ACC, a[kk, j]) - _safe(r0[0])) * LOG2E))
+            T.reduce_sum(part, r1, dim=0)
+            P0[row, ch] = r0[0]
+            P1[row, ch] = r1[0]
+            T.sync_threads()
+            T.cluster_sync()
+            T.sync_threads()
+            acc0 = -T.infinity(_ACC)
+            for k in T.serial(nc):
+                acc0 = T.max(acc0, P0[row, k])
+            acc1 = 0.0
+            for k in T.serial(nc):  # NaN only for an all -inf row, like PyTorch
+                acc1 = acc1 + P1[row, k] * T.exp2((P0[row, k] - acc0) * LOG2E)
+            if log:
+                acc1 = acc0 + T.log2(acc1) * LN2
+            elif keep:
+                acc1 = T.exp2((_safe(r0[0]) - acc0) * LOG2E) / acc1
+            else:
+                acc1 = 1.0 / acc1
+            for kk, j in T.Parallel(kc, w):  # writes c
+                if base + kk * w + j < n:
+                    if log:
+                        O[row, base + kk * w + j] = T.Cast(dtype, T.Cast(_ACC, a[kk, j]) - acc1)
+                    elif keep:
+                        O[row, base + kk * w + j] = T.Cast(dtype, T.Cast(_ACC, a[kk, j]) * acc1)
+                    else:
+                        O[row, base + kk * w + j] = T.Cast(dtype, T.exp2((T.Cast(_ACC, a[kk, j]) - acc0) * LOG2E) * acc1)
 
     return main
 
