@@ -567,3 +567,48 @@ def test_unused_preactivation_costs_nothing_in_backward():
         y.backward(g)
     assert [s for s in mode.ops if s.startswith("tileops.")] == ["tileops.act_grad.default", "tileops.gemm.default", "tileops.gemm_tn.default"], mode.ops
     assert not any(s.startswith(("aten.zeros", "aten.add", "aten.fill", "aten.sum")) for s in mode.ops), mode.ops
+
+
+@pytest.mark.parametrize("layout", ["nn", "nt", "tn"])
+@pytest.mark.parametrize("case", ["aligned", "ragged", "strided", "batched"])
+@pytest.mark.parametrize("epilogue", ["plain", "bias_preact"])
+def test_launch_path_plumbing_with_an_emulated_kernel(monkeypatch, layout, case, epilogue):
+    """The CUDA launch path (fast 2-D call and general path: padding, copies, slicing, argument
+    order), run on the CPU with the compiled kernel replaced by a reference that checks what the
+    kernel would be handed: contiguous, aligned, padded static dims, and the right buffers."""
+    if epilogue != "plain" and layout == "tn":
+        pytest.skip("the fused epilogue is only on the nn/nt (linear) layouts")
+    seen = []
+
+    def fake_kernel(device, lay, n, k, dtype, rows, batched, bias, activation, save_preact, tokens):
+        def run(a, b, *rest):
+            bias_t = rest[0] if bias else None
+            c, z = rest[1 if bias else 0], (rest[-1] if save_preact else None)
+            for t in (a, b, bias_t, c, z):
+                assert t is None or (t.is_contiguous() and t.data_ptr() % 16 == 0)
+            assert a.shape[-1] == (k or rows) and c.shape[-1] == n  # padded static dims
+            y, zz = reference.matmul(lay, a, b, bias_t, activation, save_preact)
+            c.copy_(y)
+            if z is not None:
+                z.copy_(zz)
+            seen.append(lay)
+
+        return run
+
+    monkeypatch.setattr(G, "_matmul_kernel", fake_kernel)
+    m, (k, n) = 33, ((72, 200) if case != "ragged" else (13, 5))
+    batch = 3 if case == "batched" else None
+    _, a, b, _ = _gemm_case(m, k, n, torch.bfloat16, "cpu", layout, batch)
+    if case == "strided":  # a column slice: not contiguous, copied by the general path
+        a = torch.cat([a, a], dim=-1)[..., : a.shape[-1]]
+    bias = _randn(n, dtype=torch.bfloat16, device="cpu") if epilogue != "plain" else None
+    act, preact = ("gelu_tanh", True) if epilogue != "plain" else ("none", False)
+    y, z = G._launch_matmul(layout, a, b, bias, act, preact)
+    want_y, want_z = reference.matmul(layout, a, b, bias, act, preact)
+    assert seen == [layout]
+    assert y.shape == want_y.shape and y.is_contiguous()
+    _check(y, want_y.float(), torch.bfloat16, "emulated launch")
+    if preact:
+        _check(z, want_z.float(), torch.bfloat16, "emulated launch z")
+    else:
+        assert z is None

@@ -200,21 +200,17 @@ def _launch_matmul(layout, a, b, bias=None, activation="none", save_preact=False
     Hot path (static dims multiples of 8, operands contiguous and aligned): no copies, one
     output allocation (two with save_preact), a dict lookup and the launch.
     """
-    if layout != "tn" and a.dim() == 2 and b.dim() == 2:  # the common call, checked with a few C calls
+    fast = layout != "tn" and a.dim() == 2 and b.dim() == 2
+    if fast:  # the common call: 2-D, contiguous, aligned, nothing to pad; skips the general preparation
         M, K = a.shape
         N = b.shape[0] if layout == "nt" else b.shape[1]
-        if (
+        fast = (
             not (K & 7 or N & 7) and a.is_contiguous() and b.is_contiguous() and not (a.data_ptr() & 15 or b.data_ptr() & 15)
             and (bias is None or (bias.is_contiguous() and not bias.data_ptr() & 15))
-        ):
-            c = a.new_empty((M, N))
-            z = a.new_empty((M, N)) if save_preact else None
-            if M and N:
-                kern = _matmul_kernel(a.device, layout, N, K, a.dtype, 0, False, bias is not None, activation, save_preact, M)
-                args = (a, b, c) if bias is None else (a, b, bias, c)
-                kern(*args, z) if save_preact else kern(*args)
-            return c, z
-    if layout == "tn":
+        )
+    if fast:
+        n, k, rows, tokens, out_shape, padded = N, K, 0, M, (M, N), False
+    elif layout == "tn":
         P, N = a.shape[-1], b.shape[-1]
         rows, n, k = _up(P), _up(N), 0
         padded = rows != P or n != N
@@ -232,16 +228,16 @@ def _launch_matmul(layout, a, b, bias=None, activation="none", save_preact=False
             b = _prep(b, {b.dim() - 2: n, b.dim() - 1: k} if layout == "nt" else {b.dim() - 2: k, b.dim() - 1: n})
         out_shape = (*a.shape[:-1], n)
         tokens = a.numel() // k if k else 0  # batch × M
-    a, b = ready(a), ready(b)
+    if not fast:  # every operand contiguous and aligned
+        a, b = ready(a), ready(b)
+        if bias is not None:
+            bias = ready(bias) if n == N else _prep(bias, {0: n})
     c = a.new_empty(out_shape)
     z = a.new_empty(out_shape) if save_preact else None
     if c.numel():
         kern = _matmul_kernel(a.device, layout, n, k, a.dtype, rows, a.dim() == 3, bias is not None, activation, save_preact, tokens)
-        if bias is not None:
-            bias = ready(bias) if n == N else _prep(bias, {0: n})
-            kern(a, b, bias, c, z) if save_preact else kern(a, b, bias, c)
-        else:
-            kern(a, b, c, z) if save_preact else kern(a, b, c)
+        args = (a, b) if bias is None else (a, b, bias)
+        kern(*args, c, z) if save_preact else kern(*args, c)
     if padded:  # P: the real output rows
         c = c[..., :P, :N].contiguous()
         z = z[..., :P, :N].contiguous() if z is not None else None
