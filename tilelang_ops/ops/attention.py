@@ -6,7 +6,7 @@ Causal masks are bottom-right aligned: query i sees key j iff j <= i + Sk - Sq (
 A query row that sees no key (causal with Sq > Sk) gets output 0 and lse = -inf.
 LSE is fp32, natural log, (B, H, Sq).
 Backward: fast (dQ by fp32 atomics) by default; bitwise deterministic under
-torch.use_deterministic_algorithms(True) (a separate dQ kernel, see _backward_deterministic).
+torch.use_deterministic_algorithms(True) (a separate dQ kernel, see the backward's CUDA impl).
 
 Reading order: validation → kernel resolution → forward op → CUDA impl → fake → backward op →
 CUDA impl → fake → autograd → out-only op.
@@ -20,7 +20,7 @@ import torch
 
 from .. import reference, runtime, tuning
 from .._library import custom_op
-from ._checks import INT32_MAX, TL_DTYPE, aligned16, check_same, check_tensor, ready
+from ._checks import INT32_MAX, TL_DTYPE, check_same, check_tensor, ready
 
 DTYPES = (torch.float16, torch.bfloat16)
 HEADDIMS = (64, 128, 256)
@@ -204,7 +204,7 @@ def _qkv(t: torch.Tensor) -> torch.Tensor:
     s = t.stride()
     if s[3] == 1 and t.data_ptr() % 16 == 0 and all(0 < x <= INT32_MAX and x % 8 == 0 for x in s[:3]):
         return t
-    return aligned16(t.contiguous())
+    return ready(t)
 
 
 # ------------------------------------------------------------------------------------- forward
@@ -291,40 +291,33 @@ def _flash_bwd_cuda(dout, q, k, v, out, lse, causal=False, softmax_scale=None, d
     dk, dv = k.new_empty(k.shape), v.new_empty(v.shape)  # every row written by the kernel
     if q.numel() == 0 or Sk == 0:
         return q.new_zeros(q.shape), dk.zero_(), dv.zero_()
-    dev, dtype = q.device, q.dtype
+    dev, dtype, groups = q.device, q.dtype, H // HK
     dout = ready(dout)
     sqp = (Sq + 3) // 4 * 4  # lse2/delta rows padded: TMA needs 16-byte global strides
     delta = lse.new_empty((B, H, sqp))
     lse2 = lse.new_empty((B, H, sqp))
     # The flag is read when the backward runs (it is not in the schema): eager calls and
     # torch.compile'd graphs follow the flag in force then; a captured CUDA graph keeps its path.
-    if _deterministic():
-        return _backward_deterministic(dout, q, k, v, out, lse, causal, softmax_scale, dlse, dk, dv, delta, lse2)
-    dq_flat = lse.new_empty(B * Sq * H * D)  # fp32 reduce-add target, zeroed by prep; flat for the cast
-    dq_acc = dq_flat.view(B, Sq, H, D)
-    _kernel("prep", dtype, dev, D)(ready(out), dout, ready(lse), delta, lse2, dq_acc)
+    # Deterministic: dK/dV from the main kernel without its dQ atomics (a GQA group already sums
+    # inside one CTA), dQ from its own kernel, one CTA per query block summing its key blocks in a
+    # fixed order; no fp32 dQ buffer and no cast, S and dP computed twice.
+    det = _deterministic()
+    if det:
+        _kernel("prep_nodq", dtype, dev, D)(ready(out), dout, ready(lse), delta, lse2)
+    else:
+        dq_flat = lse.new_empty(B * Sq * H * D)  # fp32 reduce-add target, zeroed by prep; flat for the cast
+        dq_acc = dq_flat.view(B, Sq, H, D)
+        _kernel("prep", dtype, dev, D)(ready(out), dout, ready(lse), delta, lse2, dq_acc)
     if dlse is not None:  # d lse_i / d s_ij = P_ij, so dlse folds into Delta: dS = P (dP - (Delta - dlse))
         delta[:, :, :Sq].sub_(dlse)
-    _kernel("bwd", dtype, dev, D, causal, H // HK, softmax_scale)(_qkv(q), _qkv(k), _qkv(v), dout, lse2, delta, dq_acc, dk, dv)
-    dq = q.new_empty((B, Sq, H, D))
-    _kernel("cast", dtype, dev)(dq_flat, dq.view(-1))
-    return dq, dk, dv
-
-
-def _backward_deterministic(dout, q, k, v, out, lse, causal, softmax_scale, dlse, dk, dv, delta, lse2):
-    """Bitwise reproducible backward: dK/dV from the main kernel without its dQ atomics (GQA
-    groups already sum inside one CTA), dQ from its own kernel, one CTA per query block summing
-    over key blocks in a fixed order. No fp32 dQ buffer and no cast; S and dP are computed twice."""
-    B, Sq, H, D = q.shape
-    HK = k.shape[2]
-    dev, dtype = q.device, q.dtype
-    _kernel("prep_nodq", dtype, dev, D)(ready(out), dout, ready(lse), delta, lse2)
-    if dlse is not None:  # as in the fast path
-        delta[:, :, :Sq].sub_(dlse)
     q, k, v = _qkv(q), _qkv(k), _qkv(v)
-    _kernel("bwd_nodq", dtype, dev, D, causal, H // HK, softmax_scale)(q, k, v, dout, lse2, delta, dk, dv)
-    dq = q.new_empty((B, Sq, H, D))
-    _kernel("dq", dtype, dev, D, causal, H // HK, softmax_scale)(q, k, v, dout, lse2, delta, dq)
+    dq = torch.empty_like(dout)  # (B, Sq, H, D), contiguous
+    if det:
+        _kernel("bwd_nodq", dtype, dev, D, causal, groups, softmax_scale)(q, k, v, dout, lse2, delta, dk, dv)
+        _kernel("dq", dtype, dev, D, causal, groups, softmax_scale)(q, k, v, dout, lse2, delta, dq)
+    else:
+        _kernel("bwd", dtype, dev, D, causal, groups, softmax_scale)(q, k, v, dout, lse2, delta, dq_acc, dk, dv)
+        _kernel("cast", dtype, dev)(dq_flat, dq.view(-1))
     return dq, dk, dv
 
 
