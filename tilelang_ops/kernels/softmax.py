@@ -217,6 +217,13 @@ def _split_chunks(n: int, chunk: int) -> int:
     return -(-n // chunk)
 
 
+def _chunk_tile(config: SoftmaxConfig, n: int, dtype: str) -> tuple[int, int, int]:
+    """(nc, kc, w) of the chunked schedules: a row is nc chunks of `config.chunk` elements, a chunk
+    kc slices of w = threads * vec elements (each thread loads vec contiguous per slice)."""
+    w = config.threads * vec_width(n, dtype)
+    return _split_chunks(n, config.chunk), config.chunk // w, w
+
+
 # ---------------------------------------------------------------------------------------------
 # rows: one pass, rows in registers
 # ---------------------------------------------------------------------------------------------
@@ -431,10 +438,8 @@ def split_stats(config: SoftmaxConfig, n: int, dtype: str, kind: str, backward: 
     bwd: P0 = sum(dy * y) (softmax) or sum(dy) (log_softmax); P1 unused."""
     M = T.dynamic("M")
     c, threads = config.chunk, config.threads
-    nc = _split_chunks(n, c)
+    nc, kc, w = _chunk_tile(config, n, dtype)
     log = kind == "log_softmax"
-    w = threads * vec_width(n, dtype)
-    kc = c // w
 
     @T.prim_func
     def stats(
@@ -572,11 +577,9 @@ def _safe(m):
 def csplit(config: SoftmaxConfig, n: int, dtype: str, kind: str, backward: bool):
     M = T.dynamic("M")
     c, threads = config.chunk, config.threads
-    nc = _split_chunks(n, c)
+    nc, kc, w = _chunk_tile(config, n, dtype)
     assert nc <= CLUSTER_MAX, (n, c)
     log = kind == "log_softmax"
-    w = threads * vec_width(n, dtype)
-    kc = c // w
 
     @T.prim_func
     def main(
@@ -683,12 +686,10 @@ def csplit(config: SoftmaxConfig, n: int, dtype: str, kind: str, backward: bool)
 def csmem(config: SoftmaxConfig, n: int, dtype: str, kind: str, keep_exp: bool):
     M = T.dynamic("M")
     c, threads = config.chunk, config.threads
-    nc = _split_chunks(n, c)
+    nc, kc, w = _chunk_tile(config, n, dtype)
     assert nc <= CLUSTER_MAX, (n, c)
     log = kind == "log_softmax"
     keep = keep_exp and not log
-    w = threads * vec_width(n, dtype)
-    kc = c // w
 
     @T.prim_func
     def main(
@@ -758,18 +759,12 @@ def csmem(config: SoftmaxConfig, n: int, dtype: str, kind: str, keep_exp: bool):
 # keeps its own running (max, sum) / dot over the vectors it loads and the CTA reduces them once
 # at the end: no barrier inside the walk, so a thread's next loads never wait on the others.
 # ---------------------------------------------------------------------------------------------
-def _loop_tile(config: SoftmaxConfig, n: int, dtype: str) -> tuple[int, int, int]:
-    """(nc, kc, w): nc chunks of kc slices of w = threads * vec elements."""
-    w = config.threads * vec_width(n, dtype)
-    return _split_chunks(n, config.chunk), config.chunk // w, w
-
-
 @kernel("softmax", "softmax_loop_fwd")
 def loop_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str):
     """Pass 1 keeps per-thread running (max, sum of exp); pass 2 re-reads the row, newest chunk
     first, while it is still in L2 (132 SMs x a few resident rows of <= 512 KB fit in 50 MB)."""
     M = T.dynamic("M")
-    nc, kc, w = _loop_tile(config, n, dtype)
+    nc, kc, w = _chunk_tile(config, n, dtype)
     c = config.chunk
     log = kind == "log_softmax"
 
@@ -829,7 +824,7 @@ def loop_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str):
 @kernel("softmax", "softmax_loop_bwd")
 def loop_bwd(config: SoftmaxConfig, n: int, dtype: str, kind: str):
     M = T.dynamic("M")
-    nc, kc, w = _loop_tile(config, n, dtype)
+    nc, kc, w = _chunk_tile(config, n, dtype)
     c = config.chunk
     log = kind == "log_softmax"
 
