@@ -32,7 +32,7 @@ def _warn_once(why: str) -> None:
     warn_once(f"attn_implementation={NAME!r}: {why}; such calls run transformers' SDPA attention instead")
 
 
-def _fallback_reason(query, key, value, attention_mask, dropout, scaling, kwargs) -> str | None:
+def _fallback_reason(query, key, value, attention_mask, dropout, scaling, causal, kwargs) -> str | None:
     if attention_mask is not None:
         return "a materialized attention mask (padding, packed sequences, sliding window or custom) is not served by the kernel"
     for name in ("softcap", "position_bias", "s_aux", "sinks"):
@@ -44,7 +44,7 @@ def _fallback_reason(query, key, value, attention_mask, dropout, scaling, kwargs
         return f"dtype {query.dtype} is not served by the kernel (float16 / bfloat16 only)"
     if query.shape[-1] not in HEADDIMS or value.shape[-1] != query.shape[-1]:
         return f"head dim {query.shape[-1]} (value {value.shape[-1]}) is not served by the kernel (64, 128 or 256)"
-    if not _F._sdpa_supported(query, key, value, None, 0.0, False, scaling, key.shape[1] != query.shape[1]):
+    if not _F._sdpa_supported(query, key, value, None, 0.0, causal, scaling, key.shape[1] != query.shape[1]):
         return f"shapes q {tuple(query.shape)}, k {tuple(key.shape)}, v {tuple(value.shape)} or scale {scaling!r} are not served by the kernel"
     return None
 
@@ -77,21 +77,24 @@ def attention_forward(
     Returns:
         (attn_output (batch, seqlen_q, heads, head_dim) contiguous, None): no attention weights.
     """
-    why = _fallback_reason(query, key, value, attention_mask, dropout, scaling, kwargs)
+    q_len, kv_len = query.shape[2], key.shape[2]
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    causal = bool(causal) and q_len > 1  # one query token sees the whole cache
+    k, v = key, value
+    if causal and kv_len > q_len:
+        # Only reachable in prefill of an empty static cache (the mask builder materializes every
+        # other causal mask with kv_len != q_len): keys past q_len are unwritten slots.
+        k, v = key[:, :, :q_len], value[:, :, :q_len]
+    why = _fallback_reason(query, k, v, attention_mask, dropout, scaling, causal, kwargs)
     if why is not None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         _warn_once(why)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
-    q_len, kv_len = query.shape[2], key.shape[2]
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    causal = bool(causal) and q_len > 1  # one query token sees the whole cache
-    if causal and kv_len > q_len:
-        # Only reachable in prefill of an empty static cache (the mask builder materializes every
-        # other causal mask with kv_len != q_len): keys past q_len are unwritten slots.
-        key, value = key[:, :, :q_len], value[:, :, :q_len]
-    out = _F.scaled_dot_product_attention(query, key, value, is_causal=causal, scale=scaling, enable_gqa=key.shape[1] != query.shape[1])
-    return out.transpose(1, 2).contiguous(), None  # (B, Sq, H, D); free: out is a view of that layout
+    # Checked above (what the SDPA drop-in would check again): the kernel directly, on
+    # (B, S, H, D) transposed views read in place; its output is already (B, Sq, H, D) contiguous.
+    out = torch.ops.tileops.flash_attn(query.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal, scaling)
+    return out, None
 
 
 def register(name: str = NAME) -> str:
