@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session: `tileops check`, benchmarks, then GPU tests. Logs and JSON under $OUT.
 # On the device host (no package index):  source .gpu-bundle/activate.sh; bash benchmarks/gpu_run.sh [tests...] -- [bench modules...]
+# A bench entry may carry arguments as one quoted word: 'benchmarks.sweep_gemm --group nn_3072_768'.
 # Carry .gpu-bundle and .tl-carry (pack it with: benchmarks/pack_cache.sh).
 set -uo pipefail
 FINAL_OUT=${OUT:-gpu_out}; OUT=$FINAL_OUT/run; mkdir -p "$OUT"; export OUT
@@ -17,8 +18,10 @@ for a in "$@"; do if [[ $a == -- ]]; then seen=1; elif ((seen)); then benches+=(
 status=0
 python3 -m tilelang_ops.cli check > "$OUT/check.log" 2>&1; rc=$?; status=$((status|rc))
 echo "tileops check: rc=$rc  $(tail -1 "$OUT/check.log")"
-for b in "${benches[@]}"; do
-  python3 -m "$b" > "$OUT/$b.log" 2>&1; rc=$?; status=$((status|rc)); echo "== $b rc=$rc"; grep -v "INFO\|WARNING" "$OUT/$b.log" | tail -40
+for b in "${benches[@]}"; do  # "module [args]" (one word each: quote a module with arguments)
+  log="$OUT/${b%% *}.log"
+  # shellcheck disable=SC2086  # word splitting wanted: the module and its arguments
+  python3 -m $b > "$log" 2>&1; rc=$?; status=$((status|rc)); echo "== $b rc=$rc"; grep -v "INFO\|WARNING" "$log" | tail -40
 done
 if ((${#tests[@]})); then
   HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-gpu} timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider -rs --durations=15 "${tests[@]}" > "$OUT/pytest.log" 2>&1; rc=$?; status=$((status|rc))

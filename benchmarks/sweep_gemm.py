@@ -50,6 +50,7 @@ def candidates():
     gemm = dict(layout="nn", rows=0, dtype="bfloat16", batched=False, bias=False, activation="none", save_preact=False)
     lin = dict(layout="nt", rows=0, dtype="bfloat16", batched=False, bias=True, activation="gelu_tanh", save_preact=False)
     nt_plain = dict(lin, bias=False, activation="none")
+    tn_extra = [_cfg(128, 256, 64, 4, pol="FullRow"), _cfg(128, 128, 64, 4), _cfg(128, 192, 64, 4), _cfg(128, 256, 64, 3, sw=0)]
     return {
         "nn_4096_4096": (dict(gemm, n=4096, k=4096), big + small + [_cfg(128, 256, 64, 3, sw=0)], [("gemm", 1024), ("gemm", 4096)]),
         # K=768: 12 k-steps of 64 (6 of 128): shallow pipelines, wide K tiles
@@ -63,6 +64,11 @@ def candidates():
         # the same GEMM without bias/activation: the epilogue's cost is the difference
         "ntplain_14336_4096": (dict(nt_plain, n=14336, k=4096), [C0], [("linear_noepi", 8192)]),
         "ntplain_4096_4096": (dict(nt_plain, n=4096, k=4096), [C0], [("linear_noepi", 4096)]),
+        # the MLP block's backward (d=4096, hidden=14336, 8192 tokens): dX of the down and up
+        # projections ("nn") and both weight gradients ("tn", reduction over the 8192 tokens)
+        "nn_4096_14336": (dict(gemm, n=4096, k=14336), big + [_cfg(128, 128, 64, 4), _cfg(128, 192, 64, 4)], [("gemm", 8192)]),
+        "tn_4096x14336": (dict(gemm, layout="tn", rows=4096, n=14336, k=0), big + tn_extra, [("wgrad", 8192)]),
+        "tn_14336x4096": (dict(gemm, layout="tn", rows=14336, n=4096, k=0), big + tn_extra, [("wgrad", 8192)]),
     }
 
 
@@ -76,7 +82,7 @@ def _jobs():
         for c in cfgs:
             jobs[(c, tuple(sorted(static.items())))] = (K.matmul_kernel, c, static)
         for _, m in shapes:  # the op-level call path: the default config of the call's bucket
-            c = G.config_for(static["layout"], static["n"], static["k"], DT, ARCH, m=m)
+            c = G.config_for(static["layout"], static["n"], static["k"], DT, ARCH, rows=static["rows"], m=m)
             jobs[(c, tuple(sorted(static.items())))] = (K.matmul_kernel, c, static)
     return list(jobs.values())
 
@@ -158,15 +164,23 @@ def run(groups=None) -> int:
     for gname, (static, cfgs, shapes) in candidates().items():
         if groups and gname not in groups:
             continue
-        n, k = static["n"], static["k"]
+        n, k, rows_tn = static["n"], static["k"], static["rows"]
         for what, m in shapes:
             torch.manual_seed(0)
-            a = torch.randn(m, k, device=DEVICE, dtype=DT)
-            w = torch.randn(n, k, device=DEVICE, dtype=DT) * k**-0.5  # nt: (N, K)
-            b = w.t().contiguous() if static["layout"] == "nn" else w  # nn: (K, N)
             bias = torch.randn(n, device=DEVICE, dtype=DT) if static["bias"] else None
-            c = torch.empty(m, n, device=DEVICE, dtype=DT)
-            if what == "gemm":
+            if what == "wgrad":  # "tn": (m, rows)ᵀ @ (m, n), reduction over the m tokens
+                a = torch.randn(m, rows_tn, device=DEVICE, dtype=DT)
+                b = w = torch.randn(m, n, device=DEVICE, dtype=DT) * m**-0.5
+                c = torch.empty(rows_tn, n, device=DEVICE, dtype=DT)
+            else:
+                a = torch.randn(m, k, device=DEVICE, dtype=DT)
+                w = torch.randn(n, k, device=DEVICE, dtype=DT) * k**-0.5  # nt: (N, K)
+                b = w.t().contiguous() if static["layout"] == "nn" else w  # nn: (K, N)
+                c = torch.empty(m, n, device=DEVICE, dtype=DT)
+            if what == "wgrad":
+                ref_fn = lambda: torch.matmul(a.t(), b)  # noqa: E731
+                op_fn = lambda: torch.ops.tileops.gemm_tn(a, b)  # noqa: E731
+            elif what == "gemm":
                 ref_fn = lambda: torch.matmul(a, b)  # noqa: E731
                 op_fn = lambda: torch.ops.tileops.gemm(a, b)  # noqa: E731
             elif what == "linear":
@@ -176,10 +190,10 @@ def run(groups=None) -> int:
                 ref_fn = lambda: torch.matmul(a, w.t())  # noqa: E731
                 op_fn = lambda: torch.ops.tileops.gemm_nt(a, w)  # noqa: E731
             ref = F.gelu(F.linear(a, w, bias), approximate="tanh") if what == "linear" else ref_fn()
-            flop = 2.0 * m * n * k
-            shape = f"{what} {m}x{n}x{k}"
+            flop = 2.0 * m * n * (rows_tn if what == "wgrad" else k)
+            shape = f"{what} {rows_tn}x{n}x{m}" if what == "wgrad" else f"{what} {m}x{n}x{k}"
             t_ref = _graph_ms(ref_fn)
-            default = G.config_for(static["layout"], n, k, DT, arch, m=m)
+            default = G.config_for(static["layout"], n, k, DT, arch, rows=rows_tn, m=m)
             res = []
             for cfg in dict.fromkeys(cfgs):
                 row = dict(shape=shape, group=gname, config=_short(cfg), default=cfg == default, torch_TFLOPs=flop / t_ref / 1e9)
@@ -214,7 +228,7 @@ def run(groups=None) -> int:
                 gain = (t_def / t_best) if t_def else float("nan")
                 best_rows.append(dict(shape=shape, best=_short(cfg_best), TFLOPs=row_best["TFLOPs"], ratio=row_best["ratio"], vs_default=gain))
                 if what != "linear_noepi" and t_def and gain > 1.02:
-                    key = ("sm_9", static["layout"], K.m_bucket(m), n, k)
+                    key = ("sm_9", static["layout"], K.m_bucket(m), n, rows_tn if what == "wgrad" else k)
                     overrides.append(f"    {key!r}: {cfg_best!r},  # {shape}: {gain:.3f}x the default, {row_best['ratio']:.3f}x cuBLAS")
             del a, w, b, c, bias, ref
             torch.cuda.empty_cache()
