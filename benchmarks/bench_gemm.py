@@ -4,6 +4,7 @@ torch._addmm_activation and F.gelu(F.linear), MLP block forward+backward vs eage
     python -m benchmarks.bench_gemm            # the table (< 4 min on an H200 with a warm cache)
     python -m benchmarks.bench_gemm --tune     # time SEARCH_SPACE configs at a few shapes, print the best
     python -m benchmarks.bench_gemm --compile  # also time torch.compile'd eager baselines (slow: compiles)
+    python -m benchmarks.bench_gemm --mlp-profile  # the MLP block's GPU time kernel by kernel, ours vs eager
 
 bf16 throughout. TFLOP/s = 2·M·N·K / time; `ratio` = torch time / ours (> 1 means we are faster).
 Every kernel is called once before timing (loads it from the carried cache, runs the host
@@ -121,6 +122,43 @@ def mlp_rows(rep, with_compile):
     return rows
 
 
+def mlp_profile(top: int = 14):
+    """Kernel-by-kernel GPU time of one MLP fwd+bwd step (torch.profiler), ours vs eager: where
+    the MLP row's ratio comes from."""
+    from collections import defaultdict
+
+    from tilelang_ops import nn as tnn
+
+    tokens, d, h = MLP["tokens"], MLP["d"], MLP["hidden"]
+    eager = torch.nn.Sequential(torch.nn.Linear(d, h), torch.nn.GELU(approximate="tanh"), torch.nn.Linear(h, d)).cuda().to(DT)
+    ours = torch.nn.Sequential(tnn.Linear(d, h, activation="gelu_tanh"), torch.nn.Identity(), tnn.Linear(h, d)).cuda().to(DT)
+    x = torch.randn(tokens, d, device="cuda", dtype=DT, requires_grad=True)
+    g = torch.randn(tokens, d, device="cuda", dtype=DT)
+    rows = []
+    for name, model in (("ours", ours), ("eager", eager)):
+        def step():
+            x.grad = None
+            for p in model.parameters():
+                p.grad = None
+            model(x).backward(g)
+
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                step()
+            torch.cuda.synchronize()
+        per = defaultdict(float)
+        for ev in prof.events():
+            if ev.device_type == torch.autograd.DeviceType.CUDA:
+                per[ev.name[:70]] += ev.time_range.elapsed_us() / 1e3 / 5
+        total = sum(per.values())
+        rows.append(dict(what=f"MLP kernels {name}", kernel="(total)", ms=total))
+        rows += [dict(what=f"MLP kernels {name}", kernel=k, ms=v) for k, v in sorted(per.items(), key=lambda kv: -kv[1])[:top]]
+    return rows
+
+
 def tune(rep):
     """Time each SEARCH_SPACE config (correctness-checked) at the gemm TUNABLE's "default" preset
     shapes and print the best per shape. Pins configs in-process only; `tileops tune --op gemm`
@@ -171,8 +209,14 @@ def main(argv=None) -> None:
     p.add_argument("--tune", action="store_true", help="time SEARCH_SPACE configs at the gemm TUNABLE's default preset instead")
     p.add_argument("--compile", action="store_true", help="also time torch.compile'd baselines")
     p.add_argument("--rep", type=int, default=30)
+    p.add_argument("--mlp-profile", action="store_true", help="only the MLP block's kernel-by-kernel GPU time, ours vs eager")
     args = p.parse_args(argv)
     t0 = time.time()
+    if args.mlp_profile:
+        rows = mlp_profile()
+        write_json("bench_gemm_mlp_profile", rows)
+        print(table(rows, ["what", "kernel", "ms"]))
+        return
     if args.tune:
         rows = tune(args.rep)
         write_json("bench_gemm_tune", rows)

@@ -38,17 +38,23 @@ def candidates() -> dict:
 
     # csplit = a cluster of n / chunk <= 8 CTAs per row, the chunk in registers (fwd softmax also
     # keeps exp in fp32); loop = a CTA per row, per-thread running max/sum, second read from L2.
-    cs = lambda t, c, mb=0: S("csplit", 1, t, c, mb)  # noqa: E731
     lp = lambda t, c, mb=0: S("loop", 1, t, c, mb)  # noqa: E731
-    sm = lambda t, c: [S("csmem", 1, t, c), S("csmemx", 1, t, c)]  # noqa: E731  (chunk in shared memory)
+    # The d-suffixed cluster schedules exchange the chunk partials through DSMEM (no global round trip).
+    csd = lambda t, c, mb=0: [S("csplit", 1, t, c, mb), S("csplitd", 1, t, c, mb)]  # noqa: E731
+    smx = lambda t, c: [S("csmemx", 1, t, c), S("csmemxd", 1, t, c)]  # noqa: E731
     return {
-        # few long rows: csplit (chunk in registers) vs csmem/csmemx (chunk in shared memory)
-        (256, 32768, False): [cs(128, 4096), cs(256, 8192)] + sm(256, 8192) + sm(128, 4096) + sm(512, 16384) + sm(256, 4096),
-        (128, 65536, False): [cs(256, 8192)] + sm(256, 8192) + sm(512, 16384) + sm(1024, 32768),
-        (64, 131072, False): [cs(512, 16384), S("split", 1, 256, 8192)] + sm(512, 16384) + sm(1024, 32768),
-        (32, 262144, False): [S("split", 1, 256, 8192)] + sm(512, 32768) + sm(1024, 32768) + sm(256, 32768),
+        # few long rows: csplit (chunk in registers) vs csmemx (chunk in shared memory)
+        (256, 32768, False): csd(128, 4096) + csd(256, 8192) + smx(256, 8192) + smx(128, 4096),
+        (128, 65536, False): csd(256, 8192) + smx(256, 8192) + smx(512, 16384),
+        (64, 131072, False): csd(512, 16384) + [S("split", 1, 256, 8192)] + smx(512, 16384),
+        (32, 262144, False): [S("split", 1, 256, 8192)] + smx(256, 32768) + smx(512, 32768),
         # many long rows
-        (4096, 32768, False): [lp(256, 8192), cs(256, 8192)] + sm(256, 8192) + sm(512, 16384) + sm(1024, 32768),
+        (4096, 32768, False): [lp(256, 8192)] + csd(256, 8192) + csd(128, 4096) + smx(256, 8192),
+        # backward (csplit is the default for every long-row bucket)
+        (256, 32768, True): csd(128, 4096),
+        (128, 65536, True): csd(256, 8192),
+        (32, 262144, True): csd(512, 32768),
+        (4096, 32768, True): csd(128, 4096),
     }
 
 
@@ -232,7 +238,7 @@ def run(rep: int, only: str | None) -> None:
         if only is None or only == f"{m}x{n}":
             by_shape.setdefault((m, n), []).append((bwd, cfg, is_def))
     # Cluster (csplit) configs run last: should one fault the CUDA context, the rest is measured.
-    for phase, keep in (("plain", lambda c: c.schedule != "csplit"), ("cluster", lambda c: c.schedule == "csplit")):
+    for phase, keep in (("plain", lambda c: not c.schedule.startswith("cs")), ("cluster", lambda c: c.schedule.startswith("cs"))):
         try:
             for (m, n), entries in by_shape.items():
                 todo = [e for e in entries if keep(e[1])]

@@ -391,6 +391,14 @@ EXTRA_SCHEDULES = [
     (("csmemx", 1, 256, 8192, 0), 32768, False),  # exp kept in place in the input dtype
     (("csmemx", 1, 512, 32768, 0), 262144, False),
     (("csmemx", 1, 256, 32768, 0), 262144, False),  # the 262144 forward's best in the sweep
+    # partials exchanged through DSMEM instead of global memory
+    (("csplitd", 1, 128, 4096, 0), 32768, False),
+    (("csplitd", 1, 128, 4096, 0), 32768, True),
+    (("csplitd", 1, 256, 8192, 0), 30001, False),  # ragged last chunk
+    (("csplitd", 1, 256, 8192, 0), 30001, True),
+    (("csplitd", 1, 512, 32768, 0), 262144, True),
+    (("csmemxd", 1, 256, 32768, 0), 262144, False),
+    (("csmemxd", 1, 256, 8192, 0), 30001, False),
 ]
 
 

@@ -176,13 +176,22 @@ def fits(cfg: SoftmaxConfig, n: int, dtype: str, kind: str = "softmax", backward
         held = k * vec * _arrays(kind, backward) * (_ESIZE[dtype] if cfg.schedule == "rowsh" else 4) // 4  # 32-bit registers
         return cfg.block_m <= cfg.threads and not idle and held <= 2 * _PER_THREAD
     ok = cfg.chunk % (cfg.threads * vec) == 0 and cfg.chunk < 2 * n
-    if cfg.schedule in ("csmem", "csmemx"):  # forward only; the chunk in shared memory (<= 96 KB)
+    schedule = _cluster_base(cfg.schedule)[0]
+    if schedule in ("csmem", "csmemx"):  # forward only; the chunk in shared memory (<= 96 KB)
         return ok and not backward and _split_chunks(n, cfg.chunk) <= CLUSTER_MAX and cfg.chunk * _ESIZE[dtype] <= 96 * 1024
-    if cfg.schedule == "csplit":  # a cluster per row; the chunk held in registers (input dtype)
+    if schedule == "csplit":  # a cluster per row; the chunk held in registers (input dtype)
         ept = cfg.chunk // cfg.threads
         held = ept * _arrays(kind, backward) * _ESIZE[dtype] // 4 + (ept if kind == "softmax" and not backward else 0)  # + fp32 exp
         ok = ok and _split_chunks(n, cfg.chunk) <= CLUSTER_MAX and held <= 2 * _PER_THREAD
     return ok
+
+
+def _cluster_base(schedule: str) -> tuple[str, bool]:
+    """("csplit", True) for "csplitd": the d-suffixed cluster schedules exchange partials through
+    DSMEM instead of global memory."""
+    if schedule in ("csplitd", "csmemd", "csmemxd"):
+        return schedule[:-1], True
+    return schedule, False
 
 
 def schedule_kernels(cfg: SoftmaxConfig, n: int, dtype: str, kind: str, backward: bool) -> list:
@@ -194,10 +203,11 @@ def schedule_kernels(cfg: SoftmaxConfig, n: int, dtype: str, kind: str, backward
         return [(rowsh_bwd if backward else rowsh_fwd, cfg, st)]
     if cfg.schedule == "loop":
         return [(loop_bwd if backward else loop_fwd, cfg, st)]
-    if cfg.schedule == "csplit" or (backward and cfg.schedule in ("csmem", "csmemx")):
-        return [(csplit, cfg, {**st, "backward": backward})]
-    if cfg.schedule in ("csmem", "csmemx"):
-        return [(csmem, cfg, {**st, "keep_exp": cfg.schedule == "csmemx"})]
+    base, d = _cluster_base(cfg.schedule)
+    if base == "csplit" or (backward and base in ("csmem", "csmemx")):
+        return [(csplit, cfg, {**st, "backward": backward, "dsmem": d})]
+    if base in ("csmem", "csmemx"):
+        return [(csmem, cfg, {**st, "keep_exp": base == "csmemx", "dsmem": d})]
     return [(split_stats, cfg, {**st, "backward": backward}), (split_apply, cfg, {**st, "backward": backward})]
 
 
@@ -573,8 +583,24 @@ def _safe(m):
     return T.if_then_else(m == -T.infinity(_ACC), 0.0, m)
 
 
+@T.macro
+def _push(mine, peers, r0, r1, ch, nc: int):
+    """Every CTA of the cluster gets this chunk's (r0, r1) in its `peers[ch]` (DSMEM stores), then
+    the cluster barrier (release/acquire) makes all of them visible: no global-memory round trip.
+    Needs a cluster_arrive_relaxed() earlier in the kernel (the peers must have started)."""
+    if T.get_thread_binding() == 0:
+        mine[0] = r0[0]
+        mine[1] = r1[0]
+    T.sync_threads()
+    T.cluster_wait()
+    for k in T.serial(nc):
+        T.copy_cluster(mine, peers[ch, :], dst_block=k)
+    T.cluster_arrive()
+    T.cluster_wait()
+
+
 @kernel("softmax", "softmax_csplit", min_sm=90)
-def csplit(config: SoftmaxConfig, n: int, dtype: str, kind: str, backward: bool):
+def csplit(config: SoftmaxConfig, n: int, dtype: str, kind: str, backward: bool, dsmem: bool = False):
     M = T.dynamic("M")
     c, threads = config.chunk, config.threads
     nc, kc, w = _chunk_tile(config, n, dtype)
@@ -600,6 +626,10 @@ def csplit(config: SoftmaxConfig, n: int, dtype: str, kind: str, backward: bool)
             r0 = T.alloc_fragment((1,), _ACC)
             acc0 = T.alloc_var(_ACC)
             acc1 = T.alloc_var(_ACC)
+            if dsmem:
+                mine = T.alloc_shared((2,), _ACC)
+                peers = T.alloc_shared((nc, 2), _ACC)
+                T.cluster_arrive_relaxed()  # paired with the wait before the DSMEM stores
             if backward:
                 bb = T.alloc_fragment((kc, w), dtype)
                 for kk, j in T.Parallel(kc, w):  # reads 2c
@@ -610,13 +640,19 @@ def csplit(config: SoftmaxConfig, n: int, dtype: str, kind: str, backward: bool)
                     part[j] = 0.0
                 _lane_dot(kc, w, log)(a, bb, part)
                 T.reduce_sum(part, r0, dim=0)
-                P0[row, ch] = r0[0]
-                T.sync_threads()
-                T.cluster_sync()
-                T.sync_threads()
-                acc0 = 0.0
-                for k in T.serial(nc):
-                    acc0 = acc0 + P0[row, k]
+                if dsmem:
+                    _push(mine, peers, r0, r0, ch, nc)
+                    acc0 = 0.0
+                    for k in T.serial(nc):
+                        acc0 = acc0 + peers[k, 0]
+                else:
+                    P0[row, ch] = r0[0]
+                    T.sync_threads()
+                    T.cluster_sync()
+                    T.sync_threads()
+                    acc0 = 0.0
+                    for k in T.serial(nc):
+                        acc0 = acc0 + P0[row, k]
                 for kk, j in T.Parallel(kc, w):  # writes c
                     if base + kk * w + j < n:
                         if log:
@@ -648,17 +684,26 @@ def csplit(config: SoftmaxConfig, n: int, dtype: str, kind: str, backward: bool)
                         else:
                             part[j] = part[j] + e[kk, j]
                 T.reduce_sum(part, r1, dim=0)
-                P0[row, ch] = r0[0]
-                P1[row, ch] = r1[0]
-                T.sync_threads()
-                T.cluster_sync()
-                T.sync_threads()
-                acc0 = -T.infinity(_ACC)
-                for k in T.serial(nc):
-                    acc0 = T.max(acc0, P0[row, k])
-                acc1 = 0.0
-                for k in T.serial(nc):  # NaN only for an all -inf row, like PyTorch
-                    acc1 = acc1 + P1[row, k] * T.exp2((P0[row, k] - acc0) * LOG2E)
+                if dsmem:
+                    _push(mine, peers, r0, r1, ch, nc)
+                    acc0 = -T.infinity(_ACC)
+                    for k in T.serial(nc):
+                        acc0 = T.max(acc0, peers[k, 0])
+                    acc1 = 0.0
+                    for k in T.serial(nc):  # NaN only for an all -inf row, like PyTorch
+                        acc1 = acc1 + peers[k, 1] * T.exp2((peers[k, 0] - acc0) * LOG2E)
+                else:
+                    P0[row, ch] = r0[0]
+                    P1[row, ch] = r1[0]
+                    T.sync_threads()
+                    T.cluster_sync()
+                    T.sync_threads()
+                    acc0 = -T.infinity(_ACC)
+                    for k in T.serial(nc):
+                        acc0 = T.max(acc0, P0[row, k])
+                    acc1 = 0.0
+                    for k in T.serial(nc):  # NaN only for an all -inf row, like PyTorch
+                        acc1 = acc1 + P1[row, k] * T.exp2((P0[row, k] - acc0) * LOG2E)
                 if log:
                     acc1 = acc0 + T.log2(acc1) * LN2
                     for kk, j in T.Parallel(kc, w):  # writes c
@@ -683,7 +728,7 @@ def csplit(config: SoftmaxConfig, n: int, dtype: str, kind: str, backward: bool)
 # one ulp of the output dtype), csmem exps again in the output pass (exact as `csplit`).
 # ---------------------------------------------------------------------------------------------
 @kernel("softmax", "softmax_csmem", min_sm=90)
-def csmem(config: SoftmaxConfig, n: int, dtype: str, kind: str, keep_exp: bool):
+def csmem(config: SoftmaxConfig, n: int, dtype: str, kind: str, keep_exp: bool, dsmem: bool = False):
     M = T.dynamic("M")
     c, threads = config.chunk, config.threads
     nc, kc, w = _chunk_tile(config, n, dtype)
@@ -711,6 +756,10 @@ def csmem(config: SoftmaxConfig, n: int, dtype: str, kind: str, keep_exp: bool):
             r1 = T.alloc_fragment((1,), _ACC)
             acc0 = T.alloc_var(_ACC)
             acc1 = T.alloc_var(_ACC)
+            if dsmem:
+                mine = T.alloc_shared((2,), _ACC)
+                peers = T.alloc_shared((nc, 2), _ACC)
+                T.cluster_arrive_relaxed()
             for kk, j in T.Parallel(kc, w):  # reads c
                 a[kk, j] = T.if_then_else(base + kk * w + j < n, A[row, base + kk * w + j], T.Cast(dtype, -T.infinity(_ACC)))
             for j in T.Parallel(w):
@@ -725,17 +774,26 @@ def csmem(config: SoftmaxConfig, n: int, dtype: str, kind: str, keep_exp: bool):
                     if keep:  # the same expression as above, before the store: nvcc computes it once
                         a[kk, j] = T.Cast(dtype, T.exp2((T.Cast(_ACC, a[kk, j]) - _safe(r0[0])) * LOG2E))
             T.reduce_sum(part, r1, dim=0)
-            P0[row, ch] = r0[0]
-            P1[row, ch] = r1[0]
-            T.sync_threads()
-            T.cluster_sync()
-            T.sync_threads()
-            acc0 = -T.infinity(_ACC)
-            for k in T.serial(nc):
-                acc0 = T.max(acc0, P0[row, k])
-            acc1 = 0.0
-            for k in T.serial(nc):  # NaN only for an all -inf row, like PyTorch
-                acc1 = acc1 + P1[row, k] * T.exp2((P0[row, k] - acc0) * LOG2E)
+            if dsmem:
+                _push(mine, peers, r0, r1, ch, nc)
+                acc0 = -T.infinity(_ACC)
+                for k in T.serial(nc):
+                    acc0 = T.max(acc0, peers[k, 0])
+                acc1 = 0.0
+                for k in T.serial(nc):  # NaN only for an all -inf row, like PyTorch
+                    acc1 = acc1 + peers[k, 1] * T.exp2((peers[k, 0] - acc0) * LOG2E)
+            else:
+                P0[row, ch] = r0[0]
+                P1[row, ch] = r1[0]
+                T.sync_threads()
+                T.cluster_sync()
+                T.sync_threads()
+                acc0 = -T.infinity(_ACC)
+                for k in T.serial(nc):
+                    acc0 = T.max(acc0, P0[row, k])
+                acc1 = 0.0
+                for k in T.serial(nc):  # NaN only for an all -inf row, like PyTorch
+                    acc1 = acc1 + P1[row, k] * T.exp2((P0[row, k] - acc0) * LOG2E)
             if log:
                 acc1 = acc0 + T.log2(acc1) * LN2
             elif keep:
