@@ -628,7 +628,7 @@ def csplit(config: SoftmaxConfig, n: int, dtype: str, kind: str, backward: bool,
             acc1 = T.alloc_var(_ACC)
             if dsmem:
                 mine = T.alloc_shared((2,), _ACC)
-                peers = T.alloc_shared((nc, 2), _ACC)
+                peers = T.alloc_shared((nc, 2), _ACC, scope="shared")  # static: never aliased with other scratch (peers write it remotely)
                 T.cluster_arrive_relaxed()  # paired with the wait before the DSMEM stores
             if backward:
                 bb = T.alloc_fragment((kc, w), dtype)
@@ -758,7 +758,7 @@ def csmem(config: SoftmaxConfig, n: int, dtype: str, kind: str, keep_exp: bool, 
             acc1 = T.alloc_var(_ACC)
             if dsmem:
                 mine = T.alloc_shared((2,), _ACC)
-                peers = T.alloc_shared((nc, 2), _ACC)
+                peers = T.alloc_shared((nc, 2), _ACC, scope="shared")  # static: never aliased with other scratch (peers write it remotely)
                 T.cluster_arrive_relaxed()
             for kk, j in T.Parallel(kc, w):  # reads c
                 a[kk, j] = T.if_then_else(base + kk * w + j < n, A[row, base + kk * w + j], T.Cast(dtype, -T.infinity(_ACC)))
