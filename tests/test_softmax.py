@@ -399,6 +399,7 @@ EXTRA_SCHEDULES = [
     (("csplitd", 1, 512, 32768, 0), 262144, True),
     (("csmemxd", 1, 256, 32768, 0), 262144, False),
     (("csmemxd", 1, 256, 8192, 0), 30001, False),
+    (("csplit", 1, 512, 16384, 0), 131072, False),  # the 131072 forward's default
 ]
 
 

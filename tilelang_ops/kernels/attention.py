@@ -37,9 +37,6 @@ HEADDIMS = (64, 128, 256)
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
-# Named barriers of the forward's ping-pong: ids _PP_BAR .. _PP_BAR + warpgroups - 1 (TileLang's
-# own partial syncs use low ids; 0 is __syncthreads; 16 in all).
-_PP_BAR = 10
 # Fast math: exp2/log2 become single ex2.approx/lg2.approx instructions (ex2.approx(-inf) = +0).
 _PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
 
@@ -70,25 +67,23 @@ class FwdConfig:
     block_n: int = 128  # keys per pipeline step
     num_stages: int = 2
     threads: int = 256  # consumer threads; on Hopper TileLang adds a 128-thread TMA producer
-    # Ping-pong (FlashAttention-3): the consumer warpgroups take turns on the tensor cores, in a
-    # ring of named barriers, so one's softmax overlaps another's GEMMs (Hopper, >= 2 warpgroups).
-    pingpong: bool = False
 
     def for_arch(self, arch: str) -> "FwdConfig":
         # TileLang 0.1.15's cp.async pipeline (pre-Hopper) fails in codegen on a symbolic trip count.
-        return self if _is_hopper(arch) else dataclasses.replace(self, num_stages=1, pingpong=False)
+        return self if _is_hopper(arch) else dataclasses.replace(self, num_stages=1)
 
 
 def fwd_default_config(headdim: int, causal: bool, arch: str = "sm_90a") -> FwdConfig:
     if _is_hopper(arch):
-        # `tileops tune --op flash_attn` on an H200, 2026-11-30 (B8 H32 S4096 D128 / B16 H32 S2048
-        # D64, bf16): vs 128x128/2/256 1.10x (D128), 1.04x (D128 causal), 1.16x (D64), 1.03x (D64 causal)
+        # `tileops tune --op flash_attn` on an H200 (B8 H32 S4096 D128 / B16 H32 S2048 D64, bf16),
+        # two runs, 2026-11-30: 1.03-1.16x the former 128x128/2/256. 192 query rows = 3 consumer
+        # warpgroups; 176 keys per step (22 x 8, a wgmma N).
         if headdim == 128:
-            return FwdConfig(192, 128, 2, 384, True) if causal else FwdConfig(128, 176, 2, 256, True)
+            return FwdConfig(192, 128, 2, 384)
         if headdim == 64:
-            return FwdConfig(192, 176, 1, 384, True) if causal else FwdConfig(192, 176, 2, 384, True)
+            return FwdConfig(192, 176, 1 if causal else 2, 384)
         # D=256: Q, O and two K/V stages of 128 keys would exceed 227 KB of shared memory.
-        return FwdConfig(128, 64, 2, 256, True)
+        return FwdConfig(128, 64, 2, 256)
     # Ampere (compile target only, not tuned): no TMA/wgmma, 164 KB shared memory; one stage,
     # because TileLang 0.1.15's cp.async pipeline fails in codegen on a symbolic trip count.
     if headdim <= 128:
@@ -97,11 +92,10 @@ def fwd_default_config(headdim: int, causal: bool, arch: str = "sm_90a") -> FwdC
 
 
 FWD_SEARCH_SPACE = [
-    FwdConfig(bm, bn, st, th, pp)
+    FwdConfig(bm, bn, st, th)
     for bm, th in ((64, 128), (128, 256), (192, 384))  # 192 rows: 3 consumer warpgroups
     for bn in (64, 128, 176)
     for st in (1, 2)
-    for pp in ((False, True) if th >= 256 else (False,))  # ping-pong needs >= 2 warpgroups
 ]
 
 
@@ -126,8 +120,6 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
     acc = "float32"
     scale_log2 = scale * LOG2E  # softmax in base 2: exp(x * scale) == exp2(x * scale * log2(e))
     neg_inf = -T.infinity(acc)
-    nwg = config.threads // 128  # consumer warpgroups
-    pingpong = config.pingpong and nwg >= 2
 
     @T.prim_func
     def flash_fwd(
@@ -188,14 +180,7 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
                             )
                         else:
                             s[i, j] = T.if_then_else(kb * bn + j >= Sk, neg_inf, 0)
-                if pingpong:  # inside the loop: TileLang maps the thread index to the consumer's
-                    wg = T.get_thread_binding() // 128  # consumer warpgroup 0 .. nwg-1
-                    if kb == 0 and wg == nwg - 1:  # warpgroup 0 takes the tensor cores first
-                        T.named_barrier_arrive(_PP_BAR, 256)
-                    T.sync_threads(_PP_BAR + wg, 256)  # my turn: the previous one's GEMM is done
                 T.gemm(q_s, k_s, s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                if pingpong:  # the next one's turn, while this warpgroup runs the softmax
-                    T.named_barrier_arrive(_PP_BAR + (wg + 1) % nwg, 256)
 
                 T.copy(m, m_prev)
                 T.reduce_max(s, m, dim=1, clear=False)
@@ -213,11 +198,7 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
                     o[i, j] *= alpha[i]
 
                 T.copy(V[bz, kb * bn : (kb + 1) * bn, kvh, :], v_s)
-                if pingpong:
-                    T.sync_threads(_PP_BAR + wg, 256)
                 T.gemm(p, v_s, o, policy=T.GemmWarpPolicy.FullRow)
-                if pingpong:
-                    T.named_barrier_arrive(_PP_BAR + (wg + 1) % nwg, 256)
 
             for i in T.Parallel(bm):
                 # l == 0 only for rows that saw no key: output 0, lse -inf.

@@ -1,7 +1,7 @@
 """Row softmax / log-softmax over the last dim of an (M, N) tensor, forward and backward.
 
 M (rows) is symbolic, so a new batch size never recompiles; N (row length) is static because it
-shapes the schedule: each distinct N compiles once per (kind, dtype, direction). Three schedules:
+shapes the schedule: each distinct N compiles once per (kind, dtype, direction). The schedules:
 
 * **rows** — one pass, the row held in registers. A CTA owns `block_m` rows; each row is spread
   over up to `threads` lanes, `vec` contiguous elements (16 bytes) per access. Short rows pack
@@ -33,6 +33,11 @@ shapes the schedule: each distinct N compiles once per (kind, dtype, direction).
   holding its chunk in registers; partials go through global memory across barrier.cluster
   (release/acquire). One DRAM read, one write, no second launch; a 1-D cluster-major grid, so any
   M. The forward keeps exp(x - chunk max) in fp32 registers: one exp per element.
+
+* **csmem / csmemx** — `csplit`'s forward with the chunk in shared memory instead of registers
+  (csmemx overwrites it with the exps). A `d` suffix (csplitd, csmemxd) exchanges the partials
+  through distributed shared memory (stores into each peer CTA's shared memory, one cluster
+  barrier) instead of global memory: no L2 round trip between the reduction and the output pass.
 
 `SoftmaxConfig.min_blocks` sets __launch_bounds__' min CTAs per SM: a register cap (ptxas
 otherwise spends registers freely, e.g. a 1024-thread `rows` CTA at 48 registers leaves one CTA
@@ -68,7 +73,7 @@ def vec_width(n: int, dtype: str) -> int:
 
 @dataclass(frozen=True)
 class SoftmaxConfig:
-    schedule: str = "rows"  # "rows" | "rowsh" | "loop" | "split" (see the module docstring)
+    schedule: str = "rows"  # "rows" | "rowsh" | "loop" | "split" | "csplit[d]" | "csmem[x][d]" (module docstring)
     block_m: int = 1  # rows: rows per CTA; threads // block_m lanes share a row
     threads: int = 256
     chunk: int = 0  # loop / split: row elements per chunk, a multiple of threads * vec
@@ -113,9 +118,10 @@ MEASURED: dict[tuple[str, int, str], SoftmaxConfig] = {
     ("fwd", 65536, "few"): SoftmaxConfig("csplit", 1, 256, 8192, 0),  # 128x65536: 76% vs split 65%
     ("bwd", 65536, "few"): SoftmaxConfig("csplit", 1, 256, 8192, 0),  # 128x65536: 93% vs 81-84%
     ("bwd", 262144, "few"): SoftmaxConfig("csplit", 1, 512, 32768, 0),  # 32x262144: 75-77% vs 61%
-    # Next candidate, not yet a default (its exact config has not run under the full GPU suite):
-    # ("fwd", 262144, "few"): SoftmaxConfig("csmemx", 1, 256, 32768, 0),  # 32x262144: 64% vs split 59-60%
-    ("fwd", 32768, "many"): SoftmaxConfig("loop", 1, 256, 8192, 0),  # 4096x32768: 77% vs 73%
+    # fourth session (three sweeps: session 3 call 7, session 4 calls 2 and 3)
+    ("fwd", 131072, "few"): SoftmaxConfig("csplit", 1, 512, 16384, 0),  # 64x131072: 69-70% vs split 63-65%
+    ("fwd", 262144, "few"): SoftmaxConfig("csmemx", 1, 256, 32768, 0),  # 32x262144: 63-64% vs split 59-60%
+    ("fwd", 32768, "many"): SoftmaxConfig("csmemxd", 1, 256, 8192, 0),  # 4096x32768: 83% vs loop 77%
     ("bwd", 32768, "many"): SoftmaxConfig("csplit", 1, 128, 4096, 0),  # 4096x32768: 89-90% vs loop 67%
 }
 
@@ -939,5 +945,6 @@ REPRESENTATIVE = (
     # csplit (Hopper clusters; the MEASURED default for few long rows on an H200)
     + [(csplit, MEASURED[("fwd", 65536, "few")], {"n": 65536, "dtype": "bfloat16", "kind": "softmax", "backward": False})]
     + [(csplit, MEASURED[("bwd", 32768, "many")], {"n": 32768, "dtype": "bfloat16", "kind": "softmax", "backward": True})]
+    + [(csmem, MEASURED[("fwd", 32768, "many")], {"n": 32768, "dtype": "bfloat16", "kind": "softmax", "keep_exp": True, "dsmem": True})]
     + [(csmem, SoftmaxConfig("csmemx", 1, 256, 32768, 0), {"n": 262144, "dtype": "bfloat16", "kind": "softmax", "keep_exp": True})]
 )
