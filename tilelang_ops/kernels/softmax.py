@@ -71,6 +71,9 @@ def vec_width(n: int, dtype: str) -> int:
     return v
 
 
+SCHEDULES = ("rows", "rowsh", "loop", "split", "csplit", "csplitd", "csmem", "csmemx", "csmemd", "csmemxd")
+
+
 @dataclass(frozen=True)
 class SoftmaxConfig:
     schedule: str = "rows"  # "rows" | "rowsh" | "loop" | "split" | "csplit[d]" | "csmem[x][d]" (module docstring)
