@@ -71,12 +71,12 @@ def vec_width(n: int, dtype: str) -> int:
     return v
 
 
-SCHEDULES = ("rows", "rowsh", "loop", "split", "csplit", "csplitd", "csmem", "csmemx", "csmemd", "csmemxd")
+SCHEDULES = ("rows", "rowsh", "loop", "split", "csplit", "csplitd", "csmem", "csmemx", "csmemxd")
 
 
 @dataclass(frozen=True)
 class SoftmaxConfig:
-    schedule: str = "rows"  # "rows" | "rowsh" | "loop" | "split" | "csplit[d]" | "csmem[x][d]" (module docstring)
+    schedule: str = "rows"  # one of SCHEDULES (see the module docstring)
     block_m: int = 1  # rows: rows per CTA; threads // block_m lanes share a row
     threads: int = 256
     chunk: int = 0  # loop / split: row elements per chunk, a multiple of threads * vec
@@ -198,7 +198,7 @@ def fits(cfg: SoftmaxConfig, n: int, dtype: str, kind: str = "softmax", backward
 def _cluster_base(schedule: str) -> tuple[str, bool]:
     """("csplit", True) for "csplitd": the d-suffixed cluster schedules exchange partials through
     DSMEM instead of global memory."""
-    if schedule in ("csplitd", "csmemd", "csmemxd"):
+    if schedule in ("csplitd", "csmemxd"):
         return schedule[:-1], True
     return schedule, False
 
