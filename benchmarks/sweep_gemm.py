@@ -59,8 +59,11 @@ def candidates():
         "nn_11008_4096": (dict(gemm, n=11008, k=4096), big + [_cfg(128, 128, 64, 4), _cfg(128, 192, 64, 4)], [("gemm", 1024), ("gemm", 4096)]),
         # 448 CTAs of 128×256 = 3.4 waves on 132 SMs: tile shapes that quantize better
         "nn_14336_4096": (dict(gemm, n=14336, k=4096), big[:3] + [_cfg(128, 128, 64, 4), _cfg(128, 192, 64, 4)], [("gemm", 1024)]),
-        "lin_14336_4096": (dict(lin, n=14336, k=4096), big + [_cfg(128, 128, 64, 4)], [("linear", 8192)]),
-        "lin_4096_4096": (dict(lin, n=4096, k=4096), big + [_cfg(128, 128, 64, 4)], [("linear", 4096)]),
+        # linear + bias + gelu_tanh ("nt" with the epilogue) over the bench_gemm set: no "nt" override exists yet
+        **{
+            f"lin_{n}_{k}": (dict(lin, n=n, k=k), big + [_cfg(128, 128, 64, 4), _cfg(128, 192, 64, 4)], [("linear", m) for m in (1024, 4096, 16384)])
+            for n, k in ((4096, 4096), (14336, 4096), (4096, 14336), (11008, 4096), (3072, 768))
+        },
         # the same GEMM without bias/activation: the epilogue's cost is the difference
         "ntplain_14336_4096": (dict(nt_plain, n=14336, k=4096), [C0], [("linear_noepi", 8192)]),
         "ntplain_4096_4096": (dict(nt_plain, n=4096, k=4096), [C0], [("linear_noepi", 4096)]),
