@@ -18,3 +18,19 @@ def test_kernel_compiles(entry, arch):
         pytest.skip(f"{kdef.name} needs sm_{kdef.min_sm}+ (thread-block clusters)")
     src = kdef.source(config, arch, **static)
     assert "__global__" in src
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule, n, backward", [("csplitd", 32768, False), ("csplitd", 32768, True), ("csmemxd", 32768, False)])
+def test_dsmem_receive_buffer_is_never_aliased(schedule, n, backward):
+    """The DSMEM softmax schedules receive their peers' partials by remote stores, which TileLang's
+    shared-memory planner cannot see: in dynamic shared memory it aliased the receive buffer with
+    the reductions' scratch (wrong results on the H200). It must stay a static __shared__ array."""
+    from tilelang_ops.kernels import softmax as K
+
+    cfg = K.SoftmaxConfig(schedule, 1, 256, 8192, 0)
+    (kdef, c, st), = K.schedule_kernels(cfg, n, "bfloat16", "softmax", backward)
+    src = kdef.source(c, "sm_90a", **st)
+    assert "map_shared_rank" in src  # the partials really go through DSMEM
+    assert "__shared__ __align__(16) float peers[" in src, "peers must be static shared memory"
+    assert "peers = ((void*)((char*)buf_dyn_shmem" not in src
