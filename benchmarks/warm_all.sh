@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Before a GPU run, on the CPU machine: compile (sm_90a, no GPU needed) every kernel the GPU tests,
+# `tileops check`, the benchmarks and the sweeps load, then pack the cache for the GPU host
+# (.tl-carry/, carried with .gpu-bundle). Cached kernels cost nothing; TUNE=1 also warms the
+# attention search spaces that `tileops tune --op flash_attn ...` times.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export TILELANG_CACHE_DIR=${TILELANG_CACHE_DIR:-$PWD/.tl-cache} PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+python -m benchmarks.warm_gemm_cache | tail -1
+python -m benchmarks.sweep_gemm --warm | tail -1
+python -m benchmarks.sweep_softmax --warm --jobs 2 | tail -1
+python -m benchmarks.warm_attention_cache -j 2 ${TUNE:+--tune} | tail -1
+bash benchmarks/pack_cache.sh
