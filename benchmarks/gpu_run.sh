@@ -2,7 +2,7 @@
 # One GPU session: `tileops check`, benchmarks, then GPU tests. Logs and JSON under $OUT.
 # On the device host (no package index):  source .gpu-bundle/activate.sh; bash benchmarks/gpu_run.sh [tests...] -- [bench modules...]
 # A bench entry may carry arguments as one quoted word: 'benchmarks.sweep_gemm --group nn_3072_768'.
-# Carry .gpu-bundle and .tl-carry (pack it with: benchmarks/pack_cache.sh).
+# Carry .gpu-bundle and .tl-carry (warm and pack it here with: benchmarks/warm_all.sh).
 set -uo pipefail
 FINAL_OUT=${OUT:-gpu_out}; OUT=$FINAL_OUT/run; mkdir -p "$OUT"; export OUT
 # the device tool returns at most 8 files: everything is packed into results.tgz at the end
