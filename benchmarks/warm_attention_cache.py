@@ -62,23 +62,16 @@ def _jobs(quick: bool) -> list[tuple]:
 
 
 def _compile(job) -> tuple:
-    from tilelang_ops.kernels import attention as K
+    from tilelang_ops.ops import attention as A
 
     kind, d, dt, causal, groups, scale = job[:6]
     t0 = time.time()
-    if kind in ("fwd", "bwd", "bwd_nodq", "dq"):
-        # as ops/attention.py resolves them: bwd_nodq is flash_bwd(dq=False) at the bwd config
-        kdef = {"fwd": K.flash_fwd_kernel, "bwd": K.flash_bwd_kernel, "bwd_nodq": K.flash_bwd_kernel, "dq": K.flash_bwd_dq_kernel}[kind]
-        flags = {"dq": False} if kind == "bwd_nodq" else {}
-        config = job[6] if len(job) > 6 else K.default_config(d, causal, ARCH, "bwd" if kind == "bwd_nodq" else kind)
-        try:
-            k = kdef.compile(config, ARCH, headdim=d, dtype=dt, causal=causal, groups=groups, scale=scale, **flags)
-        except Exception as e:  # a search-space config may not fit (shared memory, warp layout)
-            return job, f"failed: {type(e).__name__}: {str(e).splitlines()[0][:100]}", None
-    elif kind in ("prep", "prep_nodq"):
-        k = K.flash_bwd_prep_kernel.compile(K.PrepConfig(), ARCH, headdim=d, dtype=dt, **({"dq": False} if kind == "prep_nodq" else {}))
-    else:
-        k = K.cast_f32_kernel.compile(K.CastConfig(), ARCH, dtype=dt)
+    # exactly what the op layer compiles for this kernel name: same static args and flags
+    config = job[6] if len(job) > 6 else A.untuned_config(kind, d, causal, ARCH)
+    try:
+        k = A.compile_kernel(kind, config, ARCH, dt, **A.kernel_static(kind, d, causal, groups, scale))
+    except Exception as e:  # a search-space config may not fit (shared memory, warp layout)
+        return job, f"failed: {type(e).__name__}: {str(e).splitlines()[0][:100]}", None
     # the cache entry's directory: its executable.so embeds the cubin, so it alone serves the GPU host
     return job, f"{time.time() - t0:.1f}s", getattr(k, "_tilelang_cache_path", None)
 

@@ -55,7 +55,7 @@ class _ArchKernelDef(KernelDef):
 
 
 def _arch_aware(kdef: KernelDef) -> _ArchKernelDef:
-    return _ArchKernelDef(kdef.family, kdef.name, kdef.build, kdef.pass_configs)
+    return _ArchKernelDef(**{f.name: getattr(kdef, f.name) for f in dataclasses.fields(kdef)})  # every field, min_sm too
 
 
 # ---------------------------------------------------------------------------------------------

@@ -91,11 +91,38 @@ _KDEFS = {
 _TUNED_AS = {"fwd": "fwd", "bwd": "bwd", "bwd_nodq": "bwd", "dq": "dq"}
 
 
-def _compile(name: str, config, dtype: torch.dtype, device: torch.device, **static):
+def kernel_static(name: str, headdim: int, causal: bool, groups: int, softmax_scale: Optional[float]) -> dict:
+    """The static args kernel `name` takes: every one for the main kernels (softmax_scale None:
+    1/sqrt(headdim)), headdim for the preprocess, none for the cast."""
+    if name in _TUNED_AS:
+        from ..kernels import attention as K
+
+        scale = K.default_scale(headdim) if softmax_scale is None else float(softmax_scale)
+        return dict(headdim=headdim, causal=causal, groups=groups, scale=scale)
+    return dict(headdim=headdim) if name != "cast" else {}
+
+
+def untuned_config(name: str, headdim: int = 0, causal: bool = False, arch: Optional[str] = None):
+    """Kernel `name`'s config without a tuned entry: the default table of kernels/attention.py for
+    the main kernels (by headdim, causal and arch), the fixed config of the preprocess and cast."""
+    from ..kernels import attention as K
+
+    if name in _TUNED_AS:
+        return K.default_config(headdim, causal, arch, _TUNED_AS[name])
+    return K.PrepConfig() if name != "cast" else K.CastConfig()
+
+
+def compile_kernel(name: str, config, arch: str, dtype: str, **static):
+    """Kernel `name` (see _KDEFS) compiled for `arch` and the TileLang dtype `dtype`; the
+    cache-warming script calls this too, on a machine without a GPU."""
     from ..kernels import attention as K
 
     attr, flags = _KDEFS[name]
-    return getattr(K, attr).compile(config, runtime.arch_for_device(device), dtype=TL_DTYPE[dtype], **static, **flags)
+    return getattr(K, attr).compile(config, arch, dtype=dtype, **static, **flags)
+
+
+def _compile(name: str, config, dtype: torch.dtype, device: torch.device, **static):
+    return compile_kernel(name, config, runtime.arch_for_device(device), TL_DTYPE[dtype], **static)
 
 
 def _kernel(name: str, dtype: torch.dtype, device: torch.device, headdim: int = 0, causal: bool = False, groups: int = 1, softmax_scale: Optional[float] = None):
@@ -105,15 +132,11 @@ def _kernel(name: str, dtype: torch.dtype, device: torch.device, headdim: int = 
     key = (name, dtype, device.index, headdim, causal, groups, softmax_scale)
     k = _kernels.get(key)
     if k is None:
-        from ..kernels import attention as K
-
+        static = kernel_static(name, headdim, causal, groups, softmax_scale)
         if name in _TUNED_AS:
-            scale = K.default_scale(headdim) if softmax_scale is None else float(softmax_scale)
-            static = dict(headdim=headdim, causal=causal, groups=groups, scale=scale)
             config = tuning.resolve_config(TUNABLES[_TUNED_AS[name]], _tune_shape(static), dtype, device)
         else:
-            static = dict(headdim=headdim) if name != "cast" else {}
-            config = K.PrepConfig() if name != "cast" else K.CastConfig()
+            config = untuned_config(name)  # the preprocess and the cast: one fixed config
         k = _kernels[key] = runtime.launcher(_compile(name, config, dtype, device, **static))
     return k
 
@@ -125,10 +148,8 @@ def _tune_key(shape, dtype, device):
 
 def _tune_default(kind):
     def default(shape, dtype):
-        from ..kernels import attention as K
-
         arch = runtime.arch_for_device(torch.cuda.current_device()) if torch.cuda.is_available() else "sm_90a"
-        return K.default_config(shape[4], bool(shape[5]), arch, kind)
+        return untuned_config(kind, shape[4], bool(shape[5]), arch)
 
     return default
 
