@@ -46,6 +46,25 @@ def host_us(fn, n: int = 2000, warmup: int = 200) -> float:
     return statistics.median(samples)
 
 
+def kernel_ms(step, steps: int, warmup: int = 3, name_len: int = 90) -> dict[str, float]:
+    """GPU ms per step of every CUDA kernel `step()` launches, by kernel name (torch.profiler),
+    after `warmup` unprofiled steps: where a step's GPU time goes."""
+    from collections import defaultdict
+
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    per_kernel: dict[str, float] = defaultdict(float)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[ev.name[:name_len]] += ev.time_range.elapsed_us() / 1e3 / steps
+    return dict(per_kernel)
+
+
 def environment() -> dict:
     from importlib.metadata import PackageNotFoundError, version
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import tilelang_ops  # noqa: F401
-from benchmarks._timing import bench, table, write_json
+from benchmarks._timing import bench, kernel_ms, table, write_json
 
 DT = torch.bfloat16
 GEMM_M = (1024, 4096, 16384)
@@ -83,7 +83,9 @@ def linear_rows(rep, with_compile):
     return rows
 
 
-def mlp_rows(rep, with_compile):
+def _mlp():
+    """The MLP block eager and ours (same weights), its input and output gradient, and
+    `step(model)`: one forward + backward with fresh gradients."""
     from tilelang_ops import nn as tnn
 
     tokens, d, h = MLP["tokens"], MLP["d"], MLP["hidden"]
@@ -103,6 +105,12 @@ def mlp_rows(rep, with_compile):
 
         return run
 
+    return eager, ours, x, step
+
+
+def mlp_rows(rep, with_compile):
+    tokens, d, h = MLP["tokens"], MLP["d"], MLP["hidden"]
+    eager, ours, x, step = _mlp()
     step(ours)()
     grads_ours = [x.grad.clone()] + [p.grad.clone() for p in ours.parameters()]
     step(eager)()
@@ -123,38 +131,13 @@ def mlp_rows(rep, with_compile):
 
 
 def mlp_profile(top: int = 14):
-    """Kernel-by-kernel GPU time of one MLP fwd+bwd step (torch.profiler), ours vs eager: where
-    the MLP row's ratio comes from."""
-    from collections import defaultdict
-
-    from tilelang_ops import nn as tnn
-
-    tokens, d, h = MLP["tokens"], MLP["d"], MLP["hidden"]
-    eager = torch.nn.Sequential(torch.nn.Linear(d, h), torch.nn.GELU(approximate="tanh"), torch.nn.Linear(h, d)).cuda().to(DT)
-    ours = torch.nn.Sequential(tnn.Linear(d, h, activation="gelu_tanh"), torch.nn.Identity(), tnn.Linear(h, d)).cuda().to(DT)
-    x = torch.randn(tokens, d, device="cuda", dtype=DT, requires_grad=True)
-    g = torch.randn(tokens, d, device="cuda", dtype=DT)
+    """Kernel-by-kernel GPU time of one MLP fwd+bwd step, ours vs eager: where the MLP row's
+    ratio comes from."""
+    eager, ours, _, step = _mlp()
     rows = []
     for name, model in (("ours", ours), ("eager", eager)):
-        def step():
-            x.grad = None
-            for p in model.parameters():
-                p.grad = None
-            model(x).backward(g)
-
-        for _ in range(3):
-            step()
-        torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
-                step()
-            torch.cuda.synchronize()
-        per = defaultdict(float)
-        for ev in prof.events():
-            if ev.device_type == torch.autograd.DeviceType.CUDA:
-                per[ev.name[:70]] += ev.time_range.elapsed_us() / 1e3 / 5
-        total = sum(per.values())
-        rows.append(dict(what=f"MLP kernels {name}", kernel="(total)", ms=total))
+        per = kernel_ms(step(model), steps=5, name_len=70)
+        rows.append(dict(what=f"MLP kernels {name}", kernel="(total)", ms=sum(per.values())))
         rows += [dict(what=f"MLP kernels {name}", kernel=k, ms=v) for k, v in sorted(per.items(), key=lambda kv: -kv[1])[:top]]
     return rows
 

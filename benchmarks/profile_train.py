@@ -12,11 +12,10 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import pathlib
-from collections import defaultdict
 
 import torch
 
-from benchmarks._timing import table, write_json
+from benchmarks._timing import kernel_ms, table, write_json
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -43,18 +42,7 @@ def profile_mode(tg, mode: str, steps: int) -> dict[str, float]:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-    per_kernel: dict[str, float] = defaultdict(float)
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            per_kernel[ev.name[:90]] += ev.time_range.elapsed_us() / 1e3 / steps  # ms per step
-    return dict(per_kernel)
+    return kernel_ms(step, steps)
 
 
 def main() -> None:
