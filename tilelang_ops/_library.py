@@ -91,7 +91,7 @@ class CustomOp:
             return (*grads_in, None) if isinstance(grads_in, tuple) else (grads_in, None)
 
         fn_cls = type(f"{self.name}_autograd", (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(backward_)})
-        self.apply_with_grad = lambda keyset, args: fn_cls.apply(*args, keyset)
+        self.apply_with_grad = _fast_apply(fn_cls)
         self._impl_autograd(self.apply_with_grad)
 
     def register_autograd_via(self, other: "CustomOp", select):
@@ -111,6 +111,24 @@ class CustomOp:
             return run(keyset, args)
 
         _LIB.impl(self.name, autograd_kernel, "Autograd", with_keyset=True)
+
+
+def _fast_apply(fn_cls):
+    """(keyset, args) -> fn_cls.apply(*args, keyset), minus Function.apply's Python preamble.
+
+    Outside functorch transforms, `Function.apply` unwraps dead functorch wrappers and calls the C
+    `_FunctionBase.apply`; doing the same here saves ~1.5 µs per grad-recording call (CPU
+    machine). Under vmap/grad it is `Function.apply` itself, unchanged."""
+    raw = _C._FunctionBase.__dict__["apply"].__get__(None, fn_cls)
+    transforms_active = _C._are_functorch_transforms_active
+    unwrap = _C._functorch.unwrap_if_dead
+
+    def apply(keyset, args):
+        if transforms_active():
+            return fn_cls.apply(*args, keyset)
+        return raw(*[unwrap(a) if isinstance(a, torch.Tensor) else a for a in args], keyset)
+
+    return apply
 
 
 def _no_grad_path(op, impls):

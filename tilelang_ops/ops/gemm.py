@@ -232,8 +232,8 @@ def _launch_matmul(layout, a, b, bias=None, activation="none", save_preact=False
         a, b = ready(a), ready(b)
         if bias is not None:
             bias = ready(bias) if n == N else _prep(bias, {0: n})
-    c = a.new_empty(out_shape)
-    z = a.new_empty(out_shape) if save_preact else None
+    c = a.new_empty(*out_shape)  # sizes as ints: a tuple argument parses ~0.5 µs slower
+    z = a.new_empty(*out_shape) if save_preact else None
     if c.numel():
         kern = _matmul_kernel(a.device, layout, n, k, a.dtype, rows, a.dim() == 3, bias is not None, activation, save_preact, tokens)
         args = (a, b) if bias is None else (a, b, bias)
@@ -458,11 +458,11 @@ def _check_act_grad(dy, z, activation) -> None:
 def _(dy, z, activation, bias_grad):
     _check_act_grad(dy, z, activation)
     M, N = dy.shape
-    dz = dy.new_empty((M, N))
+    dz = dy.new_empty(M, N)
     if dy.numel() == 0:
         return dz, (dy.new_zeros(N) if bias_grad else dy.new_empty(0))
     kern, colsum, bm = _act_grad_kernel(dy.device, N, dy.dtype, activation)
-    partial = dy.new_empty((-(-M // bm), N), dtype=torch.float32)  # (ceil(M/bm), N) column sums
+    partial = torch.empty(-(-M // bm), N, dtype=torch.float32, device=dy.device)  # (ceil(M/bm), N) column sums
     kern(ready(dy), ready(z), dz, partial)
     db = dy.new_empty(N if bias_grad else 0)
     if bias_grad:
