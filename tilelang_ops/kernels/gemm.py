@@ -72,6 +72,13 @@ DEFAULT_OVERRIDES: dict[tuple, GemmConfig] = {
     ("sm_9", "nn", 0, 11008, 4096): GemmConfig(block_M=128, block_N=256, block_K=64, num_stages=4, threads=256, swizzle=8, policy="FullRow"),  # 1024x11008x4096: 1.04x default, 1.12x cuBLAS
     ("sm_9", "nn", 1, 11008, 4096): GemmConfig(block_M=128, block_N=256, block_K=64, num_stages=4, threads=256, swizzle=8, policy="Square"),  # 4096x11008x4096: 1.03x default, 1.01x cuBLAS
     ("sm_9", "nn", 0, 14336, 4096): GemmConfig(block_M=128, block_N=256, block_K=64, num_stages=4, threads=256, swizzle=8, policy="FullRow"),  # 1024x14336x4096: 1.03x default, 1.12x cuBLAS
+    # "nt" = linear (+ bias + gelu_tanh epilogue): sweep_gemm --group lin_*, 2026-11-30 (fifth session,
+    # benchmarks/results/2026-11-30-h200-session5/call1); ratio to cuBLASLt's _addmm_activation
+    ("sm_9", "nt", 2, 4096, 4096): GemmConfig(block_M=128, block_N=256, block_K=64, num_stages=4, threads=256, swizzle=8, policy="FullRow"),  # 16384x4096x4096: 1.026x default, 0.955x
+    ("sm_9", "nt", 0, 14336, 4096): GemmConfig(block_M=128, block_N=256, block_K=64, num_stages=4, threads=256, swizzle=8, policy="Square"),  # 1024x14336x4096: 1.031x default, 0.897x
+    ("sm_9", "nt", 1, 4096, 14336): GemmConfig(block_M=128, block_N=256, block_K=64, num_stages=4, threads=256, swizzle=8, policy="FullRow"),  # 4096x4096x14336: 1.028x default, 0.981x
+    ("sm_9", "nt", 2, 11008, 4096): GemmConfig(block_M=128, block_N=256, block_K=64, num_stages=4, threads=256, swizzle=8, policy="FullRow"),  # 16384x11008x4096: 1.060x default, 0.973x
+    ("sm_9", "nt", 0, 3072, 768): GemmConfig(block_M=128, block_N=192, block_K=64, num_stages=4, threads=256, swizzle=8, policy="Square"),  # 1024x3072x768: 1.265x default, 1.132x
 }
 
 
