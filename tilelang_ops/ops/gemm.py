@@ -194,23 +194,54 @@ def _prep(t: torch.Tensor, pad_dims: dict[int, int]) -> torch.Tensor:
     return ready(t)
 
 
+def _fast_2d(layout, a, b, bias=None, activation="none", save_preact=False):
+    """The common call in one pass, or None: 2-D operands of one supported dtype and device,
+    matching non-empty reduction, static dims multiples of 8 (N, and K or for "tn" the rows P), contiguous and 16-byte
+    aligned (bias too). Then (c, z) after one launch; the call is validated by these same
+    conditions, so the op skips its separate check. None: the op validates (naming what is
+    wrong) and takes the general path. `activation` must already be valid."""
+    if not (a.dim() == 2 and b.dim() == 2 and a.dtype in DTYPES and b.dtype is a.dtype and a.device == b.device):
+        return None
+    M, K = a.shape  # "tn": a is (tokens, P), the output (P, N)
+    if layout == "nn":
+        kb, N = b.shape
+    elif layout == "nt":
+        N, kb = b.shape
+    else:
+        kb, N = b.shape
+        M, K = K, M
+    if kb != K or not K or (K | N) & 7 or not (a.is_contiguous() and b.is_contiguous()) or (a.data_ptr() | b.data_ptr()) & 15:
+        return None
+    if layout == "tn" and M & 7:  # the output rows P are the static dim there
+        return None
+    if bias is not None and not (
+        bias.dtype is a.dtype and bias.dim() == 1 and bias.shape[0] == N and bias.device == a.device
+        and bias.is_contiguous() and not bias.data_ptr() & 15
+    ):
+        return None
+    c = a.new_empty(M, N)  # sizes as ints: a tuple argument parses ~0.5 µs slower
+    z = a.new_empty(M, N) if save_preact else None
+    if M:
+        if layout == "tn":
+            kern = _matmul_kernel(a.device, "tn", N, 0, a.dtype, M, False, False, "none", False, K)
+        else:
+            kern = _matmul_kernel(a.device, layout, N, K, a.dtype, 0, False, bias is not None, activation, save_preact, M)
+        args = (a, b, c) if bias is None else (a, b, bias, c)
+        kern(*args, z) if save_preact else kern(*args)
+    return c, z
+
+
 def _launch_matmul(layout, a, b, bias=None, activation="none", save_preact=False):
     """C (and Z) for 2-D or batched 3-D operands already validated; pads ragged static dims.
 
-    Hot path (static dims multiples of 8, operands contiguous and aligned): no copies, one
-    output allocation (two with save_preact), a dict lookup and the launch.
+    Hot path: `_fast_2d` (no copies, one output allocation, two with save_preact, a dict lookup
+    and the launch). Otherwise every operand is made contiguous and aligned, ragged static dims
+    are zero-padded and the output is sliced back.
     """
-    fast = layout != "tn" and a.dim() == 2 and b.dim() == 2
-    if fast:  # the common call: 2-D, contiguous, aligned, nothing to pad; skips the general preparation
-        M, K = a.shape
-        N = b.shape[0] if layout == "nt" else b.shape[1]
-        fast = (
-            not (K & 7 or N & 7) and a.is_contiguous() and b.is_contiguous() and not (a.data_ptr() & 15 or b.data_ptr() & 15)
-            and (bias is None or (bias.is_contiguous() and not bias.data_ptr() & 15))
-        )
-    if fast:
-        n, k, rows, tokens, out_shape, padded = N, K, 0, M, (M, N), False
-    elif layout == "tn":
+    fast = _fast_2d(layout, a, b, bias, activation, save_preact)
+    if fast is not None:
+        return fast
+    if layout == "tn":
         P, N = a.shape[-1], b.shape[-1]
         rows, n, k = _up(P), _up(N), 0
         padded = rows != P or n != N
@@ -228,11 +259,10 @@ def _launch_matmul(layout, a, b, bias=None, activation="none", save_preact=False
             b = _prep(b, {b.dim() - 2: n, b.dim() - 1: k} if layout == "nt" else {b.dim() - 2: k, b.dim() - 1: n})
         out_shape = (*a.shape[:-1], n)
         tokens = a.numel() // k if k else 0  # batch × M
-    if not fast:  # every operand contiguous and aligned
-        a, b = ready(a), ready(b)
-        if bias is not None:
-            bias = ready(bias) if n == N else _prep(bias, {0: n})
-    c = a.new_empty(*out_shape)  # sizes as ints: a tuple argument parses ~0.5 µs slower
+    a, b = ready(a), ready(b)
+    if bias is not None:
+        bias = ready(bias) if n == N else _prep(bias, {0: n})
+    c = a.new_empty(*out_shape)
     z = a.new_empty(*out_shape) if save_preact else None
     if c.numel():
         kern = _matmul_kernel(a.device, layout, n, k, a.dtype, rows, a.dim() == 3, bias is not None, activation, save_preact, tokens)
@@ -322,10 +352,13 @@ def gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 @gemm.register_kernel("cuda")
 def _(a, b):
+    fast = _fast_2d("nn", a, b)
+    if fast is not None:
+        return fast[0]
     _check_pair(a, b, "gemm")
-    lead = a.shape[:-1]
     fold = a.dim() == 3 and b.dim() == 2
     if fold:  # shared weight: fold the batch into M (a view when a is contiguous)
+        lead = a.shape[:-1]
         a = a.reshape(-1, a.shape[-1])
     if b.dim() == 2 and not b.is_contiguous() and b.t().is_contiguous():
         c = _cuda_matmul("nt", a, b.t())[0]  # b is a transposed (N, K) weight: read it as is, no copy
@@ -371,6 +404,9 @@ def gemm_nt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 @gemm_nt.register_kernel("cuda")
 def _(a, b):
+    fast = _fast_2d("nt", a, b)
+    if fast is not None:
+        return fast[0]
     _check_pair(a, b, "gemm_nt")
     if a.dim() == 3 and b.dim() == 2:
         return _cuda_matmul("nt", a.reshape(-1, a.shape[-1]), b)[0].view(*a.shape[:-1], b.shape[0])
@@ -410,6 +446,9 @@ def gemm_tn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 @gemm_tn.register_kernel("cuda")
 def _(a, b):
+    fast = _fast_2d("tn", a, b)
+    if fast is not None:
+        return fast[0]
     _check_pair(a, b, "gemm_tn")
     return _cuda_matmul("tn", a, b)[0]
 
@@ -480,6 +519,7 @@ def _(dy, z, activation, bias_grad):
 
 
 def _linear_impl_cuda(x, weight, bias, activation, save_preact):
+    """Validated by the caller; (y, z)."""
     if x.dim() == 2:  # no reshape/view round trip (~1 µs each) on the common 2-D call
         return _cuda_matmul("nt", x, weight, bias, activation, save_preact)
     x2 = x.reshape(-1, x.shape[-1])
@@ -496,6 +536,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 @linear.register_kernel("cuda")
 def _(x, weight, bias=None, activation="none"):
+    if activation in _ACTIVATION_SET:
+        fast = _fast_2d("nt", x, weight, bias, activation)
+        if fast is not None:
+            return fast[0]
     _check_linear(x, weight, bias, activation)
     return _linear_impl_cuda(x, weight, bias, activation, False)[0]
 
@@ -559,6 +603,10 @@ def linear_preact(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 @linear_preact.register_kernel("cuda")
 def _(x, weight, bias, activation):
+    if activation in _ACTIVATION_SET:
+        fast = _fast_2d("nt", x, weight, bias, activation, True)
+        if fast is not None:
+            return fast
     _check_linear(x, weight, bias, activation)
     return _linear_impl_cuda(x, weight, bias, activation, True)
 
