@@ -228,6 +228,17 @@ def _qkv(t: torch.Tensor) -> torch.Tensor:
     return aligned16(t.contiguous())  # the copy (tests spy on aligned16 to see that none happens)
 
 
+def _qkv3(q, k, v) -> tuple:
+    """`_qkv` of each, with one test for the common call: all contiguous and 16-byte aligned,
+    and int32 strides (a contiguous tensor's largest stride is below its numel)."""
+    if (
+        q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
+        and not (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15 and max(q.numel(), k.numel()) <= INT32_MAX
+    ):
+        return q, k, v
+    return _qkv(q), _qkv(k), _qkv(v)
+
+
 # ------------------------------------------------------------------------------------- forward
 @custom_op("flash_attn_with_lse")
 def flash_attn_with_lse(
@@ -248,7 +259,7 @@ def _flash_fwd_cuda(q, k, v, causal=False, softmax_scale=None):
     lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
     if Sk == 0 or out.numel() == 0:  # nothing to attend to
         return out.zero_(), lse.fill_(float("-inf"))
-    _kernel("fwd", q.dtype, q.device, D, causal, H // HK, softmax_scale)(_qkv(q), _qkv(k), _qkv(v), out, lse)
+    _kernel("fwd", q.dtype, q.device, D, causal, H // HK, softmax_scale)(*_qkv3(q, k, v), out, lse)
     return out, lse
 
 
@@ -331,7 +342,7 @@ def _flash_bwd_cuda(dout, q, k, v, out, lse, causal=False, softmax_scale=None, d
         _kernel("prep", dtype, dev, D)(ready(out), dout, ready(lse), delta, lse2, dq_acc)
     if dlse is not None:  # d lse_i / d s_ij = P_ij, so dlse folds into Delta: dS = P (dP - (Delta - dlse))
         delta[:, :, :Sq].sub_(dlse)
-    q, k, v = _qkv(q), _qkv(k), _qkv(v)
+    q, k, v = _qkv3(q, k, v)
     dq = q.new_empty(B, Sq, H, D)
     if det:
         _kernel("bwd_nodq", dtype, dev, D, causal, groups, softmax_scale)(q, k, v, dout, lse2, delta, dk, dv)
