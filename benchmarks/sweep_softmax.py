@@ -42,16 +42,14 @@ def candidates() -> dict:
     # The d-suffixed cluster schedules exchange the chunk partials through DSMEM (no global round trip).
     csd = lambda t, c, mb=0: [S("csplit", 1, t, c, mb), S("csplitd", 1, t, c, mb)]  # noqa: E731
     smx = lambda t, c: [S("csmemx", 1, t, c), S("csmemxd", 1, t, c)]  # noqa: E731
-    # cstream = csplitd with persistent clusters walking `rows` rows each (next row's loads in flight)
-    cst = lambda t, c, *rows: [S("cstream", r, t, c) for r in rows]  # noqa: E731
     return {
         # few long rows: csplit (chunk in registers) vs csmemx (chunk in shared memory)
-        (256, 32768, False): csd(128, 4096) + csd(256, 8192) + smx(256, 8192) + smx(128, 4096) + cst(128, 4096, 1, 2, 4) + cst(256, 8192, 2, 4),
-        (128, 65536, False): csd(256, 8192) + smx(256, 8192) + smx(512, 16384) + cst(256, 8192, 1, 2, 4) + cst(512, 16384, 2),
-        (64, 131072, False): csd(512, 16384) + [S("split", 1, 256, 8192)] + smx(512, 16384) + cst(512, 16384, 1, 2),
-        (32, 262144, False): [S("split", 1, 256, 8192)] + smx(256, 32768) + smx(512, 32768) + cst(1024, 32768, 1, 2),
+        (256, 32768, False): csd(128, 4096) + csd(256, 8192) + smx(256, 8192) + smx(128, 4096),
+        (128, 65536, False): csd(256, 8192) + smx(256, 8192) + smx(512, 16384),
+        (64, 131072, False): csd(512, 16384) + [S("split", 1, 256, 8192)] + smx(512, 16384),
+        (32, 262144, False): [S("split", 1, 256, 8192)] + smx(256, 32768) + smx(512, 32768),
         # many long rows
-        (4096, 32768, False): [lp(256, 8192)] + csd(256, 8192) + csd(128, 4096) + smx(256, 8192) + cst(128, 4096, 8, 16) + cst(256, 8192, 4, 8, 16, 32),
+        (4096, 32768, False): [lp(256, 8192)] + csd(256, 8192) + csd(128, 4096) + smx(256, 8192),
         # backward (csplit is the default for every long-row bucket)
         (256, 32768, True): csd(128, 4096),
         (128, 65536, True): csd(256, 8192),

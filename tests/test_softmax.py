@@ -400,11 +400,6 @@ EXTRA_SCHEDULES = [
     (("csmemxd", 1, 256, 32768, 0), 262144, False),
     (("csmemxd", 1, 256, 8192, 0), 30001, False),
     (("csplit", 1, 512, 16384, 0), 131072, False),  # the 131072 forward's default
-    # persistent clusters walking rows (37 rows: clusters walk 3 or 2 rows, both exchange parities)
-    (("cstream", 3, 128, 4096, 0), 32768, False),
-    (("cstream", 2, 256, 8192, 0), 30001, False),  # ragged last chunk
-    (("cstream", 3, 512, 16384, 0), 131072, False),
-    (("cstream", 2, 1024, 32768, 0), 262144, False),
 ]
 
 

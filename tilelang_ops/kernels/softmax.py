@@ -39,10 +39,6 @@ shapes the schedule: each distinct N compiles once per (kind, dtype, direction).
   through distributed shared memory (stores into each peer CTA's shared memory, one cluster
   barrier) instead of global memory: no L2 round trip between the reduction and the output pass.
 
-* **cstream** — `csplitd`'s forward with persistent clusters: ceil(M / block_m) clusters each
-  walk block_m rows (strided), issuing the next row's loads before this row's stores, so reads
-  and writes overlap and clusters launch once.
-
 `SoftmaxConfig.min_blocks` sets __launch_bounds__' min CTAs per SM: a register cap (ptxas
 otherwise spends registers freely, e.g. a 1024-thread `rows` CTA at 48 registers leaves one CTA
 per SM).
@@ -75,13 +71,13 @@ def vec_width(n: int, dtype: str) -> int:
     return v
 
 
-SCHEDULES = ("rows", "rowsh", "loop", "split", "csplit", "csplitd", "csmem", "csmemx", "csmemxd", "cstream")
+SCHEDULES = ("rows", "rowsh", "loop", "split", "csplit", "csplitd", "csmem", "csmemx", "csmemxd")
 
 
 @dataclass(frozen=True)
 class SoftmaxConfig:
     schedule: str = "rows"  # one of SCHEDULES (see the module docstring)
-    block_m: int = 1  # rows: rows per CTA, threads // block_m lanes share a row; cstream: rows per cluster
+    block_m: int = 1  # rows: rows per CTA; threads // block_m lanes share a row
     threads: int = 256
     chunk: int = 0  # loop / split: row elements per chunk, a multiple of threads * vec
     # __launch_bounds__ min blocks per SM (0: unset). Caps registers at 64K / (threads * this) so
@@ -192,9 +188,6 @@ def fits(cfg: SoftmaxConfig, n: int, dtype: str, kind: str = "softmax", backward
     schedule = _cluster_base(cfg.schedule)[0]
     if schedule in ("csmem", "csmemx"):  # forward only; the chunk in shared memory (<= 96 KB)
         return ok and not backward and _split_chunks(n, cfg.chunk) <= CLUSTER_MAX and cfg.chunk * _ESIZE[dtype] <= 96 * 1024
-    if schedule == "cstream":  # forward only; the chunk in registers (input dtype) plus its fp32 shifted values
-        ept = cfg.chunk // cfg.threads
-        return ok and not backward and cfg.block_m >= 1 and _split_chunks(n, cfg.chunk) <= CLUSTER_MAX and ept * _ESIZE[dtype] // 4 + ept <= 2 * _PER_THREAD
     if schedule == "csplit":  # a cluster per row; the chunk held in registers (input dtype)
         ept = cfg.chunk // cfg.threads
         held = ept * _arrays(kind, backward) * _ESIZE[dtype] // 4 + (ept if kind == "softmax" and not backward else 0)  # + fp32 exp
@@ -220,9 +213,7 @@ def schedule_kernels(cfg: SoftmaxConfig, n: int, dtype: str, kind: str, backward
     if cfg.schedule == "loop":
         return [(loop_bwd if backward else loop_fwd, cfg, st)]
     base, d = _cluster_base(cfg.schedule)
-    if base == "cstream" and not backward:
-        return [(cstream, cfg, st)]
-    if base in ("csplit", "cstream") or (backward and base in ("csmem", "csmemx")):
+    if base == "csplit" or (backward and base in ("csmem", "csmemx")):
         return [(csplit, cfg, {**st, "backward": backward, "dsmem": d})]
     if base in ("csmem", "csmemx"):
         return [(csmem, cfg, {**st, "keep_exp": base == "csmemx", "dsmem": d})]
@@ -831,110 +822,6 @@ def csmem(config: SoftmaxConfig, n: int, dtype: str, kind: str, keep_exp: bool, 
 
 
 # ---------------------------------------------------------------------------------------------
-# cstream: the forward of `csplitd`, with each cluster streaming rows instead of owning one. G
-# clusters (G = ceil(M / block_m), read from P0's row count) walk rows g, g + G, ...; a CTA keeps
-# its chunk's shifted values in fp32 registers, so its input registers are free once the chunk
-# partials are known, and the next row's loads are issued into them before this row's output
-# stores. One wave of one-row clusters reads everything, then writes
-# everything (the bus idles between); streaming overlaps one row's writes with the next row's reads
-# and pays the cluster launch once. The exchange slots alternate by row parity: a CTA can be one
-# row ahead of a peer still reading the previous row's slots, never two (the barrier orders it).
-# ---------------------------------------------------------------------------------------------
-@kernel("softmax", "softmax_cstream", min_sm=90)
-def cstream(config: SoftmaxConfig, n: int, dtype: str, kind: str):
-    M = T.dynamic("M")
-    G = T.dynamic("G")
-    c, threads = config.chunk, config.threads
-    nc, kc, w = _chunk_tile(config, n, dtype)
-    assert nc <= CLUSTER_MAX, (n, c)
-    log = kind == "log_softmax"
-    neg_inf = -T.infinity(_ACC)
-
-    @T.prim_func
-    def main(
-        A: T.Tensor((M, n), dtype),
-        B: T.Tensor((M, n), dtype),  # unused (the launch signature of csplit)
-        P0: T.Tensor((G, nc), _ACC),  # unused contents: its row count is the number of clusters
-        P1: T.Tensor((G, nc), _ACC),  # unused
-        O: T.Tensor((M, n), dtype),
-    ):
-        with T.ClusterKernel(G * nc, cluster_dims=(nc, 1, 1), threads=threads) as bx:
-            if config.min_blocks:
-                T.annotate_min_blocks_per_sm(config.min_blocks)
-            g = bx // nc
-            ch = bx % nc
-            base = ch * c
-            a = T.alloc_fragment((kc, w), dtype)
-            e = T.alloc_fragment((kc, w), _ACC)  # exp(x - chunk max), or x - chunk max for log
-            part = T.alloc_fragment((w,), _ACC)
-            r0 = T.alloc_fragment((1,), _ACC)
-            r1 = T.alloc_fragment((1,), _ACC)
-            acc0 = T.alloc_var(_ACC)
-            acc1 = T.alloc_var(_ACC)
-            mine = T.alloc_shared((2,), _ACC)
-            peers = T.alloc_shared((2, nc, 2), _ACC, scope="shared")  # static: peers write it remotely
-            T.cluster_arrive_relaxed()
-            for kk, j in T.Parallel(kc, w):  # the first row
-                a[kk, j] = T.if_then_else(base + kk * w + j < n, A[g, base + kk * w + j], T.Cast(dtype, neg_inf))
-            T.cluster_wait()  # every peer has started: DSMEM stores may go out
-            for it in T.serial(T.ceildiv(M - g, G)):
-                row = g + it * G
-                par = it % 2
-                for j in T.Parallel(w):
-                    part[j] = neg_inf
-                    for kk in T.serial(kc):
-                        part[j] = T.max(part[j], T.Cast(_ACC, a[kk, j]))
-                T.reduce_max(part, r0, dim=0)
-                for kk, j in T.Parallel(kc, w):  # an all -inf chunk: e = 0 (or -inf), sum 0, not NaN
-                    if log:
-                        e[kk, j] = T.Cast(_ACC, a[kk, j]) - _safe(r0[0])
-                    else:
-                        e[kk, j] = T.exp2((T.Cast(_ACC, a[kk, j]) - _safe(r0[0])) * LOG2E)
-                for j in T.Parallel(w):
-                    part[j] = 0.0
-                    for kk in T.serial(kc):
-                        if log:
-                            part[j] = part[j] + T.exp2(e[kk, j] * LOG2E)
-                        else:
-                            part[j] = part[j] + e[kk, j]
-                T.reduce_sum(part, r1, dim=0)
-                if T.get_thread_binding() == 0:
-                    mine[0] = r0[0]
-                    mine[1] = r1[0]
-                T.sync_threads()
-                for k in T.serial(nc):
-                    T.copy_cluster(mine, peers[par, ch, :], dst_block=k)
-                T.cluster_arrive()
-                T.cluster_wait()
-                # The next row's loads go out here, after the release barrier (a release makes a
-                # thread wait for its earlier loads) and before this row's stores, which then share
-                # the bus with them; nothing reads `a` until the next row's max.
-                if row + G < M:
-                    for kk, j in T.Parallel(kc, w):
-                        a[kk, j] = T.if_then_else(
-                            base + kk * w + j < n, A[row + G, base + kk * w + j], T.Cast(dtype, neg_inf)
-                        )
-                acc0 = neg_inf
-                for k in T.serial(nc):
-                    acc0 = T.max(acc0, peers[par, k, 0])
-                acc1 = 0.0
-                for k in T.serial(nc):  # NaN only for an all -inf row, like PyTorch
-                    acc1 = acc1 + peers[par, k, 1] * T.exp2((peers[par, k, 0] - acc0) * LOG2E)
-                if log:  # x - lse = e + chunk max - lse
-                    acc1 = _safe(r0[0]) - acc0 - T.log2(acc1) * LN2
-                else:  # e was shifted by this chunk's max: rescale to the row's and normalise at once
-                    acc1 = T.exp2((_safe(r0[0]) - acc0) * LOG2E) / acc1
-                for kk, j in T.Parallel(kc, w):  # writes c
-                    if base + kk * w + j < n:
-                        if log:
-                            O[row, base + kk * w + j] = T.Cast(dtype, e[kk, j] + acc1)
-                        else:
-                            O[row, base + kk * w + j] = T.Cast(dtype, e[kk, j] * acc1)
-
-    return main
-
-
-# ---------------------------------------------------------------------------------------------
 # loop: long rows and many of them; one CTA per row walks its row twice in chunks. Each thread
 # keeps its own running (max, sum) / dot over the vectors it loads and the CTA reduces them once
 # at the end: no barrier inside the walk, so a thread's next loads never wait on the others.
@@ -1063,5 +950,4 @@ REPRESENTATIVE = (
     + [(csplit, MEASURED[("bwd", 32768, "many")], {"n": 32768, "dtype": "bfloat16", "kind": "softmax", "backward": True})]
     + [(csmem, MEASURED[("fwd", 32768, "many")], {"n": 32768, "dtype": "bfloat16", "kind": "softmax", "keep_exp": True, "dsmem": True})]
     + [(csmem, SoftmaxConfig("csmemx", 1, 256, 32768, 0), {"n": 262144, "dtype": "bfloat16", "kind": "softmax", "keep_exp": True})]
-    + [(cstream, SoftmaxConfig("cstream", 4, 256, 8192, 0), {"n": 32768, "dtype": "bfloat16", "kind": "softmax"})]
 )

@@ -123,9 +123,7 @@ def _run(cfg, kernels: tuple, backward: bool, a: torch.Tensor, b: torch.Tensor |
     m, n = a.shape
     b = a if b is None else b  # forward kernels ignore their second input
     chunks = -(-n // cfg.chunk)
-    # per-chunk partials: M*chunks*8 bytes; cstream: its row count is the number of clusters
-    rows = -(-m // cfg.block_m) if cfg.schedule == "cstream" else m
-    p0 = torch.empty(rows, chunks, dtype=torch.float32, device=a.device)
+    p0 = torch.empty(m, chunks, dtype=torch.float32, device=a.device)  # per-chunk partials: M*chunks*8 bytes
     p1 = torch.empty_like(p0)
     if cfg.schedule != "split":  # csplit/csmem: one launch, a cluster per row exchanges partials through p0/p1
         kernels[0](a, b, p0, p1, out)
