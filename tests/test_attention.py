@@ -244,6 +244,26 @@ def test_flash_attn_cuda_poisoned_out_only(shape):
     assert torch.isfinite(out).all() and rel_err(out, ref_out) <= ATTENTION_REL_ERR[torch.bfloat16]
 
 
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "shape,causal",
+    [((2, 17, 33, 4, 1, 64), True), ((1, 1000, 300, 4, 4, 128), True), ((3, 129, 129, 6, 2, 128), False), ((1, 4097, 61, 2, 2, 256), False), ((2, 300, 1, 4, 2, 64), True)],
+)
+def test_flash_attn_inference_kernel_matches_the_lse_kernel(dtype, shape, causal):
+    # flash_attn without grad runs the kernel variant with no LSE output: same math, so the same
+    # bits as flash_attn_with_lse's output; and poisoned, so an unwritten element would show.
+    q, k, v = _inputs(shape, dtype, "cuda", requires_grad=False)
+    want, _ = torch.ops.tileops.flash_attn_with_lse(q, k, v, causal)
+    B, Sq, Sk, H, HK, D = shape
+    torch.cuda.empty_cache()
+    with poisoned_cuda_allocation(B * Sq * H * D * 2) as ptr:
+        out = torch.ops.tileops.flash_attn(q, k, v, causal)
+    assert out.data_ptr() == ptr, "poison did not reach the output; the test would not catch unwritten elements"
+    assert torch.equal(out, want)
+
+
 def test_deterministic_flag_restored_after_error():
     before = torch.are_deterministic_algorithms_enabled()
     with pytest.raises(RuntimeError, match="boom"):

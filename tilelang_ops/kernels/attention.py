@@ -109,7 +109,10 @@ def _qkv_param(name: str, shape: tuple, dtype: str):
 
 
 @kernel("attention", "flash_fwd", pass_configs=_PASS_CONFIGS)
-def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, groups: int, scale: float):
+def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, groups: int, scale: float, lse: bool = True):
+    """O (and with lse=True the base-e log-sum-exp per row, (B, H, Sq) fp32) of softmax(Q K^T) V.
+    lse=False serves inference calls: no LSE buffer to allocate or write."""
+    with_lse = lse  # the fragment below is named `lse`, as in the exported kernels
     B = T.dynamic("B")
     Sq = T.dynamic("Sq")
     Sk = T.dynamic("Sk")
@@ -121,14 +124,8 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
     scale_log2 = scale * LOG2E  # softmax in base 2: exp(x * scale) == exp2(x * scale * log2(e))
     neg_inf = -T.infinity(acc)
 
-    @T.prim_func
-    def flash_fwd(
-        Q: _qkv_param("q", (B, Sq, H, D), dtype),
-        K: _qkv_param("k", (B, Sk, HK, D), dtype),
-        V: _qkv_param("v", (B, Sk, HK, D), dtype),
-        O: T.Tensor((B, Sq, H, D), dtype),
-        LSE: T.Tensor((B, H, Sq), acc),
-    ):
+    @T.macro
+    def body(Q, K, V, O, LSE):
         with T.Kernel(T.ceildiv(Sq, bm), H, B, threads=config.threads) as (bx, by, bz):
             q_s = T.alloc_shared((bm, D), dtype)
             k_s = T.alloc_shared((bn, D), dtype)
@@ -208,7 +205,32 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
                 o[i, j] *= l[i]
             T.copy(o, o_s)
             T.copy(o_s, O[bz, qt * bm : (qt + 1) * bm, by, :])
-            T.copy(lse, LSE[bz, by, qt * bm : (qt + 1) * bm])
+            if with_lse:
+                T.copy(lse, LSE[bz, by, qt * bm : (qt + 1) * bm])
+
+    # T.prim_func needs an explicit signature per argument list: with and without LSE.
+    if with_lse:
+
+        @T.prim_func
+        def flash_fwd(
+            Q: _qkv_param("q", (B, Sq, H, D), dtype),
+            K: _qkv_param("k", (B, Sk, HK, D), dtype),
+            V: _qkv_param("v", (B, Sk, HK, D), dtype),
+            O: T.Tensor((B, Sq, H, D), dtype),
+            LSE: T.Tensor((B, H, Sq), acc),
+        ):
+            body(Q, K, V, O, LSE)
+
+    else:
+
+        @T.prim_func
+        def flash_fwd(
+            Q: _qkv_param("q", (B, Sq, H, D), dtype),
+            K: _qkv_param("k", (B, Sk, HK, D), dtype),
+            V: _qkv_param("v", (B, Sk, HK, D), dtype),
+            O: T.Tensor((B, Sq, H, D), dtype),
+        ):
+            body(Q, K, V, O, None)
 
     return flash_fwd
 
@@ -650,6 +672,8 @@ REPRESENTATIVE = [
     (flash_fwd_kernel, fwd_default_config(128, True), dict(headdim=128, dtype="bfloat16", causal=True, groups=1, scale=default_scale(128))),
     (flash_fwd_kernel, fwd_default_config(64, False), dict(headdim=64, dtype="bfloat16", causal=False, groups=1, scale=default_scale(64))),
     (flash_fwd_kernel, fwd_default_config(64, True), dict(headdim=64, dtype="bfloat16", causal=True, groups=1, scale=default_scale(64))),
+    # inference (flash_attn without grad): no LSE output
+    (flash_fwd_kernel, fwd_default_config(128, False), dict(headdim=128, dtype="bfloat16", causal=False, groups=1, scale=default_scale(128), lse=False)),
     (flash_bwd_prep_kernel, PrepConfig(), dict(headdim=128, dtype="bfloat16")),
     (flash_bwd_kernel, bwd_default_config(128, True), dict(headdim=128, dtype="bfloat16", causal=True, groups=1, scale=default_scale(128))),
     (cast_f32_kernel, CastConfig(), dict(dtype="bfloat16")),

@@ -79,6 +79,7 @@ def _tune_shape(static: dict) -> tuple:
 # kernel for dK/dV only; "dq" computes dQ per query block without atomics.
 _KDEFS = {
     "fwd": ("flash_fwd_kernel", {}),
+    "fwd_nolse": ("flash_fwd_kernel", {"lse": False}),  # inference: out only
     "bwd": ("flash_bwd_kernel", {}),
     "bwd_nodq": ("flash_bwd_kernel", {"dq": False}),
     "dq": ("flash_bwd_dq_kernel", {}),
@@ -88,7 +89,7 @@ _KDEFS = {
 }
 # Kernels with every static arg, and the tuned-config entry each resolves its config from
 # (dK/dV-only uses the main backward's: same tiles, minus the dQ work).
-_TUNED_AS = {"fwd": "fwd", "bwd": "bwd", "bwd_nodq": "bwd", "dq": "dq"}
+_TUNED_AS = {"fwd": "fwd", "fwd_nolse": "fwd", "bwd": "bwd", "bwd_nodq": "bwd", "dq": "dq"}
 
 
 def kernel_static(name: str, headdim: int, causal: bool, groups: int, softmax_scale: Optional[float]) -> dict:
@@ -126,7 +127,7 @@ def _compile(name: str, config, dtype: torch.dtype, device: torch.device, **stat
 
 
 def _kernel(name: str, dtype: torch.dtype, device: torch.device, headdim: int = 0, causal: bool = False, groups: int = 1, softmax_scale: Optional[float] = None):
-    """Launcher for kernel `name`: "fwd"/"bwd"/"bwd_nodq"/"dq" (every static arg), "prep"/"prep_nodq"
+    """Launcher for kernel `name`: "fwd"/"fwd_nolse"/"bwd"/"bwd_nodq"/"dq" (every static arg), "prep"/"prep_nodq"
     (headdim), "cast" (none). Keyed by the call's own arguments (positional, softmax_scale as
     given): a hit costs no math."""
     key = (name, dtype, device.index, headdim, causal, groups, softmax_scale)
@@ -390,7 +391,16 @@ def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool =
 
 @flash_attn.register_kernel("cuda")
 def _(q, k, v, causal=False, softmax_scale=None):
-    return _flash_fwd_cuda(q, k, v, causal, softmax_scale)[0]
+    # No gradient will be taken here (autograd routes those calls to flash_attn_with_lse): the
+    # kernel variant without the LSE output, so no LSE buffer is allocated or written.
+    _check_qkv(q, k, v, softmax_scale)
+    B, Sq, H, D = q.shape
+    Sk, HK = k.shape[1], k.shape[2]
+    out = q.new_empty(B, Sq, H, D)
+    if Sk == 0 or out.numel() == 0:
+        return out.zero_()
+    _kernel("fwd_nolse", q.dtype, q.device, D, causal, H // HK, softmax_scale)(*_qkv3(q, k, v), out)
+    return out
 
 
 @flash_attn.register_fake
