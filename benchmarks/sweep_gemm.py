@@ -36,10 +36,10 @@ GRAPH_N = 10
 REP = 10
 
 
-def _cfg(bm, bn, bk, st, th=256, sw=8, pol="Square"):
+def _cfg(bm, bn, bk, st, th=256, sw=8, pol="Square", mb=0, regs=0):
     from tilelang_ops.kernels.gemm import GemmConfig
 
-    return GemmConfig(bm, bn, bk, st, th, sw, pol)
+    return GemmConfig(bm, bn, bk, st, th, sw, pol, mb, regs)
 
 
 def candidates():
@@ -51,19 +51,29 @@ def candidates():
     lin = dict(layout="nt", rows=0, dtype="bfloat16", batched=False, bias=True, activation="gelu_tanh", save_preact=False)
     nt_plain = dict(lin, bias=False, activation="none")
     tn_extra = [_cfg(128, 256, 64, 4, pol="FullRow"), _cfg(128, 128, 64, 4), _cfg(128, 192, 64, 4), _cfg(128, 256, 64, 3, sw=0)]
+    wave11008 = [_cfg(128, 176, 64, 3), _cfg(128, 176, 64, 4), _cfg(128, 176, 64, 4, pol="FullRow")]
+    # two CTAs per SM: 128x128 tiles, 96 KB of shared memory each, registers 80 at launch
+    # (min_blocks=2), setmaxnreg 24 (producer) / 104 (consumers) = 29.7K of the CTA's 30.7K
+    two = [_cfg(128, 128, 64, 2, mb=2, regs=104), _cfg(128, 128, 32, 4, mb=2, regs=104)]  # (FullRow: nvcc fails)
+    wave14336 = [_cfg(128, 224, 64, 3), _cfg(128, 224, 64, 3, pol="FullRow")]
     return {
-        "nn_4096_4096": (dict(gemm, n=4096, k=4096), big + small + [_cfg(128, 256, 64, 3, sw=0)], [("gemm", 1024), ("gemm", 4096)]),
+        "nn_4096_4096": (dict(gemm, n=4096, k=4096), big + small + [_cfg(128, 256, 64, 3, sw=0)] + two, [("gemm", 1024), ("gemm", 4096)]),
         # K=768: 12 k-steps of 64 (6 of 128): shallow pipelines, wide K tiles
-        "nn_3072_768": (dict(gemm, n=3072, k=768), big + small + [_cfg(128, 256, 128, 2), _cfg(128, 256, 64, 2), _cfg(128, 128, 64, 2), _cfg(128, 128, 128, 2)],
+        "nn_3072_768": (dict(gemm, n=3072, k=768), big + small + [_cfg(128, 256, 128, 2), _cfg(128, 256, 64, 2), _cfg(128, 128, 64, 2), _cfg(128, 128, 128, 2)] + two,
                         [("gemm", 1024), ("gemm", 4096), ("gemm", 16384)]),
+        # N tiles that fill the last wave at M=1024 (132 SMs): 11008 = 62.5 x 176 -> 504 tiles = 3.8
+        # waves (128x256: 344 = 2.6); 14336 = 64 x 224 -> 512 tiles = 3.9 waves (128x256: 448 = 3.4).
+        # (176 only for "nt": an "nn" B tile 176 wide has no canonical wgmma shared layout.)
         "nn_11008_4096": (dict(gemm, n=11008, k=4096), big + [_cfg(128, 128, 64, 4), _cfg(128, 192, 64, 4)], [("gemm", 1024), ("gemm", 4096)]),
-        # 448 CTAs of 128×256 = 3.4 waves on 132 SMs: tile shapes that quantize better
-        "nn_14336_4096": (dict(gemm, n=14336, k=4096), big[:3] + [_cfg(128, 128, 64, 4), _cfg(128, 192, 64, 4)], [("gemm", 1024)]),
+        "nn_14336_4096": (dict(gemm, n=14336, k=4096), big[:3] + [_cfg(128, 128, 64, 4), _cfg(128, 192, 64, 4)] + wave14336, [("gemm", 1024)]),
         # linear + bias + gelu_tanh ("nt" with the epilogue) over the bench_gemm set: no "nt" override exists yet
         **{
             f"lin_{n}_{k}": (dict(lin, n=n, k=k), big + [_cfg(128, 128, 64, 4), _cfg(128, 192, 64, 4)], [("linear", m) for m in (1024, 4096, 16384)])
             for n, k in ((4096, 4096), (14336, 4096), (4096, 14336), (11008, 4096), (3072, 768))
         },
+        "lin_two_3072_768": (dict(lin, n=3072, k=768), [C0, _cfg(128, 192, 64, 4)] + two, [("linear", m) for m in (1024, 4096, 16384)]),
+        "lin_wave_11008_4096": (dict(lin, n=11008, k=4096), [C0] + wave11008, [("linear", 1024), ("linear", 4096)]),
+        "lin_wave_14336_4096": (dict(lin, n=14336, k=4096), [C0] + wave14336, [("linear", 1024), ("linear", 4096)]),
         # the same GEMM without bias/activation: the epilogue's cost is the difference
         "ntplain_14336_4096": (dict(nt_plain, n=14336, k=4096), [C0], [("linear_noepi", 8192)]),
         "ntplain_4096_4096": (dict(nt_plain, n=4096, k=4096), [C0], [("linear_noepi", 4096)]),

@@ -41,6 +41,11 @@ class GemmConfig:
     threads: int = 256  # consumer threads under warp specialization (Hopper adds a producer warpgroup)
     swizzle: int = 8  # T.use_swizzle panel size (L2 reuse across neighbouring CTAs); 0 = off
     policy: str = "Square"  # T.GemmWarpPolicy member: Square | FullRow | FullCol
+    # Two CTAs per SM (one's epilogue overlaps the other's main loop) need min_blocks=2 (caps
+    # ptxas's registers) and a consumer register budget for setmaxnreg that fits two CTAs
+    # (producer warpgroup at 24). 0 = TileLang's defaults (one CTA per SM, 24/240).
+    min_blocks: int = 0
+    consumer_regs: int = 0
 
 
 # Defaults per (arch, shape class). The static dims (N, K; output rows for "tn") are baked into
@@ -199,6 +204,11 @@ def matmul_kernel(
 
     @T.macro
     def body(A, B, Bias, C, Z, bx, by, bz):
+        if config.min_blocks:
+            T.annotate_min_blocks_per_sm(config.min_blocks)
+        if config.consumer_regs:
+            T.annotate_producer_reg_dealloc(24)
+            T.annotate_consumer_reg_alloc(config.consumer_regs)
         ix = (bz,) if batched else ()
         A_s = T.alloc_shared(a_tile, dtype)
         B_s = T.alloc_shared(b_tile, dtype)
