@@ -72,18 +72,27 @@ def m_bucket(m: int) -> int:
 # ("sm_9", layout, bucket, None, None) (whole bucket). k is the output rows for "tn".
 # Fill from `python -m benchmarks.sweep_gemm` (its "OVERRIDE" lines paste here).
 DEFAULT_OVERRIDES: dict[tuple, GemmConfig] = {
-    # benchmarks/sweep_gemm.py on one H200, 2026-11-30 (bf16; GPU time from CUDA-graph replays)
-    ("sm_9", "nn", 0, 3072, 768): GemmConfig(block_M=256, block_N=128, block_K=64, num_stages=3, threads=256, swizzle=8, policy="Square"),  # 1024x3072x768: 1.17x default, 0.985x cuBLAS
+    # benchmarks/sweep_gemm.py on one H200, 2026-11-30 (bf16; GPU time from CUDA-graph replays).
+    # "2 CTAs/SM" = min_blocks=2, consumer_regs=104: 128x128 tiles, two CTAs resident per SM, so one
+    # CTA's epilogue overlaps the other's main loop (the short-K shapes' bottleneck).
+    ("sm_9", "nn", 0, 3072, 768): GemmConfig(128, 128, 32, 4, 256, 8, "Square", 2, 104),  # 1024x3072x768: 1.07x the former 256x128 override, 1.03x cuBLAS (2 CTAs/SM; fifth session)
+    ("sm_9", "nn", 1, 4096, 4096): GemmConfig(128, 256, 64, 4, 256, 8, "Square"),  # 4096^3: 1.03x default (fifth session)
     ("sm_9", "nn", 0, 11008, 4096): GemmConfig(block_M=128, block_N=256, block_K=64, num_stages=4, threads=256, swizzle=8, policy="FullRow"),  # 1024x11008x4096: 1.04x default, 1.12x cuBLAS
     ("sm_9", "nn", 1, 11008, 4096): GemmConfig(block_M=128, block_N=256, block_K=64, num_stages=4, threads=256, swizzle=8, policy="Square"),  # 4096x11008x4096: 1.03x default, 1.01x cuBLAS
-    ("sm_9", "nn", 0, 14336, 4096): GemmConfig(block_M=128, block_N=256, block_K=64, num_stages=4, threads=256, swizzle=8, policy="FullRow"),  # 1024x14336x4096: 1.03x default, 1.12x cuBLAS
-    # "nt" = linear (+ bias + gelu_tanh epilogue): sweep_gemm --group lin_*, 2026-11-30 (fifth session,
-    # benchmarks/results/2026-11-30-h200-session5/call1); ratio to cuBLASLt's _addmm_activation
+    # 14336 = 64 tiles of 224: 512 tiles at M=1024 fill 3.9 waves of 132 SMs (128x256: 3.4)
+    ("sm_9", "nn", 0, 14336, 4096): GemmConfig(128, 224, 64, 3, 256, 8, "FullRow"),  # 1024x14336x4096: 1.04x the former s4 override, 1.06x cuBLAS (fifth session)
+    # "nt" = linear (+ bias + gelu_tanh epilogue): sweep_gemm --group lin_*, fifth session
+    # (benchmarks/results/2026-11-30-h200-session5/call1 and call4); ratio to cuBLASLt's _addmm_activation
     ("sm_9", "nt", 2, 4096, 4096): GemmConfig(block_M=128, block_N=256, block_K=64, num_stages=4, threads=256, swizzle=8, policy="FullRow"),  # 16384x4096x4096: 1.026x default, 0.955x
-    ("sm_9", "nt", 0, 14336, 4096): GemmConfig(block_M=128, block_N=256, block_K=64, num_stages=4, threads=256, swizzle=8, policy="Square"),  # 1024x14336x4096: 1.031x default, 0.897x
+    ("sm_9", "nt", 0, 14336, 4096): GemmConfig(128, 224, 64, 3, 256, 8, "Square"),  # 1024x14336x4096: 710 TFLOP/s vs 583 default, 651 former s4 override (call 1); 0.98x
     ("sm_9", "nt", 1, 4096, 14336): GemmConfig(block_M=128, block_N=256, block_K=64, num_stages=4, threads=256, swizzle=8, policy="FullRow"),  # 4096x4096x14336: 1.028x default, 0.981x
     ("sm_9", "nt", 2, 11008, 4096): GemmConfig(block_M=128, block_N=256, block_K=64, num_stages=4, threads=256, swizzle=8, policy="FullRow"),  # 16384x11008x4096: 1.060x default, 0.973x
+    # 11008 = 62.5 tiles of 176: 504 tiles at M=1024 fill 3.8 waves (128x256: 344 = 2.6)
+    ("sm_9", "nt", 0, 11008, 4096): GemmConfig(128, 176, 64, 4, 256, 8, "FullRow"),  # 1024x11008x4096: 1.059x default, 0.974x
+    ("sm_9", "nt", 1, 11008, 4096): GemmConfig(128, 176, 64, 4, 256, 8, "FullRow"),  # 4096x11008x4096: 1.026x default, 0.927x
     ("sm_9", "nt", 0, 3072, 768): GemmConfig(block_M=128, block_N=192, block_K=64, num_stages=4, threads=256, swizzle=8, policy="Square"),  # 1024x3072x768: 1.265x default, 1.132x
+    ("sm_9", "nt", 1, 3072, 768): GemmConfig(128, 128, 64, 2, 256, 8, "Square", 2, 104),  # 4096x3072x768: 1.066x default, 0.932x (2 CTAs/SM)
+    ("sm_9", "nt", 2, 3072, 768): GemmConfig(128, 128, 64, 2, 256, 8, "Square", 2, 104),  # 16384x3072x768: 1.110x default, 0.845x (2 CTAs/SM)
 }
 
 
@@ -117,6 +126,7 @@ SEARCH_SPACE = [
     GemmConfig(128, 192, 64, 4, 256, 8),
     GemmConfig(128, 128, 64, 5, 128, 8),
     GemmConfig(128, 256, 64, 2, 256, 8),
+    GemmConfig(128, 128, 64, 2, 256, 8, "Square", 2, 104),  # two CTAs per SM
 ]
 
 
