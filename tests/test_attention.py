@@ -192,17 +192,28 @@ def test_flash_attn_cuda_fuzz(b, sq, sk, hk, groups, d, causal, dtype):
 
 @contextlib.contextmanager
 def _poisoned_pools(large_bytes: int):
-    """Fill the caching allocator's free memory with NaN bytes (0xFF) in both pools: one large
-    segment and one 2 MB small-pool segment (requests <= 1 MB). Every tensor the op allocates next
-    is carved from them, so an element a kernel fails to write stays NaN. Yields a predicate
-    telling whether a tensor was allocated from poisoned memory. (A single-size poison, as in
-    helpers.poisoned_cuda_allocation, reaches only the first output of an op with several.)"""
+    """Fill every free byte of the caching allocator with NaN bytes (0xFF): each inactive block of
+    the segments it holds (found in torch.cuda.memory_snapshot()) is taken by an exact-size
+    allocation and filled, plus one fresh `large_bytes` segment for large requests; then all are
+    freed. Every tensor the op allocates next is carved from poisoned memory, so an element a
+    kernel fails to write stays NaN. Yields a predicate telling whether a tensor was allocated from
+    poisoned memory. (A single-size poison, as in helpers.poisoned_cuda_allocation, reaches only
+    the first output of an op with several; earlier small segments with live tensors keep free
+    space that a fresh poison would miss.)"""
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    big = torch.empty(large_bytes, dtype=torch.uint8, device="cuda").fill_(0xFF)
-    small = [torch.empty(1 << 20, dtype=torch.uint8, device="cuda").fill_(0xFF) for _ in range(2)]
-    ranges = [(t.data_ptr(), t.data_ptr() + t.numel()) for t in (big, *small)]
-    del big, small
+    held = [torch.empty(large_bytes, dtype=torch.uint8, device="cuda")]
+    dev = torch.cuda.current_device()
+    for seg in torch.cuda.memory_snapshot():
+        if seg["device"] != dev:
+            continue
+        for blk in seg["blocks"]:
+            if blk["state"] == "inactive":
+                held.append(torch.empty(blk["size"], dtype=torch.uint8, device="cuda"))
+    for t in held:
+        t.fill_(0xFF)
+    ranges = [(t.data_ptr(), t.data_ptr() + t.numel()) for t in held]
+    del held
     yield lambda t: any(lo <= t.data_ptr() < hi for lo, hi in ranges)
 
 
@@ -212,8 +223,6 @@ def _poisoned_pools(large_bytes: int):
 @pytest.mark.parametrize("shape", [(1, 17, 17, 2, 2, 64), (2, 1000, 300, 8, 2, 128), (1, 129, 257, 4, 4, 256)])
 def test_flash_attn_cuda_poisoned_outputs(shape, causal):
     """Every element of out, lse, dq, dk, dv is written, even on tails and fully masked rows."""
-    import warnings
-
     dtype = torch.bfloat16
     q, k, v = _inputs(shape, dtype, "cuda", requires_grad=False)
     dout = torch.randn(q.shape, dtype=dtype, device="cuda")
@@ -223,8 +232,7 @@ def test_flash_attn_cuda_poisoned_outputs(shape, causal):
         grads = torch.ops.tileops.flash_attn_backward(dout, q, k, v, out, lse, causal, None)
         torch.cuda.synchronize()
     missed = [n for n, t in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads)) if not poisoned(t)]
-    if missed:  # the allocator placed them elsewhere: the test still checks values, just less strictly
-        warnings.warn(f"poison did not reach {missed}; allocator layout differs from the test's assumption")
+    assert not missed, f"poison did not reach {missed}: the test could not see an unwritten element"
     base = _baseline_errors(q, k, v, causal, None, dout, ref_out, ref_lse, ref_grads)
     _check(out, lse, ref_out, ref_lse, dtype, grads, ref_grads, base)
 
