@@ -192,9 +192,9 @@ def test_flash_attn_cuda_fuzz(b, sq, sk, hk, groups, d, causal, dtype):
 
 @contextlib.contextmanager
 def _poisoned_pools(large_bytes: int):
-    """Fill every free byte of the caching allocator with NaN bytes (0xFF): each inactive block of
-    the segments it holds (found in torch.cuda.memory_snapshot()) is taken by an exact-size
-    allocation and filled, plus one fresh `large_bytes` segment for large requests; then all are
+    """Fill every free byte of the caching allocator with NaN bytes (0xFF): a fresh `large_bytes`
+    segment and 8 MB of fresh small-pool segments, then each inactive block left in the segments it
+    holds (torch.cuda.memory_snapshot()), each taken by an exact-size allocation; then all are
     freed. Every tensor the op allocates next is carved from poisoned memory, so an element a
     kernel fails to write stays NaN. Yields a predicate telling whether a tensor was allocated from
     poisoned memory. (A single-size poison, as in helpers.poisoned_cuda_allocation, reaches only
@@ -202,7 +202,10 @@ def _poisoned_pools(large_bytes: int):
     space that a fresh poison would miss.)"""
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
+    # fresh segments first (one large; 1 MB requests make 2 MB small-pool segments), so that
+    # requests no existing free block fits do not open an unpoisoned segment
     held = [torch.empty(large_bytes, dtype=torch.uint8, device="cuda")]
+    held += [torch.empty(1 << 20, dtype=torch.uint8, device="cuda") for _ in range(8)]
     dev = torch.cuda.current_device()
     for seg in torch.cuda.memory_snapshot():
         if seg["device"] != dev:
