@@ -613,3 +613,46 @@ def test_launch_path_plumbing_with_an_emulated_kernel(monkeypatch, layout, case,
         _check(z, want_z.float(), torch.bfloat16, "emulated launch z")
     else:
         assert z is None
+
+
+def test_fast_path_accepts_only_the_plain_call(monkeypatch):
+    """`_fast_2d` is both the validation and the launch of the common call: it must launch the
+    plain call (with the right buffers, in order) and return None for everything else, so the op
+    falls through to its checks (which name the problem) or to the general path (copies, padding)."""
+    launched = []
+
+    def fake_kernel(device, lay, n, k, dtype, rows, batched, bias, activation, save_preact, tokens):
+        def run(*args):
+            launched.append((lay, n, k, rows, bias, save_preact, tokens, [t.shape for t in args]))
+
+        return run
+
+    monkeypatch.setattr(G, "_matmul_kernel", fake_kernel)
+    bf = torch.bfloat16
+    a, w, bias = torch.randn(33, 64, dtype=bf), torch.randn(40, 64, dtype=bf), torch.randn(40, dtype=bf)
+    y, z = G._fast_2d("nt", a, w, bias, "gelu_tanh", True)
+    assert launched == [("nt", 40, 64, 0, True, True, 33, [(33, 64), (40, 64), (40,), (33, 40), (33, 40)])]
+    assert y.shape == z.shape == (33, 40)
+    launched.clear()
+    assert G._fast_2d("nn", a, w.t().contiguous())[0].shape == (33, 40)
+    assert G._fast_2d("tn", a, torch.randn(33, 16, dtype=bf))[0].shape == (64, 16)  # (tokens, P)ᵀ @ (tokens, N)
+    assert [c[0] for c in launched] == ["nn", "tn"] and launched[1][3] == 64 and launched[1][6] == 33
+    launched.clear()
+    misaligned = torch.randn(33 * 64 + 1, dtype=bf)[1:].view(33, 64)
+    near_misses = {
+        "dtype mix": ("nt", a, w.float(), None),
+        "unsupported dtype": ("nt", a.float(), w.float(), None),
+        "3-D input": ("nt", a.unsqueeze(0), w, None),
+        "reduction mismatch": ("nt", a, w[:, :56].contiguous(), None),
+        "K not a multiple of 8": ("nt", a[:, :60].contiguous(), w[:, :60].contiguous(), None),
+        "N not a multiple of 8": ("nt", a, w[:36].contiguous(), None),
+        "empty reduction": ("nt", a[:, :0], w[:, :0], None),
+        "non-contiguous": ("nt", a.t().contiguous().t(), w, None),
+        "misaligned": ("nt", misaligned, w, None),
+        "bias length": ("nt", a, w, bias[:32]),
+        "bias dtype": ("nt", a, w, bias.float()),
+        "tn rows not a multiple of 8": ("tn", a[:, :60].contiguous(), torch.randn(33, 16, dtype=bf), None),
+    }
+    for name, (layout, x, b, bb) in near_misses.items():
+        assert G._fast_2d(layout, x, b, bb) is None, name
+    assert not launched

@@ -210,9 +210,10 @@ def _fast_2d(layout, a, b, bias=None, activation="none", save_preact=False):
     else:
         kb, N = b.shape
         M, K = K, M
-    if kb != K or not K or (K | N) & 7 or not (a.is_contiguous() and b.is_contiguous()) or (a.data_ptr() | b.data_ptr()) & 15:
-        return None
-    if layout == "tn" and M & 7:  # the output rows P are the static dim there
+    # the static dims must be multiples of 8 (16-byte TMA rows): N, and K, or for "tn" the output
+    # rows P (its reduction, the token count, is symbolic and may be anything)
+    static = M if layout == "tn" else K
+    if kb != K or not K or (static | N) & 7 or not (a.is_contiguous() and b.is_contiguous()) or (a.data_ptr() | b.data_ptr()) & 15:
         return None
     if bias is not None and not (
         bias.dtype is a.dtype and bias.dim() == 1 and bias.shape[0] == N and bias.device == a.device
