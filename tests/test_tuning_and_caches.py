@@ -31,7 +31,17 @@ def test_store_lookup_round_trip(tuned_dir):
     tuning._loaded = None  # a new process reads the file
     assert tuning.lookup(key) == {"block": 4096, "threads": 128}
     assert tuning.config_from(AddConfig, tuning.lookup(key), AddConfig()) == AddConfig(4096, 128)
-    assert tuning.config_from(AddConfig, {"block": 1}, AddConfig()) == AddConfig()  # incompatible → default
+    assert tuning.config_from(AddConfig, {"block": 1, "warps": 4}, AddConfig()) == AddConfig()  # unknown field → default
+    # a field the dataclass gained after the entry was stored takes its declared default
+    assert tuning.config_from(AddConfig, {"block": 1024}, AddConfig()) == AddConfig(1024, AddConfig().threads)
+
+
+def test_gemm_entries_tuned_before_the_two_cta_fields_still_apply():
+    from tilelang_ops.kernels.gemm import GemmConfig
+
+    old = {"block_M": 128, "block_N": 128, "block_K": 64, "num_stages": 4, "threads": 256, "swizzle": 8, "policy": "Square"}
+    cfg = tuning.config_from(GemmConfig, old, GemmConfig())
+    assert cfg == GemmConfig(128, 128, 64, 4, 256, 8, "Square") and (cfg.min_blocks, cfg.consumer_regs) == (0, 0)
 
 
 def test_corrupted_tuned_file_warns_once_and_is_rebuilt(tuned_dir):

@@ -119,12 +119,18 @@ def clear() -> None:
 
 
 def config_from(cls, fields: dict | None, default):
-    """Rebuild a config dataclass from stored fields, or `default` if none/incompatible."""
+    """Rebuild a config dataclass from stored fields, or `default` if none/incompatible. A field
+    added to the dataclass after the entry was stored takes its declared default (an entry tuned
+    before GemmConfig gained min_blocks/consumer_regs still applies); unknown stored fields make
+    the entry incompatible."""
     if not fields:
         return default
+    names = {f.name for f in dataclasses.fields(cls)}
+    if not set(fields) <= names:
+        return default
     try:
-        return cls(**{f.name: fields[f.name] for f in dataclasses.fields(cls)})
-    except (KeyError, TypeError):
+        return cls(**fields)
+    except TypeError:  # a field without a default is missing, or a value has the wrong type
         return default
 
 
