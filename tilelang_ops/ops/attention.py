@@ -250,18 +250,24 @@ def flash_attn_with_lse(
     return out.to(q.dtype).contiguous(), lse.float().contiguous()
 
 
-@flash_attn_with_lse.register_kernel("cuda")
-def _flash_fwd_cuda(q, k, v, causal=False, softmax_scale=None):
+def _flash_fwd(q, k, v, causal, softmax_scale, with_lse: bool):
+    """(out, lse), or (out, None) with the kernel variant that has no LSE output (inference)."""
     _check_qkv(q, k, v, softmax_scale)
     B, Sq, H, D = q.shape
     Sk, HK = k.shape[1], k.shape[2]
     # Allocation by integer sizes: parsing a torch.Size or tuple argument costs ~1 µs more per call.
     out = q.new_empty(B, Sq, H, D)
-    lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
+    lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device) if with_lse else None
     if Sk == 0 or out.numel() == 0:  # nothing to attend to
-        return out.zero_(), lse.fill_(float("-inf"))
-    _kernel("fwd", q.dtype, q.device, D, causal, H // HK, softmax_scale)(*_qkv3(q, k, v), out, lse)
+        return out.zero_(), (lse.fill_(float("-inf")) if with_lse else None)
+    kern = _kernel("fwd" if with_lse else "fwd_nolse", q.dtype, q.device, D, causal, H // HK, softmax_scale)
+    kern(*_qkv3(q, k, v), out, lse) if with_lse else kern(*_qkv3(q, k, v), out)
     return out, lse
+
+
+@flash_attn_with_lse.register_kernel("cuda")
+def _(q, k, v, causal=False, softmax_scale=None):
+    return _flash_fwd(q, k, v, causal, softmax_scale, True)
 
 
 @flash_attn_with_lse.register_fake
@@ -393,14 +399,7 @@ def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool =
 def _(q, k, v, causal=False, softmax_scale=None):
     # No gradient will be taken here (autograd routes those calls to flash_attn_with_lse): the
     # kernel variant without the LSE output, so no LSE buffer is allocated or written.
-    _check_qkv(q, k, v, softmax_scale)
-    B, Sq, H, D = q.shape
-    Sk, HK = k.shape[1], k.shape[2]
-    out = q.new_empty(B, Sq, H, D)
-    if Sk == 0 or out.numel() == 0:
-        return out.zero_()
-    _kernel("fwd_nolse", q.dtype, q.device, D, causal, H // HK, softmax_scale)(*_qkv3(q, k, v), out)
-    return out
+    return _flash_fwd(q, k, v, causal, softmax_scale, False)[0]
 
 
 @flash_attn.register_fake
