@@ -121,7 +121,7 @@ def clear() -> None:
 def config_from(cls, fields: dict | None, default):
     """Rebuild a config dataclass from stored fields, or `default` if none/incompatible. A field
     added to the dataclass after the entry was stored takes its declared default (an entry tuned
-    before GemmConfig gained min_blocks/consumer_regs still applies); unknown stored fields make
+    before GemmConfig gained min_blocks still applies); unknown stored fields make
     the entry incompatible."""
     if not fields:
         return default

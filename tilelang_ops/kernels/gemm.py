@@ -41,11 +41,24 @@ class GemmConfig:
     threads: int = 256  # consumer threads under warp specialization (Hopper adds a producer warpgroup)
     swizzle: int = 8  # T.use_swizzle panel size (L2 reuse across neighbouring CTAs); 0 = off
     policy: str = "Square"  # T.GemmWarpPolicy member: Square | FullRow | FullCol
-    # Two CTAs per SM (one's epilogue overlaps the other's main loop) need min_blocks=2 (caps
-    # ptxas's registers) and a consumer register budget for setmaxnreg that fits two CTAs
-    # (producer warpgroup at 24). 0 = TileLang's defaults (one CTA per SM, 24/240).
+    # CTAs resident per SM (__launch_bounds__' second argument); 2 lets one CTA's epilogue overlap
+    # the other's main loop. The setmaxnreg split that fits is derived (`_warpgroup_regs`).
+    # 0 = TileLang's defaults (one CTA per SM, 24/240).
     min_blocks: int = 0
-    consumer_regs: int = 0
+
+
+_PRODUCER_REGS = 24  # setmaxnreg of the TMA producer warpgroup (TileLang's own choice)
+
+
+def _warpgroup_regs(threads: int, min_blocks: int) -> int:
+    """Consumer registers per thread for setmaxnreg when `min_blocks` CTAs of `threads` consumers
+    plus the 128-thread producer share an SM: ptxas gives each thread 64K / (CTA threads ×
+    min_blocks) registers at launch (in steps of 8), and the producer's 24 plus the consumers'
+    budget must fit in that CTA allocation, or setmaxnreg.inc waits forever (threads=256,
+    min_blocks=2: 80 at launch, 104 for the consumers)."""
+    total = threads + 128
+    launch = min(65536 // (total * min_blocks), 255) // 8 * 8
+    return min((launch * total - _PRODUCER_REGS * 128) // threads // 8 * 8, 240)
 
 
 # Defaults per (arch, shape class). The static dims (N, K; output rows for "tn") are baked into
@@ -73,9 +86,9 @@ def m_bucket(m: int) -> int:
 # Fill from `python -m benchmarks.sweep_gemm` (its "OVERRIDE" lines paste here).
 DEFAULT_OVERRIDES: dict[tuple, GemmConfig] = {
     # benchmarks/sweep_gemm.py on one H200, 2026-11-30 (bf16; GPU time from CUDA-graph replays).
-    # "2 CTAs/SM" = min_blocks=2, consumer_regs=104: 128x128 tiles, two CTAs resident per SM, so one
+    # "2 CTAs/SM" = min_blocks=2 (setmaxnreg 24/104): 128x128 tiles, two CTAs resident per SM, so one
     # CTA's epilogue overlaps the other's main loop (the short-K shapes' bottleneck).
-    ("sm_9", "nn", 0, 3072, 768): GemmConfig(128, 128, 32, 4, 256, 8, "Square", 2, 104),  # 1024x3072x768: 1.07x the former 256x128 override, 1.03x cuBLAS (2 CTAs/SM; fifth session)
+    ("sm_9", "nn", 0, 3072, 768): GemmConfig(128, 128, 32, 4, 256, 8, "Square", 2),  # 1024x3072x768: 1.07x the former 256x128 override, 1.03x cuBLAS (2 CTAs/SM; fifth session)
     ("sm_9", "nn", 1, 4096, 4096): GemmConfig(128, 256, 64, 4, 256, 8, "Square"),  # 4096^3: 1.03x default (fifth session)
     ("sm_9", "nn", 0, 11008, 4096): GemmConfig(block_M=128, block_N=256, block_K=64, num_stages=4, threads=256, swizzle=8, policy="FullRow"),  # 1024x11008x4096: 1.04x default, 1.12x cuBLAS
     ("sm_9", "nn", 1, 11008, 4096): GemmConfig(block_M=128, block_N=256, block_K=64, num_stages=4, threads=256, swizzle=8, policy="Square"),  # 4096x11008x4096: 1.03x default, 1.01x cuBLAS
@@ -91,8 +104,8 @@ DEFAULT_OVERRIDES: dict[tuple, GemmConfig] = {
     ("sm_9", "nt", 0, 11008, 4096): GemmConfig(128, 176, 64, 4, 256, 8, "FullRow"),  # 1024x11008x4096: 1.059x default, 0.974x
     ("sm_9", "nt", 1, 11008, 4096): GemmConfig(128, 176, 64, 4, 256, 8, "FullRow"),  # 4096x11008x4096: 1.026x default, 0.927x
     ("sm_9", "nt", 0, 3072, 768): GemmConfig(block_M=128, block_N=192, block_K=64, num_stages=4, threads=256, swizzle=8, policy="Square"),  # 1024x3072x768: 1.265x default, 1.132x
-    ("sm_9", "nt", 1, 3072, 768): GemmConfig(128, 128, 64, 2, 256, 8, "Square", 2, 104),  # 4096x3072x768: 1.066x default, 0.932x (2 CTAs/SM)
-    ("sm_9", "nt", 2, 3072, 768): GemmConfig(128, 128, 64, 2, 256, 8, "Square", 2, 104),  # 16384x3072x768: 1.110x default, 0.845x (2 CTAs/SM)
+    ("sm_9", "nt", 1, 3072, 768): GemmConfig(128, 128, 64, 2, 256, 8, "Square", 2),  # 4096x3072x768: 1.066x default, 0.932x (2 CTAs/SM)
+    ("sm_9", "nt", 2, 3072, 768): GemmConfig(128, 128, 64, 2, 256, 8, "Square", 2),  # 16384x3072x768: 1.110x default, 0.845x (2 CTAs/SM)
 }
 
 
@@ -126,7 +139,7 @@ SEARCH_SPACE = [
     GemmConfig(128, 192, 64, 4, 256, 8),
     GemmConfig(128, 128, 64, 5, 128, 8),
     GemmConfig(128, 256, 64, 2, 256, 8),
-    GemmConfig(128, 128, 64, 2, 256, 8, "Square", 2, 104),  # two CTAs per SM
+    GemmConfig(128, 128, 64, 2, 256, 8, "Square", 2),  # two CTAs per SM
 ]
 
 
@@ -216,9 +229,9 @@ def matmul_kernel(
     def body(A, B, Bias, C, Z, bx, by, bz):
         if config.min_blocks:
             T.annotate_min_blocks_per_sm(config.min_blocks)
-        if config.consumer_regs:
-            T.annotate_producer_reg_dealloc(24)
-            T.annotate_consumer_reg_alloc(config.consumer_regs)
+            if config.min_blocks > 1:  # TileLang's 24/240 would not fit two CTAs' registers
+                T.annotate_producer_reg_dealloc(_PRODUCER_REGS)
+                T.annotate_consumer_reg_alloc(_warpgroup_regs(config.threads, config.min_blocks))
         ix = (bz,) if batched else ()
         A_s = T.alloc_shared(a_tile, dtype)
         B_s = T.alloc_shared(b_tile, dtype)
