@@ -32,6 +32,31 @@ def bench(fn, warmup: int = 10, rep: int = 50, flush_l2: bool = False) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
+def graph_ms(fn, n: int = 10, rep: int = 10) -> float:
+    """GPU ms per fn() with the host taken out: a CUDA graph of `n` back-to-back calls, replayed
+    `rep` times between CUDA events (median / n). Where one call's GPU work is shorter than its
+    host path (small GEMMs), `bench` measures the host; this measures the kernels."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(n):
+            fn()
+    for _ in range(2):
+        g.replay()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(rep)]
+    for a, b in ev:
+        a.record()
+        g.replay()
+        b.record()
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in ev) / n
+
+
 def host_us(fn, n: int = 2000, warmup: int = 200) -> float:
     """Median host wall time per call in microseconds (launch path, not GPU time)."""
     for _ in range(warmup):

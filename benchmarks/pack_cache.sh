@@ -1,8 +1,20 @@
 #!/usr/bin/env bash
 # Packs the TileLang kernel cache warmed here (.tl-cache) for a GPU host: compiled kernels only
 # (the nvcc binary cache is only needed to recompile), xz-compressed into .tl-carry/.
+#   pack_cache.sh [CACHE_DIR] [MARKER]
+# With MARKER (a file whose time warm_all.sh set before warming), only the kernel entries read or
+# written since then are packed: the cache keeps every kernel ever built here, the GPU host needs
+# the ones today's tests, checks and benchmarks load (a call may carry 64 MiB in all).
 set -euo pipefail
 src=${1:-.tl-cache}
+marker=${2:-}
 mkdir -p .tl-carry
-tar -C "$src" -cf - 0.1.15/linux-x86_64 2>/dev/null | xz -T0 -6 > .tl-carry/tlcache.tar.xz || true
-echo "packed $(du -h .tl-carry/tlcache.tar.xz | cut -f1) from $src"
+root=0.1.15/linux-x86_64
+if [[ -n $marker ]]; then
+  (cd "$src" && find "$root/kernels" -mindepth 2 -maxdepth 2 -anewer "$OLDPWD/$marker" -printf '%h\n' | sort -u) > .tl-carry/entries.txt
+  tar -C "$src" -cf - -T .tl-carry/entries.txt | xz -T0 -6 > .tl-carry/tlcache.tar.xz
+  echo "packed $(wc -l < .tl-carry/entries.txt) kernels, $(du -h .tl-carry/tlcache.tar.xz | cut -f1), from $src"
+else
+  tar -C "$src" -cf - $root 2>/dev/null | xz -T0 -6 > .tl-carry/tlcache.tar.xz || true
+  echo "packed $(du -h .tl-carry/tlcache.tar.xz | cut -f1) from $src"
+fi

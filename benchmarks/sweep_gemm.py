@@ -36,10 +36,10 @@ GRAPH_N = 10
 REP = 10
 
 
-def _cfg(bm, bn, bk, st, th=256, sw=8, pol="Square", mb=0):
+def _cfg(bm, bn, bk, st, th=256, sw=8, pol="Square", mb=0, pipe="auto"):
     from tilelang_ops.kernels.gemm import GemmConfig
 
-    return GemmConfig(bm, bn, bk, st, th, sw, pol, mb)
+    return GemmConfig(bm, bn, bk, st, th, sw, pol, mb, pipe)
 
 
 def candidates():
@@ -56,7 +56,22 @@ def candidates():
     # (min_blocks=2), setmaxnreg 24 (producer) / 104 (consumers) = 29.7K of the CTA's 30.7K
     two = [_cfg(128, 128, 64, 2, mb=2), _cfg(128, 128, 32, 4, mb=2)]  # (FullRow: nvcc fails)
     wave14336 = [_cfg(128, 224, 64, 3), _cfg(128, 224, 64, 3, pol="FullRow")]
+    # the async pipeline (one wgmma k-step in flight, stages released after it retired) against
+    # the auto pipeline's best schedules
+    # (C leaves from registers when the stages and a C tile do not both fit: 128x256 with 4 stages)
+    asy = [_cfg(128, 256, 64, 4, pipe="async"), _cfg(128, 256, 64, 4, pol="FullRow", pipe="async"), _cfg(128, 256, 64, 3, pol="FullRow", pipe="async"),
+           _cfg(128, 192, 64, 4, pipe="async"), _cfg(128, 256, 32, 8, pol="FullRow", pipe="async")]
+    asy_two = [_cfg(128, 128, 64, 2, mb=2, pipe="async"), _cfg(128, 128, 32, 4, mb=2, pipe="async")]
     return {
+        "async_nn_8192_8192": (dict(gemm, n=8192, k=8192), [C0] + asy, [("gemm", 8192)]),
+        "async_nn_4096_4096": (dict(gemm, n=4096, k=4096), [C0, _cfg(128, 256, 64, 4)] + asy + asy_two, [("gemm", 1024), ("gemm", 4096), ("gemm", 16384)]),
+        "async_nn_3072_768": (dict(gemm, n=3072, k=768), [C0, _cfg(128, 128, 32, 4, mb=2)] + asy + asy_two, [("gemm", 1024), ("gemm", 4096), ("gemm", 16384)]),
+        "async_nn_14336_4096": (dict(gemm, n=14336, k=4096), [C0, _cfg(128, 224, 64, 3, pol="FullRow")] + asy, [("gemm", 1024), ("gemm", 8192)]),
+        "async_nn_4096_14336": (dict(gemm, n=4096, k=14336), [C0] + asy, [("gemm", 8192)]),
+        "async_lin_14336_4096": (dict(lin, n=14336, k=4096), [C0] + asy, [("linear", 8192)]),
+        "async_lin_3072_768": (dict(lin, n=3072, k=768), [C0, _cfg(128, 128, 64, 2, mb=2)] + asy + asy_two, [("linear", 4096), ("linear", 16384)]),
+        "async_tn_4096x14336": (dict(gemm, layout="tn", rows=4096, n=14336, k=0), [C0] + asy, [("wgrad", 8192)]),
+        "async_tn_14336x4096": (dict(gemm, layout="tn", rows=14336, n=4096, k=0), [C0] + asy, [("wgrad", 8192)]),
         "nn_4096_4096": (dict(gemm, n=4096, k=4096), big + small + [_cfg(128, 256, 64, 3, sw=0)] + two, [("gemm", 1024), ("gemm", 4096)]),
         # K=768: 12 k-steps of 64 (6 of 128): shallow pipelines, wide K tiles
         "nn_3072_768": (dict(gemm, n=3072, k=768), big + small + [_cfg(128, 256, 128, 2), _cfg(128, 256, 64, 2), _cfg(128, 128, 64, 2), _cfg(128, 128, 128, 2)] + two,
@@ -85,13 +100,15 @@ def candidates():
     }
 
 
-def _jobs():
+def _jobs(groups=None):
     """(kernel def, config, static) for every candidate plus what the ops' default path loads."""
     from tilelang_ops.kernels import gemm as K
     from tilelang_ops.ops import gemm as G
 
     jobs = {}
-    for static, cfgs, shapes in candidates().values():
+    for gname, (static, cfgs, shapes) in candidates().items():
+        if groups and gname not in groups:
+            continue
         for c in cfgs:
             jobs[(c, tuple(sorted(static.items())))] = (K.matmul_kernel, c, static)
         for _, m in shapes:  # the op-level call path: the default config of the call's bucket
@@ -100,8 +117,8 @@ def _jobs():
     return list(jobs.values())
 
 
-def warm() -> int:
-    jobs, failed, t0 = _jobs(), 0, time.time()
+def warm(groups=None) -> int:
+    jobs, failed, t0 = _jobs(groups), 0, time.time()
     for i, (kdef, cfg, static) in enumerate(jobs):
         t1 = time.time()
         try:
@@ -116,30 +133,14 @@ def warm() -> int:
 
 
 def _graph_ms(fn) -> float:
-    """GPU ms per fn() from a CUDA graph of GRAPH_N calls (host cost excluded)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(GRAPH_N):
-            fn()
-    for _ in range(2):
-        g.replay()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(REP)]
-    for a, b in ev:
-        a.record()
-        g.replay()
-        b.record()
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) for a, b in ev) / GRAPH_N
+    from benchmarks._timing import graph_ms
+
+    return graph_ms(fn, GRAPH_N, REP)
 
 
 def _short(c) -> str:
-    return f"{c.block_M}x{c.block_N}x{c.block_K}/s{c.num_stages}/t{c.threads}/sw{c.swizzle}/{c.policy}"
+    extra = (f"/mb{c.min_blocks}" if c.min_blocks else "") + ("/async" if c.pipeline == "async" else "")
+    return f"{c.block_M}x{c.block_N}x{c.block_K}/s{c.num_stages}/t{c.threads}/sw{c.swizzle}/{c.policy}{extra}"
 
 
 def _fmt(v) -> str:
@@ -272,7 +273,7 @@ def main(argv=None) -> int:
         print(len(_jobs()), "kernels")
         return 0
     if args.warm:
-        return warm()
+        return warm(args.group)
     if not torch.cuda.is_available():
         print("no CUDA device: use --warm here, run the sweep on the GPU host", file=sys.stderr)
         return 2

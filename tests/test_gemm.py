@@ -268,6 +268,86 @@ def test_linear_cuda_poisoned_output(act):
     _check(db, want.sum(0), torch.bfloat16, "poisoned act_grad db")
 
 
+# The async pipeline (GemmConfig.pipeline="async": our own mbarrier producer/consumer loop) over
+# ragged shapes: more k-steps than stages (the stage ring wraps), ragged K/N/M tiles, every
+# epilogue, batched and two CTAs per SM. Kernels are called directly with NaN-filled outputs, so
+# an unwritten element fails. (config kwargs, static, Ms)
+ASYNC_CASES = [
+    (dict(), dict(layout="nn", n=200, k=1000), [1, 129, 700]),
+    (dict(), dict(layout="nt", n=200, k=1000, bias=True, activation="gelu_tanh", save_preact=True), [7, 700]),
+    (dict(), dict(layout="tn", n=136, k=0, rows=200), [1, 1000]),  # M here is the reduction
+    (dict(block_N=128, num_stages=4), dict(layout="nt", n=200, k=1000, bias=True, activation="relu"), [129, 4097]),
+    (dict(block_N=128, num_stages=4), dict(layout="nn", n=128, k=72, dtype="float16", batched=True), [17, 300]),
+    (dict(block_N=128, num_stages=2, min_blocks=2), dict(layout="nn", n=3072, k=768), [1000, 4097]),
+    (dict(block_N=192, num_stages=4), dict(layout="nn", n=3072, k=768), [1, 1000, 1536]),  # the shipped override (M <= 1536)
+    # 4 stages of 128x256 leave no room for a C tile: the epilogue stores from registers
+    (dict(num_stages=4), dict(layout="nt", n=200, k=1000, bias=True, activation="gelu_tanh", save_preact=True), [7, 700]),
+]
+
+
+def _async_case_id(case):
+    cfg, st_, _ = case
+    return "-".join([st_["layout"]] + [f"{k}{v}" for k, v in {**cfg, **st_}.items() if k != "layout"])
+
+
+@pytest.mark.slow
+def test_gemm_async_pipeline_source():
+    """What makes the async pipeline correct, in its generated code: one wgmma k-step left in
+    flight (wait<1>), the stage released only after that wait, and no CTA-wide barrier after the
+    barrier init (a __syncthreads inside the role branches would deadlock the producer)."""
+    from tilelang_ops.kernels import gemm as K
+
+    cfg = K.DEFAULT_OVERRIDES[("sm_9", "nn", 0, 3072, 768)]
+    assert cfg.pipeline == "async" and cfg.min_sm == 90
+    src = K.matmul_kernel.source(cfg, "sm_90a", layout="nn", n=3072, k=768, rows=0, dtype="bfloat16", batched=False, bias=False, activation="none", save_preact=False)
+    assert src.count("__syncthreads()") == 1 and src.index("__syncthreads()") < src.index("fence_barrier_init") + 60
+    loop = src[src.index("wait_wgmma<1>"):]
+    assert loop.index("empty[") < loop.index("wait_wgmma<0>"), "the stage release must follow wait<1>"
+    assert "warpgroup_reg_dealloc<24>" in src and "warpgroup_reg_alloc<240>" in src
+    assert "__launch_bounds__(384, 1)" in src
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("case", ASYNC_CASES, ids=_async_case_id)
+def test_gemm_async_pipeline_nan_filled_outputs(case):
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the async pipeline is Hopper only (wgmma + TMA)")
+    import dataclasses
+
+    from tilelang_ops.kernels import gemm as K
+
+    cfg_kw, st_, ms = case
+    static = dict(rows=0, dtype="bfloat16", batched=False, bias=False, activation="none", save_preact=False)
+    static.update(st_)
+    cfg = dataclasses.replace(K.GemmConfig(), pipeline="async", **cfg_kw)
+    kern = K.matmul_kernel.compile(cfg, "sm_90a", **static)
+    dt = getattr(torch, static["dtype"])
+    n, k, layout = static["n"], static["k"], static["layout"]
+    lead = (3,) if static["batched"] else ()
+    for m in ms:
+        if layout == "tn":
+            a, b = _randn(m, static["rows"], dtype=dt, device="cuda"), _randn(m, n, dtype=dt, device="cuda", scale=m**-0.5)
+            ref, out_shape = a.float().t() @ b.float(), (static["rows"], n)
+        else:
+            a = _randn(*lead, m, k, dtype=dt, device="cuda")
+            w = _randn(*lead, n, k, dtype=dt, device="cuda", scale=k**-0.5)
+            b = w if layout == "nt" else w.transpose(-1, -2).contiguous()
+            ref, out_shape = a.float() @ w.float().transpose(-1, -2), lead + (m, n)
+        args = [a, b]
+        if static["bias"]:
+            bias = _randn(n, dtype=dt, device="cuda")
+            args.append(bias)
+            ref = ref + bias.float()
+        c = torch.full(out_shape, float("nan"), dtype=dt, device="cuda")
+        z = torch.full(out_shape, float("nan"), dtype=dt, device="cuda")
+        kern(*args, c, *([z] if static["save_preact"] else []))
+        torch.cuda.synchronize()
+        if static["save_preact"]:
+            _check(z, ref, dt, f"m={m} pre-activation")
+        _check(c, reference.activation(ref, static["activation"]), dt, f"m={m}")
+
+
 @pytest.mark.gpu
 @requires_cuda
 def test_gemm_layer_sized_and_last_config():

@@ -66,10 +66,16 @@ class KernelDef:
                 kernel = _tilelang().compile(
                     self.build(config, **static),
                     target={"kind": "cuda", "arch": arch},
-                    pass_configs=dict(self.pass_configs) or None,
+                    pass_configs=self.pass_configs_for(config) or None,
                 )
                 _COMPILED[key] = kernel
         return kernel
+
+    def pass_configs_for(self, config) -> dict:
+        """The family's pass configs plus what the schedule itself needs (a config dataclass may
+        define `pass_configs()`: e.g. a hand-synchronized pipeline turns TileLang's sync pass off)."""
+        extra = getattr(config, "pass_configs", None)
+        return {**dict(self.pass_configs), **(extra() if extra else {})}
 
     def source(self, config, arch: str, **static) -> str:
         return self.compile(config, arch, **static).get_kernel_source()

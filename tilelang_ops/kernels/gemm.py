@@ -45,6 +45,22 @@ class GemmConfig:
     # the other's main loop. The setmaxnreg split that fits is derived (`_warpgroup_regs`).
     # 0 = TileLang's defaults (one CTA per SM, 24/240).
     min_blocks: int = 0
+    # "auto": TileLang's warp-specialized T.Pipelined, each k-step's wgmma drained before the next
+    # (warpgroup_wait<0>). "async": our own producer/consumer mbarrier pipeline that keeps one
+    # k-step's wgmma in flight while the next is issued, releasing a stage only after its wgmma
+    # retired (sm_90 only; see `_mainloop_async`).
+    pipeline: str = "auto"
+
+    @property
+    def min_sm(self) -> int:
+        return 90 if self.pipeline == "async" else 0  # wgmma + TMA + setmaxnreg: no sm_80 form
+
+    def pass_configs(self) -> dict:
+        # The async pipeline orders its threads with mbarriers and named barriers itself; the
+        # storage-sync pass would add CTA-wide __syncthreads inside the producer/consumer
+        # branches, which deadlock (the producer never reaches the consumers' barrier).
+        # (The buffer-init check cannot see T.tma_copy's writes to the stages either.)
+        return {"tl.disable_thread_storage_sync": True, "tl.disable_buffer_init_check": True} if self.pipeline == "async" else {}
 
 
 _PRODUCER_REGS = 24  # setmaxnreg of the TMA producer warpgroup (TileLang's own choice)
@@ -88,7 +104,8 @@ DEFAULT_OVERRIDES: dict[tuple, GemmConfig] = {
     # benchmarks/sweep_gemm.py on one H200, 2026-11-30 (bf16; GPU time from CUDA-graph replays).
     # "2 CTAs/SM" = min_blocks=2 (setmaxnreg 24/104): 128x128 tiles, two CTAs resident per SM, so one
     # CTA's epilogue overlaps the other's main loop (the short-K shapes' bottleneck).
-    ("sm_9", "nn", 0, 3072, 768): GemmConfig(128, 128, 32, 4, 256, 8, "Square", 2),  # 1024x3072x768: 1.07x the former 256x128 override, 1.03x cuBLAS (2 CTAs/SM; fifth session)
+    # 1024x3072x768: 490-495 TFLOP/s in two sweeps vs 439-444 for the former two-CTA override (1.11x), 1.18-1.23x cuBLAS (sixth session)
+    ("sm_9", "nn", 0, 3072, 768): GemmConfig(128, 192, 64, 4, 256, 8, "Square", 0, "async"),
     ("sm_9", "nn", 1, 4096, 4096): GemmConfig(128, 256, 64, 4, 256, 8, "Square"),  # 4096^3: 1.03x default (fifth session)
     ("sm_9", "nn", 0, 11008, 4096): GemmConfig(block_M=128, block_N=256, block_K=64, num_stages=4, threads=256, swizzle=8, policy="FullRow"),  # 1024x11008x4096: 1.04x default, 1.12x cuBLAS
     ("sm_9", "nn", 1, 11008, 4096): GemmConfig(block_M=128, block_N=256, block_K=64, num_stages=4, threads=256, swizzle=8, policy="Square"),  # 4096x11008x4096: 1.03x default, 1.01x cuBLAS
@@ -225,8 +242,51 @@ def matmul_kernel(
     n_blocks = T.ceildiv(N, bn)
     m_blocks = T.ceildiv(M, bm)
 
+    def tile(X, ix, r, c, shape):
+        """The (shape) tile of X at tile coordinates (r, c), as a region (what T.tma_copy takes)."""
+        return X[ix + (slice(r * shape[0], (r + 1) * shape[0]), slice(c * shape[1], (c + 1) * shape[1]))]
+
+    def a_src(A, ix, by, kk):
+        return tile(A, ix, kk, by, a_tile) if trans_a else tile(A, ix, by, kk, a_tile)
+
+    def b_src(B, ix, bx, kk):
+        return tile(B, ix, bx, kk, b_tile) if trans_b else tile(B, ix, kk, bx, b_tile)
+
+    hand_sync = config.pipeline == "async"
+    consumers = config.threads
+
     @T.macro
-    def body(A, B, Bias, C, Z, bx, by, bz):
+    def sync(before_store):
+        # Async pipeline only (TileLang's sync pass is off there): named barrier 1 over the
+        # consumer threads (the producer warpgroup may have exited). Before a TMA store the
+        # generic-proxy writes to C_s must be made visible to the async proxy.
+        if hand_sync:
+            if before_store:
+                T.fence_proxy_async()
+            T.sync_threads(1, consumers)
+
+    @T.macro
+    def epilogue(C_f, C_s, Bias, C, Z, ix, bx, by):
+        """Bias and activation in registers (no extra pass over global memory), then C (and the
+        pre-activation Z) through shared memory and a TMA store."""
+        if bias:
+            for i, j in T.Parallel(bm, bn):
+                col = T.min(bx * bn + j, N - 1) if n_ragged else bx * bn + j
+                C_f[i, j] = C_f[i, j] + T.Cast(accum, Bias[col])
+        if save_preact:
+            T.copy(C_f, C_s)
+            sync(True)
+            T.copy(C_s, Z[ix + (by * bm, bx * bn)])
+            sync(False)
+        if activation != "none":
+            for i, j in T.Parallel(bm, bn):
+                C_f[i, j] = _act(C_f[i, j], activation)
+        T.copy(C_f, C_s)
+        sync(True)
+        T.copy(C_s, C[ix + (by * bm, bx * bn)])
+
+    @T.macro
+    def body_auto(A, B, Bias, C, Z, bx, by, bz):
         if config.min_blocks:
             T.annotate_min_blocks_per_sm(config.min_blocks)
             if config.min_blocks > 1:  # TileLang's 24/240 would not fit two CTAs' registers
@@ -241,41 +301,89 @@ def matmul_kernel(
             T.use_swizzle(config.swizzle)
         T.clear(C_f)
         for kk in T.Pipelined(T.ceildiv(K, bk), num_stages=config.num_stages):
-            if trans_a:
-                T.copy(A[ix + (kk * bk, by * bm)], A_s)
-            else:
-                T.copy(A[ix + (by * bm, kk * bk)], A_s)
-            if trans_b:
-                T.copy(B[ix + (bx * bn, kk * bk)], B_s)
-            else:
-                T.copy(B[ix + (kk * bk, bx * bn)], B_s)
-            # Synchronous: each k-step ends in warpgroup_wait<0>. TileLang 0.1.15 has the async form
-            # (T.wgmma_gemm + T.wait_wgmma(1)) and it compiles, but the warp-specialized pipeline
-            # then releases the smem stage (empty-barrier arrive) *before* wait_wgmma<1>, so the
-            # producer's next TMA load can overwrite operands a wgmma is still reading (its
-            # role-based scheduler refuses wg_wait != 0 for exactly this reason). Not used.
+            T.copy(a_src(A, ix, by, kk), A_s)
+            T.copy(b_src(B, ix, bx, kk), B_s)
+            # Each k-step ends in warpgroup_wait<0>: with T.wgmma_gemm + T.wait_wgmma(1) here,
+            # TileLang 0.1.15's pipeline releases the stage (empty-barrier arrive) *before* the
+            # wait, so the next TMA load could overwrite operands a wgmma still reads. The
+            # "async" pipeline below places the release itself.
             T.gemm(A_s, B_s, C_f, transpose_A=trans_a, transpose_B=trans_b, policy=policy)
-        # Epilogue in registers: bias and activation cost no extra pass over global memory.
+        epilogue(C_f, C_s, Bias, C, Z, ix, bx, by)
+
+    S = config.num_stages
+    cwg = tuple(range(consumers // 128))  # consumer warpgroups; the producer is the next one
+    # The stages and a C tile in shared memory must fit in 227 KB; else C leaves from registers.
+    esize = 2
+    direct_store = S * (bm * bk + bk * bn) * esize + bm * bn * esize > 227 * 1024
+
+    @T.macro
+    def epilogue_direct(C_f, Bias, C, Z, ix, bx, by):
         if bias:
             for i, j in T.Parallel(bm, bn):
                 col = T.min(bx * bn + j, N - 1) if n_ragged else bx * bn + j
                 C_f[i, j] = C_f[i, j] + T.Cast(accum, Bias[col])
         if save_preact:
-            T.copy(C_f, C_s)
-            T.copy(C_s, Z[ix + (by * bm, bx * bn)])
+            T.copy(C_f, Z[ix + (by * bm, bx * bn)])
         if activation != "none":
             for i, j in T.Parallel(bm, bn):
                 C_f[i, j] = _act(C_f[i, j], activation)
-        T.copy(C_f, C_s)
-        T.copy(C_s, C[ix + (by * bm, bx * bn)])
+        T.copy(C_f, C[ix + (by * bm, bx * bn)])
+
+    @T.macro
+    def body_async(A, B, Bias, C, Z, bx, by, bz):
+        # CUTLASS-style warp specialization with explicit mbarriers: full[s] completes when the
+        # stage's TMA bytes landed, empty[s] when every consumer thread released it. A consumer
+        # issues k-step kk's wgmma, waits until at most one batch is in flight (so k-step kk-1's
+        # retired) and only then releases kk-1's stage: the tensor cores never drain between
+        # k-steps, and the producer never overwrites operands a wgmma still reads.
+        T.annotate_min_blocks_per_sm(max(config.min_blocks, 1))
+        ix = (bz,) if batched else ()
+        A_s = T.alloc_shared((S,) + a_tile, dtype)
+        B_s = T.alloc_shared((S,) + b_tile, dtype)
+        C_f = T.alloc_fragment((bm, bn), accum)
+        C_s = None if direct_store else T.alloc_shared((bm, bn), dtype)
+        full = T.alloc_barrier([128] * S)
+        empty = T.alloc_barrier([consumers] * S)
+        if config.swizzle:
+            T.use_swizzle(config.swizzle)
+        nk = T.ceildiv(K, bk)
+        # Two loops, one per role (a shared loop makes ptxas allocate the producer's branch with
+        # the consumers' registers: it spills under setmaxnreg.dec).
+        with T.ws(len(cwg)):
+            T.dec_max_nreg(_PRODUCER_REGS)
+            for kk in T.serial(nk):
+                s = kk % S
+                T.mbarrier_wait_parity(empty[s], ((kk // S) & 1) ^ 1)
+                T.tma_copy(a_src(A, ix, by, kk), A_s[s, :, :], barrier=full[s])
+                T.tma_copy(b_src(B, ix, bx, kk), B_s[s, :, :], barrier=full[s])
+                T.mbarrier_arrive(full[s])
+        with T.ws(*cwg):
+            T.inc_max_nreg(_warpgroup_regs(consumers, max(config.min_blocks, 1)))
+            T.clear(C_f)
+            for kk in T.serial(nk):
+                s = kk % S
+                T.mbarrier_wait_parity(full[s], (kk // S) & 1)
+                T.wgmma_gemm(A_s[s, :, :], B_s[s, :, :], C_f, transpose_A=trans_a, transpose_B=trans_b, policy=policy)
+                T.wait_wgmma(1)
+                if kk > 0:
+                    T.mbarrier_arrive(empty[(kk + S - 1) % S])
+            T.wait_wgmma(0)
+            if direct_store:
+                epilogue_direct(C_f, Bias, C, Z, ix, bx, by)
+            else:
+                epilogue(C_f, C_s, Bias, C, Z, ix, bx, by)
+
+    body = body_async if hand_sync else body_auto
+    # T.Pipelined adds its producer warpgroup itself; the async pipeline declares it.
+    cta_threads = consumers + 128 if hand_sync else consumers
 
     @T.macro
     def launch(A, B, Bias, C, Z):
         if batched:
-            with T.Kernel(n_blocks, m_blocks, Bt, threads=config.threads) as (bx, by, bz):
+            with T.Kernel(n_blocks, m_blocks, Bt, threads=cta_threads) as (bx, by, bz):
                 body(A, B, Bias, C, Z, bx, by, bz)
         else:
-            with T.Kernel(n_blocks, m_blocks, threads=config.threads) as (bx, by):
+            with T.Kernel(n_blocks, m_blocks, threads=cta_threads) as (bx, by):
                 body(A, B, Bias, C, Z, bx, by, None)
 
     # T.prim_func needs explicit signatures: one per argument combination we ship.
@@ -396,6 +504,7 @@ REPRESENTATIVE = [
     (matmul_kernel, _HOPPER_LARGE, dict(layout="nn", n=4096, k=4096, rows=0, dtype="bfloat16", batched=False, bias=False, activation="none", save_preact=False)),
     (matmul_kernel, _TN_BOTH, dict(layout="tn", n=4096, k=0, rows=4096, dtype="bfloat16", batched=False, bias=False, activation="none", save_preact=False)),
     (matmul_kernel, _HOPPER_NARROW, dict(layout="nn", n=128, k=64, rows=0, dtype="float16", batched=True, bias=False, activation="none", save_preact=False)),
+    (matmul_kernel, DEFAULT_OVERRIDES[("sm_9", "nn", 0, 3072, 768)], dict(layout="nn", n=3072, k=768, rows=0, dtype="bfloat16", batched=False, bias=False, activation="none", save_preact=False)),
     (act_grad_kernel, ActGradConfig(), dict(n=4096, dtype="bfloat16", activation="gelu_tanh")),
     (colsum_kernel, ColsumConfig(), dict(n=4096, dtype="bfloat16")),
 ]
