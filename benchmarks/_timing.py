@@ -57,6 +57,17 @@ def graph_ms(fn, n: int = 10, rep: int = 10) -> float:
     return statistics.median(a.elapsed_time(b) for a, b in ev) / n
 
 
+def interleaved(timer, fns, rounds: int = 3) -> list[float]:
+    """Median over `rounds` of timer(fn) per fn, the fns taking turns within each round. The H200's
+    clock falls as it heats: timing one side after the other favours whichever runs first
+    (8192³, sixth session: ours 782 TFLOP/s timed first, 678 in the graph replays after cuBLAS)."""
+    times = [[] for _ in fns]
+    for _ in range(rounds):
+        for t, fn in zip(times, fns):
+            t.append(timer(fn))
+    return [statistics.median(t) for t in times]
+
+
 def host_us(fn, n: int = 2000, warmup: int = 200) -> float:
     """Median host wall time per call in microseconds (launch path, not GPU time)."""
     for _ in range(warmup):

@@ -10,6 +10,8 @@ bf16 throughout. TFLOP/s = 2·M·N·K / time; `ratio` = torch time / ours (> 1 m
 Two timings per row, both sides the same way: per call (CUDA events around each call: the host
 path included, as eager code sees it) and `gpu_*` (CUDA-graph replays: kernel time only). Rows
 whose GPU work is shorter than the host path (M=1024 at K=768: ~12 µs) measure the host per call.
+Each timing is the median of three rounds in which the contenders take turns (the GPU's clock
+drops as it heats, which favours whoever is timed first).
 Every kernel is called once before timing (loads it from the carried cache, runs the host
 wrapper's first-call setup) — see benchmarks/warm_gemm_cache.py for pre-compiling them.
 """
@@ -23,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import tilelang_ops  # noqa: F401
-from benchmarks._timing import bench, graph_ms, kernel_ms, table, write_json
+from benchmarks._timing import bench, graph_ms, interleaved, kernel_ms, table, write_json
 
 DT = torch.bfloat16
 GEMM_M = (1024, 4096, 16384)
@@ -55,9 +57,9 @@ def gemm_rows(rep):
         b = torch.randn(k, n, device="cuda", dtype=DT) * k**-0.5
         ours = torch.ops.tileops.gemm(a, b)  # warm: load + first-call setup
         err = _rel_err(ours, torch.matmul(a, b))
-        t_ours = bench(lambda: torch.ops.tileops.gemm(a, b), rep=rep)
-        t_ref = bench(lambda: torch.matmul(a, b), rep=rep)
-        g_ours, g_ref = graph_ms(lambda: torch.ops.tileops.gemm(a, b)), graph_ms(lambda: torch.matmul(a, b))
+        fns = (lambda: torch.ops.tileops.gemm(a, b), lambda: torch.matmul(a, b))
+        t_ours, t_ref = interleaved(lambda f: bench(f, rep=rep), fns)
+        g_ours, g_ref = interleaved(graph_ms, fns)
         f = 2.0 * m * n * k
         rows.append(dict(what="gemm", shape=f"{m}x{n}x{k}", ours_TFLOPs=_tflops(f, t_ours), torch_TFLOPs=_tflops(f, t_ref), ratio=t_ref / t_ours,
                          gpu_ours_TFLOPs=_tflops(f, g_ours), gpu_torch_TFLOPs=_tflops(f, g_ref), gpu_ratio=g_ref / g_ours, rel_err=err))
@@ -76,8 +78,8 @@ def linear_rows(rep, with_compile):
         eager = lambda: F.gelu(F.linear(x, w, b), approximate="tanh")  # noqa: E731
         err = _rel_err(ours(), eager())
         f = 2.0 * m * n * k
-        t_ours, t_addmm, t_eager = bench(ours, rep=rep), bench(addmm, rep=rep), bench(eager, rep=rep)
-        g_ours, g_addmm, g_eager = graph_ms(ours), graph_ms(addmm), graph_ms(eager)
+        t_ours, t_addmm, t_eager = interleaved(lambda f: bench(f, rep=rep), (ours, addmm, eager))
+        g_ours, g_addmm, g_eager = interleaved(graph_ms, (ours, addmm, eager))
         row = dict(what="linear+bias+gelu_tanh", shape=f"{m}x{n}x{k}", ours_TFLOPs=_tflops(f, t_ours), torch_TFLOPs=_tflops(f, t_addmm),
                    ratio=t_addmm / t_ours, ratio_vs_gelu_linear=t_eager / t_ours, gpu_ours_TFLOPs=_tflops(f, g_ours), gpu_torch_TFLOPs=_tflops(f, g_addmm),
                    gpu_ratio=g_addmm / g_ours, gpu_ratio_vs_gelu_linear=g_eager / g_ours, rel_err=err)
@@ -124,7 +126,7 @@ def mlp_rows(rep, with_compile):
     grads_eager = [x.grad] + [p.grad for p in eager.parameters()]
     err = max(_rel_err(a, b) for a, b in zip(grads_ours, grads_eager))
     f = 6.0 * tokens * d * h * 2  # fwd 2 GEMMs, bwd 4
-    t_ours, t_eager = bench(step(ours), rep=rep), bench(step(eager), rep=rep)
+    t_ours, t_eager = interleaved(lambda fn: bench(fn, rep=rep), (step(ours), step(eager)))
     row = dict(what="MLP fwd+bwd", shape=f"{tokens}x{d}x{h}", ours_TFLOPs=_tflops(f, t_ours), torch_TFLOPs=_tflops(f, t_eager), ratio=t_eager / t_ours, rel_err=err)
     if with_compile:
         comp = torch.compile(eager)

@@ -148,6 +148,17 @@ def tune_kernels():
     return out
 
 
+def async_test_kernels():
+    """The async-pipeline kernels tests/test_gemm.py calls directly (its ASYNC_CASES)."""
+    import dataclasses
+
+    from tests.test_gemm import ASYNC_CASES
+    from tilelang_ops.kernels import gemm as K
+
+    base = dict(rows=0, dtype="bfloat16", batched=False, bias=False, activation="none", save_preact=False)
+    return [(K.matmul_kernel, dataclasses.replace(K.GemmConfig(), pipeline="async", **cfg), {**base, **st}) for cfg, st, _ in ASYNC_CASES]
+
+
 def _static(t):
     layout, n, k, rows, dtype, batched, bias, act, save = t
     return dict(layout=layout, n=n, k=k, rows=rows, dtype=dtype, batched=batched, bias=bias, activation=act, save_preact=save)
@@ -176,6 +187,8 @@ def main(argv=None) -> int:
             jobs.append((K.matmul_kernel, cfg, s))
     for n, dt, act in dict.fromkeys(acts):
         jobs.append((K.act_grad_kernel, K.default_act_grad_config(args.arch, n), dict(n=n, dtype=dt, activation=act)))
+    if "tests" in want:
+        jobs += async_test_kernels()
     if "tune" in want:
         jobs += [(K.matmul_kernel, cfg, _static(t)) for cfg, t in tune_kernels()]
     t0, failed = time.time(), 0
