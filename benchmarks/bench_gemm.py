@@ -133,8 +133,7 @@ def mlp_rows(rep, with_compile):
         run = step(comp)
         run()
         row["ratio_vs_compile"] = bench(run, rep=rep) / t_ours
-    fwd_ours = bench(lambda: ours(x), rep=rep)
-    fwd_eager = bench(lambda: eager(x), rep=rep)
+    fwd_ours, fwd_eager = interleaved(lambda fn: bench(fn, rep=rep), (lambda: ours(x), lambda: eager(x)))
     rows = [row, dict(what="MLP fwd", shape=row["shape"], ours_TFLOPs=_tflops(f / 3, fwd_ours), torch_TFLOPs=_tflops(f / 3, fwd_eager), ratio=fwd_eager / fwd_ours)]
     return rows
 
