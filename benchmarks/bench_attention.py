@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from ._timing import bench, table, write_json
+from ._timing import bench, interleaved, table, write_json
 
 # (B, H, HK, S, D): S = seqlen_q = seqlen_k
 CASES = [
@@ -116,22 +116,41 @@ def run(cases, flex: bool = True, det: bool = True) -> list[dict]:
             use_flex = flex and time.time() - t_start < FLEX_BUDGET_S
             fl = _flops(B, H, S, D, causal)
             shape = f"{B}x{H}/{HK}x{S}x{D}"
+            # Every implementation's inputs first, then the timings with the implementations
+            # taking turns (see _timing.interleaved): timed one after the other, the first one
+            # ran on a cooler, faster-clocked GPU.
+            live, case_rows = {}, []
             for name, (make, fwd) in _impls(B, H, HK, S, D, causal, use_flex, det).items():
                 row = {"impl": name, "shape (BxH/HKxSxD)": shape, "causal": causal}
+                case_rows.append(row)
                 try:
                     q, k, v = make()
-                    with torch.no_grad():
-                        ms_f = bench(lambda: fwd(q, k, v), warmup=5, rep=30)
                     out = fwd(q, k, v)
                     dout = torch.randn_like(out)
-                    bwd = lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)  # noqa: E731
-                    ms_b = bench(_deterministic(bwd) if name in DETERMINISTIC else bwd, warmup=3, rep=20)
-                    row.update(fwd_ms=ms_f, fwd_tflops=fl / ms_f * 1e-9, bwd_ms=ms_b, bwd_tflops=2.5 * fl / ms_b * 1e-9)
-                    del q, k, v, out, dout
+                    live[name] = (q, k, v, fwd, out, dout)
                 except Exception as e:  # a peer without support for a case (e.g. GQA) reports n/a
                     row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:80]}")
+            names = list(live)
+
+            def fwd_fn(name):
+                q, k, v, fwd, _, _ = live[name]
+                return lambda: fwd(q, k, v)
+
+            def bwd_fn(name):
+                q, k, v, _, out, dout = live[name]
+                bwd = lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)  # noqa: E731
+                return _deterministic(bwd) if name in DETERMINISTIC else bwd
+
+            with torch.no_grad():
+                ms_f = interleaved(lambda fn: bench(fn, warmup=5, rep=30), [fwd_fn(n) for n in names])
+            ms_b = interleaved(lambda fn: bench(fn, warmup=3, rep=20), [bwd_fn(n) for n in names])
+            for row in case_rows:
+                if row["impl"] in live:
+                    f_ms, b_ms = ms_f[names.index(row["impl"])], ms_b[names.index(row["impl"])]
+                    row.update(fwd_ms=f_ms, fwd_tflops=fl / f_ms * 1e-9, bwd_ms=b_ms, bwd_tflops=2.5 * fl / b_ms * 1e-9)
                 rows.append(row)
                 print(row, flush=True)
+            del live
             torch.cuda.empty_cache()
     return rows
 

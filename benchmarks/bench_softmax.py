@@ -17,7 +17,7 @@ import torch
 
 import tilelang_ops  # noqa: F401  (registers torch.ops.tileops.*)
 
-from ._timing import bench, table, write_json
+from ._timing import bench, interleaved, table, write_json
 
 EIGHT_M = 8 * 2**20
 # (M, N): rows of each regime at >= 8M elements, then two large, DRAM-bound shapes.
@@ -41,29 +41,28 @@ def run_shape(m: int, n: int, dtype: torch.dtype, with_compiled: bool) -> list[d
     x = torch.randn(m, n, device="cuda", dtype=dtype) * 3
     elt = x.element_size() * m * n
     out = torch.empty_like(x)
-    copy_ms = bench(lambda: out.copy_(x), flush_l2=True)
-    copy_bw = _tbps(2 * elt, copy_ms)
+    timer = lambda fn: bench(fn, flush_l2=True)  # noqa: E731
     rows = []
 
-    # forward
-    ours = bench(lambda: torch.ops.tileops.softmax(x, -1), flush_l2=True)
-    eager = bench(lambda: torch.softmax(x, -1), flush_l2=True)
-    comp = None
+    # forward (copy, ours, eager and compiled take turns: see _timing.interleaved)
+    fns = [lambda: out.copy_(x), lambda: torch.ops.tileops.softmax(x, -1), lambda: torch.softmax(x, -1)]
     if with_compiled:
         f = _compiled(lambda t: torch.softmax(t, -1))
-        comp = bench(lambda: f(x), flush_l2=True)
-    rows.append(_row(m, n, "fwd", 2 * elt, copy_bw, ours, eager, comp))
+        fns.append(lambda: f(x))
+    copy_ms, ours, eager, *comp = interleaved(timer, fns)
+    copy_bw = _tbps(2 * elt, copy_ms)
+    rows.append(_row(m, n, "fwd", 2 * elt, copy_bw, ours, eager, comp[0] if comp else None))
 
     # backward
     y = torch.softmax(x, -1)
     dy = torch.randn_like(x)
     del out
-    ours = bench(lambda: torch.ops.tileops.softmax_backward(dy, y, -1), flush_l2=True)
-    eager = bench(lambda: _torch_bwd(dy, y), flush_l2=True)
-    comp = None
+    fns = [lambda: torch.ops.tileops.softmax_backward(dy, y, -1), lambda: _torch_bwd(dy, y)]
     if with_compiled:
         g = _compiled(_torch_bwd)
-        comp = bench(lambda: g(dy, y), flush_l2=True)
+        fns.append(lambda: g(dy, y))
+    ours, eager, *comp = interleaved(timer, fns)
+    comp = comp[0] if comp else None
     rows.append(_row(m, n, "bwd", 3 * elt, copy_bw, ours, eager, comp))
     return rows
 
