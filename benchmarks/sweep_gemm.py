@@ -36,10 +36,10 @@ GRAPH_N = 10
 REP = 10
 
 
-def _cfg(bm, bn, bk, st, th=256, sw=8, pol="Square", mb=0, pipe="auto", cl=1):
+def _cfg(bm, bn, bk, st, th=256, sw=8, pol="Square", mb=0, pipe="auto"):
     from tilelang_ops.kernels.gemm import GemmConfig
 
-    return GemmConfig(bm, bn, bk, st, th, sw, pol, mb, pipe, cl)
+    return GemmConfig(bm, bn, bk, st, th, sw, pol, mb, pipe)
 
 
 def candidates():
@@ -58,18 +58,18 @@ def candidates():
     wave14336 = [_cfg(128, 224, 64, 3), _cfg(128, 224, 64, 3, pol="FullRow")]
     # the async pipeline (one wgmma k-step in flight, stages released after it retired) against
     # the auto pipeline's best schedules
-    # (C leaves from registers when the stages and a C tile do not both fit: 128x256 with 4 stages);
-    # cl=2: CTA pairs along M share their B tile by TMA multicast
-    asy = [_cfg(128, 256, 64, 3, pipe="async"), _cfg(128, 256, 64, 3, pipe="async", cl=2), _cfg(128, 256, 64, 4, pipe="async", cl=2),
-           _cfg(128, 256, 64, 3, pol="FullRow", pipe="async", cl=2), _cfg(128, 256, 64, 4, pol="FullRow", pipe="async", cl=2)]
+    # (C leaves from registers when the stages and a C tile do not both fit: 128x256 with 4 stages)
+    asy = [_cfg(128, 256, 64, 4, pipe="async"), _cfg(128, 256, 64, 4, pol="FullRow", pipe="async"), _cfg(128, 256, 64, 3, pol="FullRow", pipe="async"),
+           _cfg(128, 192, 64, 4, pipe="async"), _cfg(128, 256, 32, 8, pol="FullRow", pipe="async")]
+    asy_two = [_cfg(128, 128, 64, 2, mb=2, pipe="async"), _cfg(128, 128, 32, 4, mb=2, pipe="async")]
     return {
         "async_nn_8192_8192": (dict(gemm, n=8192, k=8192), [C0] + asy, [("gemm", 8192)]),
-        "async_nn_4096_4096": (dict(gemm, n=4096, k=4096), [C0, _cfg(128, 256, 64, 4)] + asy, [("gemm", 1024), ("gemm", 4096), ("gemm", 16384)]),
-        "async_nn_3072_768": (dict(gemm, n=3072, k=768), [C0, _cfg(128, 128, 32, 4, mb=2)] + asy, [("gemm", 1024), ("gemm", 4096), ("gemm", 16384)]),
+        "async_nn_4096_4096": (dict(gemm, n=4096, k=4096), [C0, _cfg(128, 256, 64, 4)] + asy + asy_two, [("gemm", 1024), ("gemm", 4096), ("gemm", 16384)]),
+        "async_nn_3072_768": (dict(gemm, n=3072, k=768), [C0, _cfg(128, 128, 32, 4, mb=2)] + asy + asy_two, [("gemm", 1024), ("gemm", 4096), ("gemm", 16384)]),
         "async_nn_14336_4096": (dict(gemm, n=14336, k=4096), [C0, _cfg(128, 224, 64, 3, pol="FullRow")] + asy, [("gemm", 1024), ("gemm", 8192)]),
         "async_nn_4096_14336": (dict(gemm, n=4096, k=14336), [C0] + asy, [("gemm", 8192)]),
         "async_lin_14336_4096": (dict(lin, n=14336, k=4096), [C0] + asy, [("linear", 8192)]),
-        "async_lin_3072_768": (dict(lin, n=3072, k=768), [C0, _cfg(128, 128, 64, 2, mb=2)] + asy, [("linear", 4096), ("linear", 16384)]),
+        "async_lin_3072_768": (dict(lin, n=3072, k=768), [C0, _cfg(128, 128, 64, 2, mb=2)] + asy + asy_two, [("linear", 4096), ("linear", 16384)]),
         "async_tn_4096x14336": (dict(gemm, layout="tn", rows=4096, n=14336, k=0), [C0] + asy, [("wgrad", 8192)]),
         "async_tn_14336x4096": (dict(gemm, layout="tn", rows=14336, n=4096, k=0), [C0] + asy, [("wgrad", 8192)]),
         "nn_4096_4096": (dict(gemm, n=4096, k=4096), big + small + [_cfg(128, 256, 64, 3, sw=0)] + two, [("gemm", 1024), ("gemm", 4096)]),
@@ -139,7 +139,7 @@ def _graph_ms(fn) -> float:
 
 
 def _short(c) -> str:
-    extra = (f"/mb{c.min_blocks}" if c.min_blocks else "") + ("/async" if c.pipeline == "async" else "") + (f"/cl{c.cluster_m}" if c.cluster_m > 1 else "")
+    extra = (f"/mb{c.min_blocks}" if c.min_blocks else "") + ("/async" if c.pipeline == "async" else "")
     return f"{c.block_M}x{c.block_N}x{c.block_K}/s{c.num_stages}/t{c.threads}/sw{c.swizzle}/{c.policy}{extra}"
 
 

@@ -280,12 +280,6 @@ ASYNC_CASES = [
     (dict(block_N=128, num_stages=4), dict(layout="nn", n=128, k=72, dtype="float16", batched=True), [17, 300]),
     (dict(block_N=128, num_stages=2, min_blocks=2), dict(layout="nn", n=3072, k=768), [1000, 4097]),
     (dict(block_N=192, num_stages=4), dict(layout="nn", n=3072, k=768), [1, 1000, 1536]),  # the shipped override (M <= 1536)
-    # CTA pairs sharing B by TMA multicast: odd M-block counts leave the last pair's second CTA
-    # without rows (M=1, 300)
-    (dict(cluster_m=2), dict(layout="nn", n=200, k=1000), [1, 300, 700]),
-    (dict(cluster_m=2), dict(layout="nt", n=200, k=1000, bias=True, activation="gelu_tanh", save_preact=True), [129, 300]),
-    (dict(cluster_m=2), dict(layout="tn", n=136, k=0, rows=264), [1, 1000]),
-    (dict(num_stages=4, cluster_m=2), dict(layout="nn", n=4096, k=1000), [300, 2000]),
     # 4 stages of 128x256 leave no room for a C tile: the epilogue stores from registers
     (dict(num_stages=4), dict(layout="nt", n=200, k=1000, bias=True, activation="gelu_tanh", save_preact=True), [7, 700]),
 ]

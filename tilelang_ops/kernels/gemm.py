@@ -50,9 +50,6 @@ class GemmConfig:
     # k-step's wgmma in flight while the next is issued, releasing a stage only after its wgmma
     # retired (sm_90 only; see `_mainloop_async`).
     pipeline: str = "auto"
-    # "async" only: 2 = CTAs paired along M in a thread-block cluster load their shared B tile
-    # once, by TMA multicast into both CTAs' shared memory (half the B traffic out of L2).
-    cluster_m: int = 1
 
     @property
     def min_sm(self) -> int:
@@ -107,7 +104,8 @@ DEFAULT_OVERRIDES: dict[tuple, GemmConfig] = {
     # benchmarks/sweep_gemm.py on one H200, 2026-11-30 (bf16; GPU time from CUDA-graph replays).
     # "2 CTAs/SM" = min_blocks=2 (setmaxnreg 24/104): 128x128 tiles, two CTAs resident per SM, so one
     # CTA's epilogue overlaps the other's main loop (the short-K shapes' bottleneck).
-    # 1024x3072x768: 490-495 TFLOP/s in two sweeps vs 439-444 for the former two-CTA override (1.11x), 1.18-1.23x cuBLAS (sixth session)
+    # 1024x3072x768: 490-495 TFLOP/s in two sweeps vs 439-444 for the former two-CTA override (1.11x);
+    # 0.96x cuBLAS in bench_gemm's interleaved GPU time (cuBLAS moves 403-516 between runs here) (sixth session)
     ("sm_9", "nn", 0, 3072, 768): GemmConfig(128, 192, 64, 4, 256, 8, "Square", 0, "async"),
     ("sm_9", "nn", 1, 4096, 4096): GemmConfig(128, 256, 64, 4, 256, 8, "Square"),  # 4096^3: 1.03x default (fifth session)
     ("sm_9", "nn", 0, 11008, 4096): GemmConfig(block_M=128, block_N=256, block_K=64, num_stages=4, threads=256, swizzle=8, policy="FullRow"),  # 1024x11008x4096: 1.04x default, 1.12x cuBLAS
@@ -314,9 +312,6 @@ def matmul_kernel(
         epilogue(C_f, C_s, Bias, C, Z, ix, bx, by)
 
     S = config.num_stages
-    pair = config.cluster_m == 2
-    if pair and (not hand_sync or batched):
-        raise ValueError("cluster_m=2 needs pipeline='async' and an unbatched GEMM")
     cwg = tuple(range(consumers // 128))  # consumer warpgroups; the producer is the next one
     # The stages and a C tile in shared memory must fit in 227 KB; else C leaves from registers.
     esize = 2
@@ -349,13 +344,8 @@ def matmul_kernel(
         C_f = T.alloc_fragment((bm, bn), accum)
         C_s = None if direct_store else T.alloc_shared((bm, bn), dtype)
         full = T.alloc_barrier([128] * S)
-        if pair:
-            # empty[s] of either CTA completes when both CTAs' consumer warps released stage s:
-            # the multicast refills it in both.
-            empty = T.alloc_cluster_barrier([2 * consumers // 32] * S)
-        else:
-            empty = T.alloc_barrier([consumers] * S)
-        if config.swizzle and not pair:
+        empty = T.alloc_barrier([consumers] * S)
+        if config.swizzle:
             T.use_swizzle(config.swizzle)
         nk = T.ceildiv(K, bk)
         # Two loops, one per role (a shared loop makes ptxas allocate the producer's branch with
@@ -366,10 +356,7 @@ def matmul_kernel(
                 s = kk % S
                 T.mbarrier_wait_parity(empty[s], ((kk // S) & 1) ^ 1)
                 T.tma_copy(a_src(A, ix, by, kk), A_s[s, :, :], barrier=full[s])
-                if pair:  # rank 0 issues the multicast; both ranks expect its bytes
-                    T.tma_copy(b_src(B, ix, bx, kk), B_s[s, :, :], barrier=full[s], cluster_mask=0b11)
-                else:
-                    T.tma_copy(b_src(B, ix, bx, kk), B_s[s, :, :], barrier=full[s])
+                T.tma_copy(b_src(B, ix, bx, kk), B_s[s, :, :], barrier=full[s])
                 T.mbarrier_arrive(full[s])
         with T.ws(*cwg):
             T.inc_max_nreg(_warpgroup_regs(consumers, max(config.min_blocks, 1)))
@@ -380,19 +367,12 @@ def matmul_kernel(
                 T.wgmma_gemm(A_s[s, :, :], B_s[s, :, :], C_f, transpose_A=trans_a, transpose_B=trans_b, policy=policy)
                 T.wait_wgmma(1)
                 if kk > 0:
-                    if pair:  # one arrival per warp, on this CTA's barrier and on the peer's
-                        if T.get_thread_binding() % 32 == 0:
-                            T.mbarrier_arrive(empty[(kk + S - 1) % S])
-                            T.mbarrier_arrive(empty[(kk + S - 1) % S], cta_id=1 - T.block_rank_in_cluster())
-                    else:
-                        T.mbarrier_arrive(empty[(kk + S - 1) % S])
+                    T.mbarrier_arrive(empty[(kk + S - 1) % S])
             T.wait_wgmma(0)
             if direct_store:
                 epilogue_direct(C_f, Bias, C, Z, ix, bx, by)
             else:
                 epilogue(C_f, C_s, Bias, C, Z, ix, bx, by)
-        if pair:  # the peer still multicasts into this CTA's stages and arrives on its barriers
-            T.cluster_sync()
 
     body = body_async if hand_sync else body_auto
     # T.Pipelined adds its producer warpgroup itself; the async pipeline declares it.
@@ -400,21 +380,7 @@ def matmul_kernel(
 
     @T.macro
     def launch(A, B, Bias, C, Z):
-        if pair:
-            # 1-D grid of CTA pairs (cluster (2, 1, 1)); pair p -> (M pair, N block) in groups of
-            # `group` M pairs that sweep N together (L2 reuse of their A rows, like T.use_swizzle).
-            group = max(config.swizzle // 2, 1)
-            pairs = T.ceildiv(m_blocks, 2)
-            with T.ClusterKernel(2 * pairs * n_blocks, cluster_dims=(2, 1, 1), threads=cta_threads) as lin:
-                # (TileLang syncs the cluster after the barrier init: the peer's barriers exist
-                # before any remote arrive.) Tile coordinates computed once, in registers.
-                p = lin // 2
-                span = group * n_blocks
-                rows_in_group = T.alloc_var("int32", init=T.min(group, pairs - p // span * group))
-                mb = T.alloc_var("int32", init=(p // span * group + p % span % rows_in_group) * 2 + lin % 2)
-                nb = T.alloc_var("int32", init=p % span // rows_in_group)
-                body(A, B, Bias, C, Z, nb, mb, None)
-        elif batched:
+        if batched:
             with T.Kernel(n_blocks, m_blocks, Bt, threads=cta_threads) as (bx, by, bz):
                 body(A, B, Bias, C, Z, bx, by, bz)
         else:
