@@ -103,6 +103,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) matmul_kernel(__grid_consta
       }
     }
     tl::wait_wgmma<0>();
+    tl::__sync_thread_partial(1, 256);
     #pragma unroll
     for (int i_3 = 0; i_3 < 12; ++i_3) {
       tl::ptx_stmatrix_m8n8_x4((&(((bfloat16_t*)C_s)[(((((((((((((int)threadIdx.x) >> 7) * 3) + ((i_3 % 6) >> 1)) >> 1) * 8192) + ((i_3 / 6) * 4096)) + (((((int)threadIdx.x) & 127) >> 5) * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (((((((int)threadIdx.x) >> 7) * 6) + (i_3 % 6)) & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_3 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), __pack_half2(((bfloat16_t)C_f[(i_3 * 8)]), ((bfloat16_t)C_f[((i_3 * 8) + 1)])), __pack_half2(((bfloat16_t)C_f[((i_3 * 8) + 2)]), ((bfloat16_t)C_f[((i_3 * 8) + 3)])), __pack_half2(((bfloat16_t)C_f[((i_3 * 8) + 4)]), ((bfloat16_t)C_f[((i_3 * 8) + 5)])), __pack_half2(((bfloat16_t)C_f[((i_3 * 8) + 6)]), ((bfloat16_t)C_f[((i_3 * 8) + 7)])));

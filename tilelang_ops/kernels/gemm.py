@@ -372,6 +372,9 @@ def matmul_kernel(
             if direct_store:
                 epilogue_direct(C_f, Bias, C, Z, ix, bx, by)
             else:
+                # If the shared-memory planner ever lets C_s overlap the stages, the other
+                # consumer warpgroup's last wgmma may still be reading them: meet first.
+                T.sync_threads(1, consumers)
                 epilogue(C_f, C_s, Bias, C, Z, ix, bx, by)
 
     body = body_async if hand_sync else body_auto
