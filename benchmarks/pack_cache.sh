@@ -11,7 +11,8 @@ marker=${2:-}
 mkdir -p .tl-carry
 root=0.1.15/linux-x86_64
 if [[ -n $marker ]]; then
-  (cd "$src" && find "$root/kernels" -mindepth 2 -maxdepth 2 -anewer "$OLDPWD/$marker" -printf '%h\n' | sort -u) > .tl-carry/entries.txt
+  marker=$(realpath "$marker")
+  (cd "$src" && find "$root/kernels" -mindepth 2 -maxdepth 2 -anewer "$marker" -printf '%h\n' | sort -u) > .tl-carry/entries.txt
   tar -C "$src" -cf - -T .tl-carry/entries.txt | xz -T0 -6 > .tl-carry/tlcache.tar.xz
   echo "packed $(wc -l < .tl-carry/entries.txt) kernels, $(du -h .tl-carry/tlcache.tar.xz | cut -f1), from $src"
 else
