@@ -150,13 +150,10 @@ def tune_kernels():
 
 def async_test_kernels():
     """The async-pipeline kernels tests/test_gemm.py calls directly (its ASYNC_CASES)."""
-    import dataclasses
-
-    from tests.test_gemm import ASYNC_CASES
+    from tests.test_gemm import ASYNC_CASES, async_kernel
     from tilelang_ops.kernels import gemm as K
 
-    base = dict(rows=0, dtype="bfloat16", batched=False, bias=False, activation="none", save_preact=False)
-    return [(K.matmul_kernel, dataclasses.replace(K.GemmConfig(), pipeline="async", **cfg), {**base, **st}) for cfg, st, _ in ASYNC_CASES]
+    return [(K.matmul_kernel, *async_kernel(case)) for case in ASYNC_CASES]
 
 
 def _static(t):

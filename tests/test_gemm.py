@@ -285,6 +285,18 @@ ASYNC_CASES = [
 ]
 
 
+def async_kernel(case):
+    """(config, static) of an ASYNC_CASES entry; benchmarks/warm_gemm_cache.py pre-builds these."""
+    import dataclasses
+
+    from tilelang_ops.kernels import gemm as K
+
+    cfg_kw, st_, _ = case
+    static = dict(rows=0, dtype="bfloat16", batched=False, bias=False, activation="none", save_preact=False)
+    static.update(st_)
+    return dataclasses.replace(K.GemmConfig(), pipeline="async", **cfg_kw), static
+
+
 def _async_case_id(case):
     cfg, st_, _ = case
     return "-".join([st_["layout"]] + [f"{k}{v}" for k, v in {**cfg, **st_}.items() if k != "layout"])
@@ -313,14 +325,10 @@ def test_gemm_async_pipeline_source():
 def test_gemm_async_pipeline_nan_filled_outputs(case):
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the async pipeline is Hopper only (wgmma + TMA)")
-    import dataclasses
-
     from tilelang_ops.kernels import gemm as K
 
-    cfg_kw, st_, ms = case
-    static = dict(rows=0, dtype="bfloat16", batched=False, bias=False, activation="none", save_preact=False)
-    static.update(st_)
-    cfg = dataclasses.replace(K.GemmConfig(), pipeline="async", **cfg_kw)
+    cfg, static = async_kernel(case)
+    ms = case[2]
     kern = K.matmul_kernel.compile(cfg, "sm_90a", **static)
     dt = getattr(torch, static["dtype"])
     n, k, layout = static["n"], static["k"], static["layout"]

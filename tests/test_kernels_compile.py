@@ -14,10 +14,9 @@ KERNELS = all_kernels()
 @pytest.mark.parametrize("entry", KERNELS, ids=[f"{k.family}.{k.name}-{config_str(c)}-{'-'.join(map(str, s.values()))}" for k, c, s in KERNELS])
 def test_kernel_compiles(entry, arch):
     kdef, config, static = entry
-    if int(arch[3:5]) < kdef.min_sm:
-        pytest.skip(f"{kdef.name} needs sm_{kdef.min_sm}+ (thread-block clusters)")
-    if int(arch[3:5]) < getattr(config, "min_sm", 0):
-        pytest.skip(f"{kdef.name} {config_str(config)} needs sm_{config.min_sm}+ (its schedule is Hopper-only)")
+    need = kdef.min_sm_for(config)
+    if int(arch[3:5]) < need:
+        pytest.skip(f"{kdef.name} {config_str(config)} needs sm_{need}+ (clusters or a Hopper-only schedule)")
     src = kdef.source(config, arch, **static)
     assert "__global__" in src
 

@@ -77,6 +77,11 @@ class KernelDef:
         extra = getattr(config, "pass_configs", None)
         return {**dict(self.pass_configs), **(extra() if extra else {})}
 
+    def min_sm_for(self, config) -> int:
+        """Oldest SM the kernel builds for with this config: the family's floor, raised by a
+        config whose schedule is newer (a config dataclass may define `min_sm`)."""
+        return max(self.min_sm, getattr(config, "min_sm", 0))
+
     def source(self, config, arch: str, **static) -> str:
         return self.compile(config, arch, **static).get_kernel_source()
 

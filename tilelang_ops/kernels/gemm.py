@@ -48,7 +48,7 @@ class GemmConfig:
     # "auto": TileLang's warp-specialized T.Pipelined, each k-step's wgmma drained before the next
     # (warpgroup_wait<0>). "async": our own producer/consumer mbarrier pipeline that keeps one
     # k-step's wgmma in flight while the next is issued, releasing a stage only after its wgmma
-    # retired (sm_90 only; see `_mainloop_async`).
+    # retired (sm_90 only; see `body_async` in `matmul_kernel`).
     pipeline: str = "auto"
 
     @property
@@ -266,25 +266,37 @@ def matmul_kernel(
                 T.fence_proxy_async()
             T.sync_threads(1, consumers)
 
+    # Async pipeline only: when its stages and a C tile do not both fit in 227 KB of shared memory,
+    # C leaves straight from registers. (The auto pipeline overlaps its C tile with the stages.)
+    direct_store = hand_sync and config.num_stages * (bm * bk + bk * bn) * 2 + bm * bn * 2 > 227 * 1024  # 16-bit dtypes
+
+    @T.macro
+    def store(C_f, C_s, dst, reuse_after):
+        """C_f (cast to dtype) into the global tile `dst`: through C_s and a TMA store, or straight
+        from registers under direct_store. reuse_after: C_s is written again afterwards."""
+        if direct_store:
+            T.copy(C_f, dst)
+        else:
+            T.copy(C_f, C_s)
+            sync(True)
+            T.copy(C_s, dst)
+            if reuse_after:
+                sync(False)
+
     @T.macro
     def epilogue(C_f, C_s, Bias, C, Z, ix, bx, by):
         """Bias and activation in registers (no extra pass over global memory), then C (and the
-        pre-activation Z) through shared memory and a TMA store."""
+        pre-activation Z) out."""
         if bias:
             for i, j in T.Parallel(bm, bn):
                 col = T.min(bx * bn + j, N - 1) if n_ragged else bx * bn + j
                 C_f[i, j] = C_f[i, j] + T.Cast(accum, Bias[col])
         if save_preact:
-            T.copy(C_f, C_s)
-            sync(True)
-            T.copy(C_s, Z[ix + (by * bm, bx * bn)])
-            sync(False)
+            store(C_f, C_s, Z[ix + (by * bm, bx * bn)], True)
         if activation != "none":
             for i, j in T.Parallel(bm, bn):
                 C_f[i, j] = _act(C_f[i, j], activation)
-        T.copy(C_f, C_s)
-        sync(True)
-        T.copy(C_s, C[ix + (by * bm, bx * bn)])
+        store(C_f, C_s, C[ix + (by * bm, bx * bn)], False)
 
     @T.macro
     def body_auto(A, B, Bias, C, Z, bx, by, bz):
@@ -313,23 +325,6 @@ def matmul_kernel(
 
     S = config.num_stages
     cwg = tuple(range(consumers // 128))  # consumer warpgroups; the producer is the next one
-    # The stages and a C tile in shared memory must fit in 227 KB; else C leaves from registers.
-    esize = 2
-    direct_store = S * (bm * bk + bk * bn) * esize + bm * bn * esize > 227 * 1024
-
-    @T.macro
-    def epilogue_direct(C_f, Bias, C, Z, ix, bx, by):
-        if bias:
-            for i, j in T.Parallel(bm, bn):
-                col = T.min(bx * bn + j, N - 1) if n_ragged else bx * bn + j
-                C_f[i, j] = C_f[i, j] + T.Cast(accum, Bias[col])
-        if save_preact:
-            T.copy(C_f, Z[ix + (by * bm, bx * bn)])
-        if activation != "none":
-            for i, j in T.Parallel(bm, bn):
-                C_f[i, j] = _act(C_f[i, j], activation)
-        T.copy(C_f, C[ix + (by * bm, bx * bn)])
-
     @T.macro
     def body_async(A, B, Bias, C, Z, bx, by, bz):
         # CUTLASS-style warp specialization with explicit mbarriers: full[s] completes when the
@@ -369,13 +364,11 @@ def matmul_kernel(
                 if kk > 0:
                     T.mbarrier_arrive(empty[(kk + S - 1) % S])
             T.wait_wgmma(0)
-            if direct_store:
-                epilogue_direct(C_f, Bias, C, Z, ix, bx, by)
-            else:
+            if not direct_store:
                 # If the shared-memory planner ever lets C_s overlap the stages, the other
                 # consumer warpgroup's last wgmma may still be reading them: meet first.
                 T.sync_threads(1, consumers)
-                epilogue(C_f, C_s, Bias, C, Z, ix, bx, by)
+            epilogue(C_f, C_s, Bias, C, Z, ix, bx, by)
 
     body = body_async if hand_sync else body_auto
     # T.Pipelined adds its producer warpgroup itself; the async pipeline declares it.
