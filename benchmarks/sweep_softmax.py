@@ -37,19 +37,20 @@ def candidates() -> dict:
     from tilelang_ops.kernels.softmax import SoftmaxConfig as S
 
     # csplit = a cluster of n / chunk <= 8 CTAs per row, the chunk in registers (fwd softmax also
-    # keeps exp in fp32); loop = a CTA per row, per-thread running max/sum, second read from L2.
-    lp = lambda t, c, mb=0: S("loop", 1, t, c, mb)  # noqa: E731
+    # keeps exp in fp32).
     # The d-suffixed cluster schedules exchange the chunk partials through DSMEM (no global round trip).
     csd = lambda t, c, mb=0: [S("csplit", 1, t, c, mb), S("csplitd", 1, t, c, mb)]  # noqa: E731
     smx = lambda t, c: [S("csmemx", 1, t, c), S("csmemxd", 1, t, c)]  # noqa: E731
+    # tma = the chunk brought into shared memory by bulk copies in `stages` sub-chunks
+    tma = lambda t, c, stages: [S("tma", 1, t, c, 0, st) for st in stages]  # noqa: E731
     return {
-        # few long rows: csplit (chunk in registers) vs csmemx (chunk in shared memory)
-        (256, 32768, False): csd(128, 4096) + csd(256, 8192) + smx(256, 8192) + smx(128, 4096),
-        (128, 65536, False): csd(256, 8192) + smx(256, 8192) + smx(512, 16384),
-        (64, 131072, False): csd(512, 16384) + [S("split", 1, 256, 8192)] + smx(512, 16384),
-        (32, 262144, False): [S("split", 1, 256, 8192)] + smx(256, 32768) + smx(512, 32768),
+        # few long rows: csplit (chunk in registers) vs csmemx (chunk in shared memory) vs tma
+        (256, 32768, False): csd(128, 4096) + smx(256, 8192) + tma(256, 32768, (2, 4, 8)) + tma(256, 16384, (4,)),
+        (128, 65536, False): csd(256, 8192) + smx(256, 8192) + tma(512, 65536, (4,)) + tma(256, 32768, (4,)),
+        (64, 131072, False): csd(512, 16384) + smx(512, 16384) + tma(256, 32768, (4,)),
+        (32, 262144, False): smx(256, 32768) + tma(256, 32768, (4, 8)),
         # many long rows
-        (4096, 32768, False): [lp(256, 8192)] + csd(256, 8192) + csd(128, 4096) + smx(256, 8192),
+        (4096, 32768, False): csd(256, 8192) + smx(256, 8192) + tma(256, 32768, (4, 8)),
         # backward (csplit is the default for every long-row bucket)
         (256, 32768, True): csd(128, 4096),
         (128, 65536, True): csd(256, 8192),
@@ -257,14 +258,14 @@ def run(rep: int, only: str | None) -> None:
     print("\n# MEASURED entries for tilelang_ops/kernels/softmax.py (paste those that beat the default):")
     for (m, n, direction), r in best.items():
         default = next((x for x in rows if x["shape"] == r["shape"] and x["dir"] == direction and x["default"]), None)
-        s, bm, t, ch, mb = r["cfg"]
+        args = ", ".join(f'"{v}"' if isinstance(v, str) else str(v) for v in r["cfg"])
         if default is None:
             note = "default failed"
         elif r is default:
             note = "= default, nothing to paste"
         else:
             note = f"vs default {default['% copy']:.0f}%" + ("" if r["ms"] < 0.97 * default["ms"] else " (within 3%: optional)")
-        print(f'    ("{direction}", {n}, "{r["bucket"]}"): SoftmaxConfig("{s}", {bm}, {t}, {ch}, {mb}),'
+        print(f'    ("{direction}", {n}, "{r["bucket"]}"): SoftmaxConfig({args}),'
               f'  # {m}x{n}: {r["% copy"]:.0f}% copy {note}')
     print(f"wrote {path}; {time.time() - t0:.0f} s total")
 

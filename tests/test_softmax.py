@@ -400,13 +400,19 @@ EXTRA_SCHEDULES = [
     (("csmemxd", 1, 256, 32768, 0), 262144, False),
     (("csmemxd", 1, 256, 8192, 0), 30001, False),
     (("csplit", 1, 512, 16384, 0), 131072, False),  # the 131072 forward's default
+    # chunk in shared memory by bulk copies, reduced sub-chunk by sub-chunk as it lands
+    (("tma", 1, 256, 32768, 0, 4), 32768, False),  # a CTA per row
+    (("tma", 1, 512, 65536, 0, 8), 65536, False),
+    (("tma", 1, 256, 16384, 0, 2), 32768, False),  # a cluster of 2 per row, DSMEM partials
+    (("tma", 1, 256, 32768, 0, 4), 262144, False),  # a cluster of 8
+    (("tma", 1, 128, 1024, 0, 1), 2048, False),  # one slice per sub-chunk
 ]
 
 
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("name", OPS)
-@pytest.mark.parametrize("case", EXTRA_SCHEDULES, ids=[f"{c[0][0]}-{c[0][2]}-{c[0][3]}-{c[0][4]}-n{c[1]}-{'bwd' if c[2] else 'fwd'}" for c in EXTRA_SCHEDULES])
+@pytest.mark.parametrize("case", EXTRA_SCHEDULES, ids=["-".join(map(str, c[0][:1] + c[0][2:])) + f"-n{c[1]}-{'bwd' if c[2] else 'fwd'}" for c in EXTRA_SCHEDULES])
 def test_cuda_extra_schedules(name, case):
     from tilelang_ops.ops import softmax as ops
 

@@ -39,6 +39,14 @@ shapes the schedule: each distinct N compiles once per (kind, dtype, direction).
   through distributed shared memory (stores into each peer CTA's shared memory, one cluster
   barrier) instead of global memory: no L2 round trip between the reduction and the output pass.
 
+* **tma** — forward, long rows: a CTA (or a cluster of n / chunk <= 8 CTAs, partials through
+  DSMEM) per row, its chunk brought into shared memory by bulk copies (cp.async.bulk, one thread
+  issues them all at once), `stages` sub-chunks on their own mbarriers. Each sub-chunk is reduced
+  as it lands: its max, the running max, exp(x - running max) written back over it in the input
+  dtype (one exp per element, overlapping the loads still in flight; rounding twice stays within
+  one ulp), the per-lane sums rescaled. The output pass only multiplies by one factor per
+  sub-chunk. Rows must split into equal 16-byte multiples (n % chunk == 0).
+
 `SoftmaxConfig.min_blocks` sets __launch_bounds__' min CTAs per SM: a register cap (ptxas
 otherwise spends registers freely, e.g. a 1024-thread `rows` CTA at 48 registers leaves one CTA
 per SM).
@@ -71,7 +79,7 @@ def vec_width(n: int, dtype: str) -> int:
     return v
 
 
-SCHEDULES = ("rows", "rowsh", "loop", "split", "csplit", "csplitd", "csmem", "csmemx", "csmemxd")
+SCHEDULES = ("rows", "rowsh", "loop", "split", "csplit", "csplitd", "csmem", "csmemx", "csmemxd", "tma")
 
 
 @dataclass(frozen=True)
@@ -84,6 +92,9 @@ class SoftmaxConfig:
     # that many CTAs stay resident: ptxas otherwise spends registers freely (a 1024-thread `rows`
     # CTA at 48 registers leaves 1 CTA per SM).
     min_blocks: int = 0
+    # tma: sub-chunks per chunk, each loaded by its own bulk copy and mbarrier, so the reduction
+    # of the first starts while the others are still in flight.
+    stages: int = 1
 
 
 # Registers per thread: 32 fp32 row values (64 bytes of bf16 loads in flight per thread) keeps
@@ -116,15 +127,15 @@ def _row_limit(dtype: str, backward: bool, kind: str) -> int:
 # benchmarks.sweep_softmax` (on the GPU) prints the lines to paste here, best config per shape.
 MEASURED: dict[tuple[str, int, str], SoftmaxConfig] = {
     # benchmarks/sweep_softmax.py on one H200, 2026-11-30 (bf16, 8M elements unless noted; % of copy_)
-    ("fwd", 32768, "few"): SoftmaxConfig("csplit", 1, 128, 4096, 0),  # 256x32768: 76% vs default 72%
+    ("fwd", 32768, "few"): SoftmaxConfig("tma", 1, 256, 32768, 0, 4),  # 256x32768: 82-84% vs csplit 78-81% (session 7)
     ("bwd", 32768, "few"): SoftmaxConfig("csplit", 1, 128, 4096, 0),  # 256x32768: 96-100% vs 90%
     ("fwd", 65536, "few"): SoftmaxConfig("csplit", 1, 256, 8192, 0),  # 128x65536: 76% vs split 65%
     ("bwd", 65536, "few"): SoftmaxConfig("csplit", 1, 256, 8192, 0),  # 128x65536: 93% vs 81-84%
     ("bwd", 262144, "few"): SoftmaxConfig("csplit", 1, 512, 32768, 0),  # 32x262144: 75-77% vs 61%
     # fourth session (three sweeps: session 3 call 7, session 4 calls 2 and 3)
     ("fwd", 131072, "few"): SoftmaxConfig("csplit", 1, 512, 16384, 0),  # 64x131072: 69-70% vs split 63-65%
-    ("fwd", 262144, "few"): SoftmaxConfig("csmemx", 1, 256, 32768, 0),  # 32x262144: 63-64% vs split 59-60%
-    ("fwd", 32768, "many"): SoftmaxConfig("csmemxd", 1, 256, 8192, 0),  # 4096x32768: 83% vs loop 77%
+    ("fwd", 262144, "few"): SoftmaxConfig("tma", 1, 256, 32768, 0, 4),  # 32x262144: 62-65% vs csmemx 60-63% (session 7)
+    ("fwd", 32768, "many"): SoftmaxConfig("tma", 1, 256, 32768, 0, 4),  # 4096x32768: 96% vs csmemxd 83% (session 7)
     ("bwd", 32768, "many"): SoftmaxConfig("csplit", 1, 128, 4096, 0),  # 4096x32768: 89-90% vs loop 67%
 }
 
@@ -184,6 +195,18 @@ def fits(cfg: SoftmaxConfig, n: int, dtype: str, kind: str = "softmax", backward
         idle = lanes * vec >= 2 * n  # more than half of a row's lanes would hold only padding
         held = k * vec * _arrays(kind, backward) * (_ESIZE[dtype] if cfg.schedule == "rowsh" else 4) // 4  # 32-bit registers
         return cfg.block_m <= cfg.threads and not idle and held <= 2 * _PER_THREAD
+    if cfg.schedule == "tma":  # forward; equal chunks and sub-chunks of whole vectors, in shared memory
+        w = cfg.threads * vec
+        return (
+            not backward
+            and cfg.chunk <= n
+            and n % cfg.chunk == 0
+            and n // cfg.chunk <= CLUSTER_MAX
+            and cfg.chunk % cfg.stages == 0
+            and (cfg.chunk // cfg.stages) % w == 0
+            and cfg.block_m == 1
+            and cfg.chunk * _ESIZE[dtype] <= TMA_SMEM_MAX
+        )
     ok = cfg.chunk % (cfg.threads * vec) == 0 and cfg.chunk < 2 * n
     schedule = _cluster_base(cfg.schedule)[0]
     if schedule in ("csmem", "csmemx"):  # forward only; the chunk in shared memory (<= 96 KB)
@@ -212,6 +235,9 @@ def schedule_kernels(cfg: SoftmaxConfig, n: int, dtype: str, kind: str, backward
         return [(rowsh_bwd if backward else rowsh_fwd, cfg, st)]
     if cfg.schedule == "loop":
         return [(loop_bwd if backward else loop_fwd, cfg, st)]
+    if cfg.schedule == "tma":
+        assert not backward, "tma is a forward schedule"
+        return [(tma_fwd, cfg, st)]
     base, d = _cluster_base(cfg.schedule)
     if base == "csplit" or (backward and base in ("csmem", "csmemx")):
         return [(csplit, cfg, {**st, "backward": backward, "dsmem": d})]
@@ -585,6 +611,7 @@ def split_apply(config: SoftmaxConfig, n: int, dtype: str, kind: str, backward: 
 # exp per element (MUFU throughput is ~1/4 of a copy's time at 8M elements, paid twice otherwise).
 # ---------------------------------------------------------------------------------------------
 CLUSTER_MAX = 8
+TMA_SMEM_MAX = 192 * 1024  # tma: a chunk in shared memory (227 KB per CTA on Hopper, less the scratch)
 
 
 def _safe(m):
@@ -822,6 +849,130 @@ def csmem(config: SoftmaxConfig, n: int, dtype: str, kind: str, keep_exp: bool, 
 
 
 # ---------------------------------------------------------------------------------------------
+# tma: the chunk arrives by bulk copies, sub-chunk by sub-chunk, and is reduced as it lands. At
+# 8M elements every schedule is one wave (read everything, reduce, write everything); here the
+# loads are all in flight from the first instruction and the exps of the sub-chunks that landed
+# overlap the ones still arriving, so only the last sub-chunk's work and the cluster exchange
+# stand between the read and the write.
+# ---------------------------------------------------------------------------------------------
+def _tma_tile(config: SoftmaxConfig, n: int, dtype: str) -> tuple[int, int, int, int]:
+    """(nc, sub, ks, w): nc chunks per row, `stages` sub-chunks of `sub` elements per chunk, each
+    ks slices of w = threads * vec (one 16-byte vector per thread per slice)."""
+    w = config.threads * vec_width(n, dtype)
+    sub = config.chunk // config.stages
+    return n // config.chunk, sub, sub // w, w
+
+
+@kernel("softmax", "softmax_tma", min_sm=90)
+def tma_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str):
+    M = T.dynamic("M")
+    c, threads, stages = config.chunk, config.threads, config.stages
+    nc, sub, ks, w = _tma_tile(config, n, dtype)
+    assert n % c == 0 and nc <= CLUSTER_MAX and sub % w == 0 and config.block_m == 1, (n, config)
+    log = kind == "log_softmax"
+    neg_inf = -T.infinity(_ACC)
+
+    @T.macro
+    def body(X, Y, bx):
+        if config.min_blocks:
+            T.annotate_min_blocks_per_sm(config.min_blocks)
+        row = bx // nc
+        base = (bx % nc) * c
+        a = T.alloc_shared((stages, sub), dtype)
+        bars = T.alloc_barrier([threads] * stages)
+        xf = T.alloc_fragment((w,), dtype)
+        part = T.alloc_fragment((w,), _ACC)
+        ps = T.alloc_fragment((w,), _ACC)  # per-lane sum of exp(x - running max)
+        r0 = T.alloc_fragment((1,), _ACC)
+        r1 = T.alloc_fragment((1,), _ACC)
+        em = T.alloc_local((stages,), _ACC)  # the running max each sub-chunk's exps are shifted by
+        run = T.alloc_var(_ACC)
+        alpha = T.alloc_var(_ACC)
+        acc0 = T.alloc_var(_ACC)
+        acc1 = T.alloc_var(_ACC)
+        if nc > 1:
+            mine = T.alloc_shared((2,), _ACC)
+            peers = T.alloc_shared((nc, 2), _ACC, scope="shared")  # static: peers write it remotely
+            T.cluster_arrive_relaxed()  # paired with the wait before the DSMEM stores
+        for s in T.serial(stages):  # one elected thread: every load in flight at once
+            T.tma_copy(X[row, base + s * sub : base + (s + 1) * sub], a[s, :], barrier=bars[s])
+        for s in T.serial(stages):  # tma_copy only adds the expected bytes: every thread arrives
+            T.mbarrier_arrive(bars[s])
+        run = neg_inf
+        for j in T.Parallel(w):
+            ps[j] = 0.0
+        for s in T.unroll(stages):  # unrolled: em[] stays in registers
+            T.mbarrier_wait_parity(bars[s], 0)
+            for j in T.Parallel(w):
+                part[j] = neg_inf
+            for kk in T.serial(ks):
+                T.copy(a[s, kk * w : (kk + 1) * w], xf)
+                for j in T.Parallel(w):
+                    part[j] = T.max(part[j], T.Cast(_ACC, xf[j]))
+            T.reduce_max(part, r0, dim=0)
+            # new running max; the sums so far were shifted by the old one (0 while it is -inf)
+            alpha = T.if_then_else(run == neg_inf, 0.0, T.exp2((run - T.max(run, r0[0])) * LOG2E))
+            run = T.max(run, r0[0])
+            em[s] = run
+            for j in T.Parallel(w):
+                ps[j] = ps[j] * alpha
+            for kk in T.serial(ks):
+                T.copy(a[s, kk * w : (kk + 1) * w], xf)
+                for j in T.Parallel(w):
+                    part[j] = T.exp2((T.Cast(_ACC, xf[j]) - _safe(run)) * LOG2E)
+                    ps[j] = ps[j] + part[j]
+                if not log:  # keep the exps (log_softmax's output needs x itself)
+                    for j in T.Parallel(w):
+                        xf[j] = T.Cast(dtype, part[j])
+                    T.copy(xf, a[s, kk * w : (kk + 1) * w])
+        T.reduce_sum(ps, r1, dim=0)
+        if nc > 1:
+            r0[0] = run
+            _push(mine, peers, r0, r1, bx % nc, nc)
+            acc0 = neg_inf
+            for k in T.serial(nc):
+                acc0 = T.max(acc0, peers[k, 0])
+            acc1 = 0.0
+            for k in T.serial(nc):  # NaN only for an all -inf row, like PyTorch
+                acc1 = acc1 + peers[k, 1] * T.exp2((peers[k, 0] - acc0) * LOG2E)
+        else:
+            acc0 = run
+            acc1 = r1[0]
+        if log:
+            acc1 = acc0 + T.log2(acc1) * LN2
+        for s in T.unroll(stages):
+            if not log:
+                # The sub-chunk's exps were shifted by em[s]: one factor rescales and normalises.
+                # em[s] = -inf (no finite element yet: its exps are 0): the factor is 0, or NaN when
+                # the whole row is -inf (acc0 = -inf), as PyTorch gives.
+                alpha = T.exp2((em[s] - acc0) * LOG2E) / acc1
+            for kk in T.serial(ks):
+                T.copy(a[s, kk * w : (kk + 1) * w], xf)
+                for j in T.Parallel(w):
+                    if log:
+                        xf[j] = T.Cast(dtype, T.Cast(_ACC, xf[j]) - acc1)
+                    else:
+                        xf[j] = T.Cast(dtype, T.Cast(_ACC, xf[j]) * alpha)
+                T.copy(xf, Y[row, base + s * sub + kk * w : base + s * sub + (kk + 1) * w])
+
+    if nc > 1:
+
+        @T.prim_func
+        def fwd(X: T.Tensor((M, n), dtype), Y: T.Tensor((M, n), dtype)):
+            with T.ClusterKernel(M * nc, cluster_dims=(nc, 1, 1), threads=threads) as bx:
+                body(X, Y, bx)
+
+    else:
+
+        @T.prim_func
+        def fwd(X: T.Tensor((M, n), dtype), Y: T.Tensor((M, n), dtype)):
+            with T.Kernel(M, threads=threads) as bx:
+                body(X, Y, bx)
+
+    return fwd
+
+
+# ---------------------------------------------------------------------------------------------
 # loop: long rows and many of them; one CTA per row walks its row twice in chunks. Each thread
 # keeps its own running (max, sum) / dot over the vectors it loads and the CTA reduces them once
 # at the end: no barrier inside the walk, so a thread's next loads never wait on the others.
@@ -948,6 +1099,8 @@ REPRESENTATIVE = (
     # csplit (Hopper clusters; the MEASURED default for few long rows on an H200)
     + [(csplit, MEASURED[("fwd", 65536, "few")], {"n": 65536, "dtype": "bfloat16", "kind": "softmax", "backward": False})]
     + [(csplit, MEASURED[("bwd", 32768, "many")], {"n": 32768, "dtype": "bfloat16", "kind": "softmax", "backward": True})]
-    + [(csmem, MEASURED[("fwd", 32768, "many")], {"n": 32768, "dtype": "bfloat16", "kind": "softmax", "keep_exp": True, "dsmem": True})]
-    + [(csmem, SoftmaxConfig("csmemx", 1, 256, 32768, 0), {"n": 262144, "dtype": "bfloat16", "kind": "softmax", "keep_exp": True})]
+    + [(csmem, SoftmaxConfig("csmemxd", 1, 256, 8192, 0), {"n": 32768, "dtype": "bfloat16", "kind": "softmax", "keep_exp": True, "dsmem": True})]
+    # tma (bulk copies into shared memory; the MEASURED default for long rows forward on an H200)
+    + [(tma_fwd, MEASURED[("fwd", 32768, "many")], {"n": 32768, "dtype": "bfloat16", "kind": "softmax"})]
+    + [(tma_fwd, MEASURED[("fwd", 262144, "few")], {"n": 262144, "dtype": "bfloat16", "kind": "softmax"})]
 )
