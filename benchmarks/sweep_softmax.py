@@ -45,12 +45,12 @@ def candidates() -> dict:
     tma = lambda t, c, stages: [S("tma", 1, t, c, 0, st) for st in stages]  # noqa: E731
     return {
         # few long rows: csplit (chunk in registers) vs csmemx (chunk in shared memory) vs tma
-        (256, 32768, False): csd(128, 4096) + smx(256, 8192) + tma(256, 32768, (2, 4, 8)) + tma(256, 16384, (4,)),
-        (128, 65536, False): csd(256, 8192) + smx(256, 8192) + tma(512, 65536, (4,)) + tma(256, 32768, (4,)),
+        (256, 32768, False): csd(128, 4096) + tma(256, 32768, (2, 4)) + tma(128, 32768, (2, 4)) + tma(256, 16384, (4,)),
+        (128, 65536, False): csd(256, 8192) + tma(512, 65536, (4,)) + tma(256, 65536, (4,)) + tma(256, 32768, (4,)),
         (64, 131072, False): csd(512, 16384) + smx(512, 16384) + tma(256, 32768, (4,)),
-        (32, 262144, False): smx(256, 32768) + tma(256, 32768, (4, 8)),
+        (32, 262144, False): smx(256, 32768) + tma(256, 32768, (2, 4)) + tma(128, 32768, (4,)),
         # many long rows
-        (4096, 32768, False): csd(256, 8192) + smx(256, 8192) + tma(256, 32768, (4, 8)),
+        (4096, 32768, False): smx(256, 8192) + tma(256, 32768, (4, 8)) + tma(128, 32768, (4,)),
         # backward (csplit is the default for every long-row bucket)
         (256, 32768, True): csd(128, 4096),
         (128, 65536, True): csd(256, 8192),

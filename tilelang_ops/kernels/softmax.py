@@ -127,7 +127,7 @@ def _row_limit(dtype: str, backward: bool, kind: str) -> int:
 # benchmarks.sweep_softmax` (on the GPU) prints the lines to paste here, best config per shape.
 MEASURED: dict[tuple[str, int, str], SoftmaxConfig] = {
     # benchmarks/sweep_softmax.py on one H200, 2026-11-30 (bf16, 8M elements unless noted; % of copy_)
-    ("fwd", 32768, "few"): SoftmaxConfig("tma", 1, 256, 32768, 0, 4),  # 256x32768: 82-84% vs csplit 78-81% (session 7)
+    ("fwd", 32768, "few"): SoftmaxConfig("tma", 1, 128, 32768, 0, 4),  # 256x32768: 85-86% vs 256 threads 83-84%, csplit 78-81% (session 7)
     ("bwd", 32768, "few"): SoftmaxConfig("csplit", 1, 128, 4096, 0),  # 256x32768: 96-100% vs 90%
     ("fwd", 65536, "few"): SoftmaxConfig("tma", 1, 512, 65536, 0, 4),  # 128x65536: 76-79% vs csplit 73-79% (session 7, 3 sweeps)
     ("bwd", 65536, "few"): SoftmaxConfig("csplit", 1, 256, 8192, 0),  # 128x65536: 93% vs 81-84%
