@@ -238,6 +238,35 @@ def test_measured_table_is_sane():
             assert K.fits(cfg, n, dtype, "softmax", direction == "bwd"), (direction, n, cfg)
 
 
+def test_tma_fits_only_whole_chunks():
+    from tilelang_ops.kernels import softmax as K
+
+    cfg = K.SoftmaxConfig("tma", 1, 256, 32768, 0, 4)
+    assert K.fits(cfg, 32768, "bfloat16") and K.fits(cfg, 262144, "bfloat16")  # one CTA / a cluster of 8
+    assert not K.fits(cfg, 30001, "bfloat16")  # ragged row: no equal 16-byte bulk copies
+    assert not K.fits(cfg, 32768 * 9, "bfloat16")  # more than 8 chunks per row: no cluster
+    assert not K.fits(cfg, 32768, "bfloat16", backward=True)  # forward only
+    assert not K.fits(K.SoftmaxConfig("tma", 1, 256, 131072, 0, 4), 131072, "bfloat16")  # 256 KB chunk
+    assert not K.fits(K.SoftmaxConfig("tma", 1, 256, 32768, 0, 3), 32768, "bfloat16")  # uneven sub-chunks
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n", [32768, 262144])
+def test_tma_source_cannot_hang(n):
+    """The tma schedule's mbarriers complete only when every thread has arrived and the bulk
+    copies' bytes have landed: T.tma_copy adds the expected bytes but does not arrive (without
+    the arrives the kernel hung on the GPU, session 7). Checked in the generated code."""
+    from tilelang_ops.kernels import softmax as K
+
+    cfg = K.MEASURED[("fwd", 32768, "many")]
+    assert cfg.schedule == "tma"
+    src = K.tma_fwd.source(cfg, "sm_90a", n=n, dtype="bfloat16", kind="softmax")
+    assert src.count(f".init({cfg.threads})") == cfg.stages  # arrive count = the CTA's threads
+    issue, arrive, wait = src.index("tma_load("), src.index(".arrive()"), src.index(".wait(0)")
+    assert src.index("expect_transaction(") < issue < arrive < wait  # bytes expected before the load
+    assert ("cluster_arrive_relaxed" in src) == (n > cfg.chunk)  # partials through DSMEM only in a cluster
+
+
 def test_sweep_candidates_fit():
     from benchmarks.sweep_softmax import plan
     from tilelang_ops.kernels import softmax as K
