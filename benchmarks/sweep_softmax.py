@@ -18,9 +18,10 @@ configs also times the stats and apply kernels alone. It prints a table, the bes
 shape, and the `MEASURED` entries to paste into tilelang_ops/kernels/softmax.py; JSON goes to
 $OUT/sweep_softmax.json (benchmarks/_timing.write_json).
 
-Configs: SoftmaxConfig(schedule, block_m, threads, chunk, min_blocks). `rowsh` = a row in
-registers held in the input dtype; `csplit` = split in one launch, a thread-block cluster per
-row; min_blocks = __launch_bounds__ min CTAs per SM (register cap); see kernels/softmax.py.
+Configs: SoftmaxConfig(schedule, block_m, threads, chunk, min_blocks, stages). `csplit` = split
+in one launch, a thread-block cluster per row; `tma` = the chunk in shared memory by bulk copies,
+`stages` sub-chunks reduced as they land; min_blocks = __launch_bounds__ min CTAs per SM
+(register cap); see kernels/softmax.py.
 """
 from __future__ import annotations
 
@@ -40,17 +41,16 @@ def candidates() -> dict:
     # keeps exp in fp32).
     # The d-suffixed cluster schedules exchange the chunk partials through DSMEM (no global round trip).
     csd = lambda t, c, mb=0: [S("csplit", 1, t, c, mb), S("csplitd", 1, t, c, mb)]  # noqa: E731
-    smx = lambda t, c: [S("csmemx", 1, t, c), S("csmemxd", 1, t, c)]  # noqa: E731
     # tma = the chunk brought into shared memory by bulk copies in `stages` sub-chunks
     tma = lambda t, c, stages: [S("tma", 1, t, c, 0, st) for st in stages]  # noqa: E731
     return {
-        # few long rows: csplit (chunk in registers) vs csmemx (chunk in shared memory) vs tma
+        # few long rows: csplit (chunk in registers) vs tma (chunk in shared memory)
         (256, 32768, False): csd(128, 4096) + tma(256, 32768, (2, 4)) + tma(128, 32768, (2, 4)) + tma(256, 16384, (4,)),
         (128, 65536, False): csd(256, 8192) + tma(512, 65536, (4,)) + tma(256, 65536, (4,)) + tma(256, 32768, (4,)),
-        (64, 131072, False): csd(512, 16384) + smx(512, 16384) + tma(256, 32768, (4,)),
-        (32, 262144, False): smx(256, 32768) + tma(256, 32768, (2, 4)) + tma(128, 32768, (4,)),
+        (64, 131072, False): csd(512, 16384) + tma(256, 32768, (4,)),
+        (32, 262144, False): tma(256, 32768, (2, 4)) + tma(128, 32768, (4,)),
         # many long rows
-        (4096, 32768, False): smx(256, 8192) + tma(256, 32768, (4, 8)) + tma(128, 32768, (4,)),
+        (4096, 32768, False): csd(256, 8192) + tma(256, 32768, (4, 8)) + tma(128, 32768, (4,)),
         # backward (csplit is the default for every long-row bucket)
         (256, 32768, True): csd(128, 4096),
         (128, 65536, True): csd(256, 8192),

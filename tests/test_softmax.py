@@ -403,9 +403,6 @@ def _cfg(*a):
 
 
 EXTRA_SCHEDULES = [
-    (("rowsh", 8, 128, 0, 8), 1024, False),
-    (("rowsh", 4, 128, 0, 0), 1000, False),  # padded register row
-    (("rowsh", 1, 1024, 0, 1), 32768, True),
     (("rows", 4, 128, 0, 12), 1024, False),  # register cap through min_blocks (spills)
     (("split", 1, 256, 4096, 8), 32768, False),
     (("split", 1, 256, 4096, 8), 32768, True),
@@ -416,18 +413,12 @@ EXTRA_SCHEDULES = [
     (("csplit", 1, 512, 8192, 0), 32768, False),  # 4 CTAs per cluster, 2 slices per thread
     (("loop", 1, 256, 8192, 0), 30001, False),  # per-thread running max/sum, ragged last chunk
     (("loop", 1, 512, 8192, 4), 32768, True),
-    (("csmem", 1, 256, 8192, 0), 30001, False),  # chunk in shared memory, ragged last chunk
-    (("csmemx", 1, 256, 8192, 0), 32768, False),  # exp kept in place in the input dtype
-    (("csmemx", 1, 512, 32768, 0), 262144, False),
-    (("csmemx", 1, 256, 32768, 0), 262144, False),  # the 262144 forward's best in the sweep
     # partials exchanged through DSMEM instead of global memory
     (("csplitd", 1, 128, 4096, 0), 32768, False),
     (("csplitd", 1, 128, 4096, 0), 32768, True),
     (("csplitd", 1, 256, 8192, 0), 30001, False),  # ragged last chunk
     (("csplitd", 1, 256, 8192, 0), 30001, True),
     (("csplitd", 1, 512, 32768, 0), 262144, True),
-    (("csmemxd", 1, 256, 32768, 0), 262144, False),
-    (("csmemxd", 1, 256, 8192, 0), 30001, False),
     (("csplit", 1, 512, 16384, 0), 131072, False),  # the 131072 forward's default
     # chunk in shared memory by bulk copies, reduced sub-chunk by sub-chunk as it lands
     (("tma", 1, 256, 32768, 0, 4), 32768, False),  # a CTA per row

@@ -25,19 +25,13 @@ shapes the schedule: each distinct N compiles once per (kind, dtype, direction).
   newest-chunk-first on the way back. The second read hits L2 (132 SMs x a few rows of <= 512 KB),
   so DRAM sees one read and one write, like `rows`.
 
-* **rowsh** — `rows` with the row held in the input dtype (exp computed twice), meant to halve
-  the registers; ptxas widens the row to fp32 anyway (64-128 registers measured by ptxas -v), so
-  it only helps under a `min_blocks` cap, with spills. A sweep candidate, not a default.
-
 * **csplit** — `split` in one launch (sm_90+): a thread-block cluster of <= 8 CTAs per row, each
   holding its chunk in registers; partials go through global memory across barrier.cluster
   (release/acquire). One DRAM read, one write, no second launch; a 1-D cluster-major grid, so any
-  M. The forward keeps exp(x - chunk max) in fp32 registers: one exp per element.
-
-* **csmem / csmemx** — `csplit`'s forward with the chunk in shared memory instead of registers
-  (csmemx overwrites it with the exps). A `d` suffix (csplitd, csmemxd) exchanges the partials
-  through distributed shared memory (stores into each peer CTA's shared memory, one cluster
-  barrier) instead of global memory: no L2 round trip between the reduction and the output pass.
+  M. The forward keeps exp(x - chunk max) in fp32 registers: one exp per element. `csplitd`
+  exchanges the partials through distributed shared memory (stores into each peer CTA's shared
+  memory, one cluster barrier) instead of global memory: no L2 round trip between the reduction
+  and the output pass.
 
 * **tma** — forward, long rows: a CTA (or a cluster of n / chunk <= 8 CTAs, partials through
   DSMEM) per row, its chunk brought into shared memory by bulk copies (cp.async.bulk, one thread
@@ -79,7 +73,7 @@ def vec_width(n: int, dtype: str) -> int:
     return v
 
 
-SCHEDULES = ("rows", "rowsh", "loop", "split", "csplit", "csplitd", "csmem", "csmemx", "csmemxd", "tma")
+SCHEDULES = ("rows", "loop", "split", "csplit", "csplitd", "tma")
 
 
 @dataclass(frozen=True)
@@ -134,8 +128,8 @@ MEASURED: dict[tuple[str, int, str], SoftmaxConfig] = {
     ("bwd", 262144, "few"): SoftmaxConfig("csplit", 1, 512, 32768, 0),  # 32x262144: 75-77% vs 61%
     # fourth session (three sweeps: session 3 call 7, session 4 calls 2 and 3)
     ("fwd", 131072, "few"): SoftmaxConfig("csplit", 1, 512, 16384, 0),  # 64x131072: 69-70% vs split 63-65%
-    ("fwd", 262144, "few"): SoftmaxConfig("tma", 1, 256, 32768, 0, 4),  # 32x262144: 62-65% vs csmemx 60-63% (session 7)
-    ("fwd", 32768, "many"): SoftmaxConfig("tma", 1, 256, 32768, 0, 4),  # 4096x32768: 96% vs csmemxd 83% (session 7)
+    ("fwd", 262144, "few"): SoftmaxConfig("tma", 1, 256, 32768, 0, 4),  # 32x262144: 62-65% vs 60-63% (session 7)
+    ("fwd", 32768, "many"): SoftmaxConfig("tma", 1, 256, 32768, 0, 4),  # 4096x32768: 96% vs 83% (session 7)
     ("bwd", 32768, "many"): SoftmaxConfig("csplit", 1, 128, 4096, 0),  # 4096x32768: 89-90% vs loop 67%
 }
 
@@ -190,10 +184,10 @@ def heuristic_config(
 def fits(cfg: SoftmaxConfig, n: int, dtype: str, kind: str = "softmax", backward: bool = False) -> bool:
     """Whether `cfg` is a sensible candidate for rows of length n (registers, not spills)."""
     vec = vec_width(n, dtype)
-    if cfg.schedule in ("rows", "rowsh"):
+    if cfg.schedule == "rows":
         k, lanes, _ = _row_tile(cfg, n, dtype)
         idle = lanes * vec >= 2 * n  # more than half of a row's lanes would hold only padding
-        held = k * vec * _arrays(kind, backward) * (_ESIZE[dtype] if cfg.schedule == "rowsh" else 4) // 4  # 32-bit registers
+        held = k * vec * _arrays(kind, backward)  # fp32 registers
         return cfg.block_m <= cfg.threads and not idle and held <= 2 * _PER_THREAD
     if cfg.schedule == "tma":  # forward; equal chunks and sub-chunks of whole vectors, in shared memory
         w = cfg.threads * vec
@@ -209,8 +203,6 @@ def fits(cfg: SoftmaxConfig, n: int, dtype: str, kind: str = "softmax", backward
         )
     ok = cfg.chunk % (cfg.threads * vec) == 0 and cfg.chunk < 2 * n
     schedule = _cluster_base(cfg.schedule)[0]
-    if schedule in ("csmem", "csmemx"):  # forward only; the chunk in shared memory (<= 96 KB)
-        return ok and not backward and _split_chunks(n, cfg.chunk) <= CLUSTER_MAX and cfg.chunk * _ESIZE[dtype] <= 96 * 1024
     if schedule == "csplit":  # a cluster per row; the chunk held in registers (input dtype)
         ept = cfg.chunk // cfg.threads
         held = ept * _arrays(kind, backward) * _ESIZE[dtype] // 4 + (ept if kind == "softmax" and not backward else 0)  # + fp32 exp
@@ -219,10 +211,9 @@ def fits(cfg: SoftmaxConfig, n: int, dtype: str, kind: str = "softmax", backward
 
 
 def _cluster_base(schedule: str) -> tuple[str, bool]:
-    """("csplit", True) for "csplitd": the d-suffixed cluster schedules exchange partials through
-    DSMEM instead of global memory."""
-    if schedule in ("csplitd", "csmemxd"):
-        return schedule[:-1], True
+    """("csplit", True) for "csplitd": the partials go through DSMEM instead of global memory."""
+    if schedule == "csplitd":
+        return "csplit", True
     return schedule, False
 
 
@@ -231,18 +222,14 @@ def schedule_kernels(cfg: SoftmaxConfig, n: int, dtype: str, kind: str, backward
     st = {"n": n, "dtype": dtype, "kind": kind}
     if cfg.schedule == "rows":
         return [(rows_bwd if backward else rows_fwd, cfg, st)]
-    if cfg.schedule == "rowsh":
-        return [(rowsh_bwd if backward else rowsh_fwd, cfg, st)]
     if cfg.schedule == "loop":
         return [(loop_bwd if backward else loop_fwd, cfg, st)]
     if cfg.schedule == "tma":
         assert not backward, "tma is a forward schedule"
         return [(tma_fwd, cfg, st)]
     base, d = _cluster_base(cfg.schedule)
-    if base == "csplit" or (backward and base in ("csmem", "csmemx")):
+    if base == "csplit":
         return [(csplit, cfg, {**st, "backward": backward, "dsmem": d})]
-    if base in ("csmem", "csmemx"):
-        return [(csmem, cfg, {**st, "keep_exp": base == "csmemx", "dsmem": d})]
     return [(split_stats, cfg, {**st, "backward": backward}), (split_apply, cfg, {**st, "backward": backward})]
 
 
@@ -362,98 +349,6 @@ def rows_bwd(config: SoftmaxConfig, n: int, dtype: str, kind: str):
                         DX[bx * bm + i, kk * w + j] = T.Cast(dtype, dy[kk, i, j] - T.exp2(y[kk, i, j] * LOG2E) * dot[i])
                     else:
                         DX[bx * bm + i, kk * w + j] = T.Cast(dtype, y[kk, i, j] * (dy[kk, i, j] - dot[i]))
-
-    return bwd
-
-
-# ---------------------------------------------------------------------------------------------
-# rowsh: `rows` with the row held in the input dtype (bf16/fp16: half the registers), so more
-# threads stay resident per SM (one wave where `rows` needs 1.5); fp32 sums, exp computed twice.
-# ---------------------------------------------------------------------------------------------
-@kernel("softmax", "softmax_rowsh_fwd")
-def rowsh_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str):
-    M = T.dynamic("M")
-    bm, threads = config.block_m, config.threads
-    k, _, w = _row_tile(config, n, dtype)
-    log = kind == "log_softmax"
-
-    @T.prim_func
-    def fwd(X: T.Tensor((M, n), dtype), Y: T.Tensor((M, n), dtype)):
-        with T.Kernel(T.ceildiv(M, bm), threads=threads) as bx:
-            if config.min_blocks:
-                T.annotate_min_blocks_per_sm(config.min_blocks)
-            x = T.alloc_fragment((k, bm, w), dtype)
-            part = T.alloc_fragment((bm, w), _ACC)
-            mx = T.alloc_fragment((bm,), _ACC)
-            s = T.alloc_fragment((bm,), _ACC)
-            for kk, i, j in T.Parallel(k, bm, w):  # reads bm*n
-                x[kk, i, j] = T.if_then_else(
-                    (bx * bm + i < M) and (kk * w + j < n), X[bx * bm + i, kk * w + j], T.Cast(dtype, -T.infinity(_ACC))
-                )
-            for i, j in T.Parallel(bm, w):
-                part[i, j] = -T.infinity(_ACC)
-                for kk in T.serial(k):
-                    part[i, j] = T.max(part[i, j], T.Cast(_ACC, x[kk, i, j]))
-            T.reduce_max(part, mx, dim=1)
-            for i, j in T.Parallel(bm, w):
-                part[i, j] = 0.0
-                for kk in T.serial(k):
-                    part[i, j] = part[i, j] + T.exp2((T.Cast(_ACC, x[kk, i, j]) - mx[i]) * LOG2E)
-            T.reduce_sum(part, s, dim=1)
-            for i in T.Parallel(bm):
-                s[i] = mx[i] + T.log2(s[i]) * LN2 if log else 1.0 / s[i]
-            for kk, i, j in T.Parallel(k, bm, w):  # writes bm*n
-                if (bx * bm + i < M) and (kk * w + j < n):
-                    if log:
-                        Y[bx * bm + i, kk * w + j] = T.Cast(dtype, T.Cast(_ACC, x[kk, i, j]) - s[i])
-                    else:
-                        Y[bx * bm + i, kk * w + j] = T.Cast(dtype, T.exp2((T.Cast(_ACC, x[kk, i, j]) - mx[i]) * LOG2E) * s[i])
-
-    return fwd
-
-
-@kernel("softmax", "softmax_rowsh_bwd")
-def rowsh_bwd(config: SoftmaxConfig, n: int, dtype: str, kind: str):
-    M = T.dynamic("M")
-    bm, threads = config.block_m, config.threads
-    k, _, w = _row_tile(config, n, dtype)
-    log = kind == "log_softmax"
-
-    @T.prim_func
-    def bwd(DY: T.Tensor((M, n), dtype), Yt: T.Tensor((M, n), dtype), DX: T.Tensor((M, n), dtype)):
-        with T.Kernel(T.ceildiv(M, bm), threads=threads) as bx:
-            if config.min_blocks:
-                T.annotate_min_blocks_per_sm(config.min_blocks)
-            dy = T.alloc_fragment((k, bm, w), dtype)
-            y = T.alloc_fragment((k, bm, w), dtype)
-            part = T.alloc_fragment((bm, w), _ACC)
-            dot = T.alloc_fragment((bm,), _ACC)
-            for kk, i, j in T.Parallel(k, bm, w):  # reads 2*bm*n
-                dy[kk, i, j] = T.if_then_else(
-                    (bx * bm + i < M) and (kk * w + j < n), DY[bx * bm + i, kk * w + j], T.Cast(dtype, 0.0)
-                )
-            for kk, i, j in T.Parallel(k, bm, w):
-                y[kk, i, j] = T.if_then_else(
-                    (bx * bm + i < M) and (kk * w + j < n), Yt[bx * bm + i, kk * w + j], T.Cast(dtype, 0.0)
-                )
-            for i, j in T.Parallel(bm, w):
-                part[i, j] = 0.0
-                for kk in T.serial(k):
-                    if log:
-                        part[i, j] = part[i, j] + T.Cast(_ACC, dy[kk, i, j])
-                    else:
-                        part[i, j] = part[i, j] + T.Cast(_ACC, dy[kk, i, j]) * T.Cast(_ACC, y[kk, i, j])
-            T.reduce_sum(part, dot, dim=1)
-            for kk, i, j in T.Parallel(k, bm, w):  # writes bm*n
-                if (bx * bm + i < M) and (kk * w + j < n):
-                    if log:
-                        DX[bx * bm + i, kk * w + j] = T.Cast(
-                            dtype, T.Cast(_ACC, dy[kk, i, j]) - T.exp2(T.Cast(_ACC, y[kk, i, j]) * LOG2E) * dot[i]
-                        )
-                    else:
-                        DX[bx * bm + i, kk * w + j] = T.Cast(
-                            dtype, T.Cast(_ACC, y[kk, i, j]) * (T.Cast(_ACC, dy[kk, i, j]) - dot[i])
-                        )
 
     return bwd
 
@@ -756,99 +651,6 @@ def csplit(config: SoftmaxConfig, n: int, dtype: str, kind: str, backward: bool,
 
 
 # ---------------------------------------------------------------------------------------------
-# csmem / csmemx: `csplit`'s forward with the chunk in shared memory (input dtype, packed) instead
-# of registers. At 8M elements the whole input is one wave: 124 KB of bf16 per SM, which as
-# registers (one 32-bit register per element, plus the fp32 exps) no longer fits beside the CTAs
-# it needs; in shared memory it does, and registers stay free. csmemx overwrites the chunk with
-# exp(x - chunk max) rounded to the input dtype (one exp per element; rounding twice stays within
-# one ulp of the output dtype), csmem exps again in the output pass (exact as `csplit`).
-# ---------------------------------------------------------------------------------------------
-@kernel("softmax", "softmax_csmem", min_sm=90)
-def csmem(config: SoftmaxConfig, n: int, dtype: str, kind: str, keep_exp: bool, dsmem: bool = False):
-    M = T.dynamic("M")
-    c, threads = config.chunk, config.threads
-    nc, kc, w = _chunk_tile(config, n, dtype)
-    assert nc <= CLUSTER_MAX, (n, c)
-    log = kind == "log_softmax"
-    keep = keep_exp and not log
-
-    @T.prim_func
-    def main(
-        A: T.Tensor((M, n), dtype),
-        B: T.Tensor((M, n), dtype),  # unused (the launch signature of csplit)
-        P0: T.Tensor((M, nc), _ACC),
-        P1: T.Tensor((M, nc), _ACC),
-        O: T.Tensor((M, n), dtype),
-    ):
-        with T.ClusterKernel(M * nc, cluster_dims=(nc, 1, 1), threads=threads) as bx:
-            if config.min_blocks:
-                T.annotate_min_blocks_per_sm(config.min_blocks)
-            row = bx // nc
-            ch = bx % nc
-            base = ch * c
-            a = T.alloc_shared((kc, w), dtype)
-            part = T.alloc_fragment((w,), _ACC)
-            r0 = T.alloc_fragment((1,), _ACC)
-            r1 = T.alloc_fragment((1,), _ACC)
-            acc0 = T.alloc_var(_ACC)
-            acc1 = T.alloc_var(_ACC)
-            if dsmem:
-                mine = T.alloc_shared((2,), _ACC)
-                peers = T.alloc_shared((nc, 2), _ACC, scope="shared")  # static: never aliased with other scratch (peers write it remotely)
-                T.cluster_arrive_relaxed()
-            for kk, j in T.Parallel(kc, w):  # reads c
-                a[kk, j] = T.if_then_else(base + kk * w + j < n, A[row, base + kk * w + j], T.Cast(dtype, -T.infinity(_ACC)))
-            for j in T.Parallel(w):
-                part[j] = -T.infinity(_ACC)
-                for kk in T.serial(kc):
-                    part[j] = T.max(part[j], T.Cast(_ACC, a[kk, j]))
-            T.reduce_max(part, r0, dim=0)
-            for j in T.Parallel(w):  # an all -inf chunk contributes 0, not NaN
-                part[j] = 0.0
-                for kk in T.serial(kc):
-                    part[j] = part[j] + T.exp2((T.Cast(_ACC, a[kk, j]) - _safe(r0[0])) * LOG2E)
-                    if keep:  # the same expression as above, before the store: nvcc computes it once
-                        a[kk, j] = T.Cast(dtype, T.exp2((T.Cast(_ACC, a[kk, j]) - _safe(r0[0])) * LOG2E))
-            T.reduce_sum(part, r1, dim=0)
-            if dsmem:
-                _push(mine, peers, r0, r1, ch, nc)
-                acc0 = -T.infinity(_ACC)
-                for k in T.serial(nc):
-                    acc0 = T.max(acc0, peers[k, 0])
-                acc1 = 0.0
-                for k in T.serial(nc):  # NaN only for an all -inf row, like PyTorch
-                    acc1 = acc1 + peers[k, 1] * T.exp2((peers[k, 0] - acc0) * LOG2E)
-            else:
-                P0[row, ch] = r0[0]
-                P1[row, ch] = r1[0]
-                T.sync_threads()
-                T.cluster_sync()
-                T.sync_threads()
-                acc0 = -T.infinity(_ACC)
-                for k in T.serial(nc):
-                    acc0 = T.max(acc0, P0[row, k])
-                acc1 = 0.0
-                for k in T.serial(nc):  # NaN only for an all -inf row, like PyTorch
-                    acc1 = acc1 + P1[row, k] * T.exp2((P0[row, k] - acc0) * LOG2E)
-            if log:
-                acc1 = acc0 + T.log2(acc1) * LN2
-            elif keep:
-                acc1 = T.exp2((_safe(r0[0]) - acc0) * LOG2E) / acc1
-            else:
-                acc1 = 1.0 / acc1
-            for kk, j in T.Parallel(kc, w):  # writes c
-                if base + kk * w + j < n:
-                    if log:
-                        O[row, base + kk * w + j] = T.Cast(dtype, T.Cast(_ACC, a[kk, j]) - acc1)
-                    elif keep:
-                        O[row, base + kk * w + j] = T.Cast(dtype, T.Cast(_ACC, a[kk, j]) * acc1)
-                    else:
-                        O[row, base + kk * w + j] = T.Cast(dtype, T.exp2((T.Cast(_ACC, a[kk, j]) - acc0) * LOG2E) * acc1)
-
-    return main
-
-
-# ---------------------------------------------------------------------------------------------
 # tma: the chunk arrives by bulk copies, sub-chunk by sub-chunk, and is reduced as it lands. At
 # 8M elements every schedule is one wave (read everything, reduce, write everything); here the
 # loads are all in flight from the first instruction and the exps of the sub-chunks that landed
@@ -1093,13 +895,12 @@ REPRESENTATIVE = (
     + _rep(8192, "float32", "log_softmax", False, 1024)
     + _rep(8192, "bfloat16", "softmax", True, 1024)
     + _rep(65536, "bfloat16", "softmax", False, 128)  # split: stats + apply
-    + [(rowsh_fwd, SoftmaxConfig("rowsh", 8, 128, 0, 8), {"n": 1024, "dtype": "bfloat16", "kind": "softmax"})]
     + _rep(65536, "bfloat16", "softmax", False, 4096)  # loop
     + _rep(65536, "bfloat16", "softmax", True, 4096)
     # csplit (Hopper clusters; the MEASURED default for long rows backward on an H200)
     + [(csplit, SoftmaxConfig("csplit", 1, 256, 8192, 0), {"n": 65536, "dtype": "bfloat16", "kind": "softmax", "backward": False})]
     + [(csplit, MEASURED[("bwd", 32768, "many")], {"n": 32768, "dtype": "bfloat16", "kind": "softmax", "backward": True})]
-    + [(csmem, SoftmaxConfig("csmemxd", 1, 256, 8192, 0), {"n": 32768, "dtype": "bfloat16", "kind": "softmax", "keep_exp": True, "dsmem": True})]
+    + [(csplit, SoftmaxConfig("csplitd", 1, 128, 4096, 0), {"n": 32768, "dtype": "bfloat16", "kind": "softmax", "backward": False, "dsmem": True})]
     # tma (bulk copies into shared memory; the MEASURED default for long rows forward on an H200)
     + [(tma_fwd, MEASURED[("fwd", 32768, "many")], {"n": 32768, "dtype": "bfloat16", "kind": "softmax"})]
     + [(tma_fwd, MEASURED[("fwd", 262144, "few")], {"n": 262144, "dtype": "bfloat16", "kind": "softmax"})]

@@ -117,7 +117,7 @@ def _launch(kind: str, backward: bool, a: torch.Tensor, b: torch.Tensor | None) 
 
 def _run(cfg, kernels: tuple, backward: bool, a: torch.Tensor, b: torch.Tensor | None, out: torch.Tensor | None = None):
     out = torch.empty_like(a) if out is None else out  # first, so it takes the block a same-size request freed last
-    if cfg.schedule in ("rows", "rowsh", "loop", "tma"):  # one launch, no partials buffer
+    if cfg.schedule in ("rows", "loop", "tma"):  # one launch, no partials buffer
         kernels[0](a, b, out) if backward else kernels[0](a, out)
         return out
     m, n = a.shape
@@ -125,7 +125,7 @@ def _run(cfg, kernels: tuple, backward: bool, a: torch.Tensor, b: torch.Tensor |
     chunks = -(-n // cfg.chunk)
     p0 = torch.empty(m, chunks, dtype=torch.float32, device=a.device)  # per-chunk partials: M*chunks*8 bytes
     p1 = torch.empty_like(p0)
-    if cfg.schedule != "split":  # csplit/csmem: one launch, a cluster per row exchanges partials through p0/p1
+    if cfg.schedule != "split":  # csplit: one launch, a cluster per row exchanges partials through p0/p1
         kernels[0](a, b, p0, p1, out)
         return out
     kernels[0](a, b, p0, p1)  # stats: reads the row once
