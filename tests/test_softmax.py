@@ -286,6 +286,17 @@ def test_tunables_have_candidates():
             assert t.default(shape, torch.float32).schedule in ("rows", "loop", "split")
 
 
+def test_hopper_search_space_holds_the_measured_defaults():
+    """`tileops tune` on an sm_90 GPU can reach every MEASURED default (clusters, bulk copies);
+    on older GPUs it offers none of them (they need sm_90)."""
+    from tilelang_ops.kernels import softmax as K
+
+    for (direction, n, _), cfg in K.MEASURED.items():
+        space = K.search_space(n, "bfloat16", "softmax", direction == "bwd", 90)
+        assert cfg in space, (direction, n, cfg)
+        assert all(c.schedule in ("rows", "loop", "split") for c in K.search_space(n, "bfloat16", "softmax", direction == "bwd", 80))
+
+
 BAD_INPUTS = [
     ("integer dtype", lambda d: (torch.ones(4, 3, dtype=torch.int32, device=d), -1), TypeError, "x: dtype int32"),
     ("float64", lambda d: (torch.ones(4, dtype=torch.float64, device=d), -1), TypeError, "supported: float32, float16, bfloat16"),

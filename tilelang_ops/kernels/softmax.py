@@ -236,6 +236,16 @@ def schedule_kernels(cfg: SoftmaxConfig, n: int, dtype: str, kind: str, backward
 SEARCH_SPACE = [
     SoftmaxConfig("rows", b, t) for t in (128, 256, 512, 1024) for b in (1, 2, 4, 8, 16, 32, 64) if b <= t // 4 or b == 1
 ] + [SoftmaxConfig(s, 1, t, c) for s in ("loop", "split") for t in (128, 256, 512) for c in (4096, 8192, 16384) if c >= 8 * t]
+# Hopper only (thread-block clusters, bulk copies): what the MEASURED long-row defaults are made of.
+SEARCH_SPACE_SM90 = [
+    SoftmaxConfig(s, 1, t, c) for s in ("csplit", "csplitd") for t, c in ((128, 4096), (256, 8192), (512, 16384), (512, 32768))
+] + [SoftmaxConfig("tma", 1, t, c, 0, st) for t in (128, 256, 512) for c in (16384, 32768, 65536) for st in (2, 4)]
+
+
+def search_space(n: int, dtype: str, kind: str, backward: bool, sm: int) -> list[SoftmaxConfig]:
+    """The configs `tileops tune` times for rows of n on a GPU of compute capability sm (e.g. 90)."""
+    space = SEARCH_SPACE + (SEARCH_SPACE_SM90 if sm >= 90 else [])
+    return [c for c in space if fits(c, n, dtype, kind, backward)]
 
 
 def _row_tile(config: SoftmaxConfig, n: int, dtype: str) -> tuple[int, int, int]:

@@ -265,7 +265,8 @@ def _make_tunable(kind: str, backward: bool) -> tuning.Tunable:
     def space(shape, dtype):
         from ..kernels import softmax as K
 
-        return [c for c in K.SEARCH_SPACE if K.fits(c, shape[1], TL_DTYPE[dtype], kind, backward)]
+        sm = 10 * torch.cuda.get_device_capability()[0] if torch.cuda.is_available() else 0  # tune runs on the current device
+        return K.search_space(shape[1], TL_DTYPE[dtype], kind, backward, sm)
 
     def runner(cfg, shape, dtype, device):
         kernels = _compile(cfg, kind, backward, shape[1], dtype, device)
