@@ -135,9 +135,14 @@ def warm(arch: str, jobs: int, manifest: str | None = None) -> None:
 
     from tilelang_ops.runtime import config_str
 
+    from tilelang_ops.kernels import softmax as K
+
+    from .probe_softmax import probes
+
     ks = kernels_of(plan())
     names = {(kd.name, c, tuple(sorted(st.items()))) for kd, c, st in ks}
     ks += [e for e in default_kernels() if (e[0].name, e[1], tuple(sorted(e[2].items()))) not in names]
+    ks += [(K.tma_fwd, cfg, st) for _, _, cfg, st in probes()]  # benchmarks/probe_softmax.py
     print(f"compiling {len(ks)} kernels for {arch} with {jobs} processes", flush=True)
     t0 = time.time()
     dirs = set()

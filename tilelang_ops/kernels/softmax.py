@@ -676,7 +676,9 @@ def _tma_tile(config: SoftmaxConfig, n: int, dtype: str) -> tuple[int, int, int,
 
 
 @kernel("softmax", "softmax_tma", min_sm=90)
-def tma_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str):
+def tma_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str, probe: str = ""):
+    """probe="copy" (benchmarks/probe_softmax.py only; wrong results): the same loads, exchange and
+    output pass with the per-sub-chunk reductions left out, to time what the compute costs."""
     M = T.dynamic("M")
     c, threads, stages = config.chunk, config.threads, config.stages
     nc, sub, ks, w = _tma_tile(config, n, dtype)
@@ -715,28 +717,32 @@ def tma_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str):
             ps[j] = 0.0
         for s in T.unroll(stages):  # unrolled: em[] stays in registers
             T.mbarrier_wait_parity(bars[s], 0)
-            for j in T.Parallel(w):
-                part[j] = neg_inf
-            for kk in T.serial(ks):
-                T.copy(a[s, kk * w : (kk + 1) * w], xf)
+            if probe == "copy":  # no reductions: the output pass gets x * 1 / sum
+                run = 0.0
+                em[s] = run
+            else:
                 for j in T.Parallel(w):
-                    part[j] = T.max(part[j], T.Cast(_ACC, xf[j]))
-            T.reduce_max(part, r0, dim=0)
-            # new running max; the sums so far were shifted by the old one (0 while it is -inf)
-            alpha = T.if_then_else(run == neg_inf, 0.0, T.exp2((run - T.max(run, r0[0])) * LOG2E))
-            run = T.max(run, r0[0])
-            em[s] = run
-            for j in T.Parallel(w):
-                ps[j] = ps[j] * alpha
-            for kk in T.serial(ks):
-                T.copy(a[s, kk * w : (kk + 1) * w], xf)
-                for j in T.Parallel(w):
-                    part[j] = T.exp2((T.Cast(_ACC, xf[j]) - _safe(run)) * LOG2E)
-                    ps[j] = ps[j] + part[j]
-                if not log:  # keep the exps (log_softmax's output needs x itself)
+                    part[j] = neg_inf
+                for kk in T.serial(ks):
+                    T.copy(a[s, kk * w : (kk + 1) * w], xf)
                     for j in T.Parallel(w):
-                        xf[j] = T.Cast(dtype, part[j])
-                    T.copy(xf, a[s, kk * w : (kk + 1) * w])
+                        part[j] = T.max(part[j], T.Cast(_ACC, xf[j]))
+                T.reduce_max(part, r0, dim=0)
+                # new running max; the sums so far were shifted by the old one (0 while it is -inf)
+                alpha = T.if_then_else(run == neg_inf, 0.0, T.exp2((run - T.max(run, r0[0])) * LOG2E))
+                run = T.max(run, r0[0])
+                em[s] = run
+                for j in T.Parallel(w):
+                    ps[j] = ps[j] * alpha
+                for kk in T.serial(ks):
+                    T.copy(a[s, kk * w : (kk + 1) * w], xf)
+                    for j in T.Parallel(w):
+                        part[j] = T.exp2((T.Cast(_ACC, xf[j]) - _safe(run)) * LOG2E)
+                        ps[j] = ps[j] + part[j]
+                    if not log:  # keep the exps (log_softmax's output needs x itself)
+                        for j in T.Parallel(w):
+                            xf[j] = T.Cast(dtype, part[j])
+                        T.copy(xf, a[s, kk * w : (kk + 1) * w])
         T.reduce_sum(ps, r1, dim=0)
         if nc > 1:
             r0[0] = run
