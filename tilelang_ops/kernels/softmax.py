@@ -39,7 +39,8 @@ shapes the schedule: each distinct N compiles once per (kind, dtype, direction).
   as it lands: its max, the running max, exp(x - running max) written back over it in the input
   dtype (one exp per element, overlapping the loads still in flight; rounding twice stays within
   one ulp), the per-lane sums rescaled. The output pass only multiplies by one factor per
-  sub-chunk. Rows must split into equal 16-byte multiples (n % chunk == 0).
+  sub-chunk. Rows must split into equal 16-byte multiples (n % chunk == 0). Best with many rows:
+  several 64 KB rows per SM in different phases keep loads and stores overlapping like a copy.
 
 `SoftmaxConfig.min_blocks` sets __launch_bounds__' min CTAs per SM: a register cap (ptxas
 otherwise spends registers freely, e.g. a 1024-thread `rows` CTA at 48 registers leaves one CTA
@@ -47,8 +48,9 @@ per SM).
 
 `default_config` = MEASURED (sweep winners, bf16/fp16 softmax on a 132-SM Hopper) ▸
 `heuristic_config` (N, M bucket, SM count); `tileops tune` may override it per (N, M bucket)
-from SEARCH_SPACE. All math in fp32; exp via exp2 with a log2(e) pre-scale;
-output rounded once to the input dtype. Semantics match PyTorch: an all -inf row gives NaN, a
+from `search_space` (SEARCH_SPACE, plus SEARCH_SPACE_SM90 on Hopper). All math in fp32; exp via
+exp2 with a log2(e) pre-scale; output rounded once to the input dtype (`tma` softmax keeps its
+exps in the input dtype: twice, within one ulp). Semantics match PyTorch: an all -inf row gives NaN, a
 +inf gives NaN for its row, NaN propagates.
 """
 from dataclasses import dataclass
