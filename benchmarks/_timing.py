@@ -14,22 +14,13 @@ import time
 
 import torch
 
+from tilelang_ops.tuning import time_cuda
+
 
 def bench(fn, warmup: int = 10, rep: int = 50, flush_l2: bool = False) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    scratch = torch.empty(256 << 20, dtype=torch.uint8, device="cuda") if flush_l2 else None
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
-    for s, e in zip(starts, ends):
-        if scratch is not None:
-            scratch.zero_()
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+    """The tuner's clock (`tilelang_ops.tuning.time_cuda`) with the benchmarks' defaults: flush_l2
+    zeroes 256 MB before each timed run, outside the events."""
+    return time_cuda(fn, warmup, rep, flush_l2)
 
 
 def graph_ms(fn, n: int = 10, rep: int = 10) -> float:

@@ -20,8 +20,9 @@ python3 -m tilelang_ops.cli check > "$OUT/check.log" 2>&1; rc=$?; status=$((stat
 echo "tileops check: rc=$rc  $(tail -1 "$OUT/check.log")"
 for b in "${benches[@]}"; do  # "module [args]" (one word each: quote a module with arguments)
   log="$OUT/${b%% *}.log"
+  # under a timeout: a hung kernel must not eat the whole call
   # shellcheck disable=SC2086  # word splitting wanted: the module and its arguments
-  timeout "${BENCH_TIMEOUT:-900}" python3 -m $b > "$log" 2>&1; rc=$?  # a hung kernel must not eat the call; status=$((status|rc)); echo "== $b rc=$rc"; grep -v "INFO\|WARNING" "$log" | tail -40
+  timeout "${BENCH_TIMEOUT:-900}" python3 -m $b > "$log" 2>&1; rc=$?; status=$((status|rc)); echo "== $b rc=$rc"; grep -v "INFO\|WARNING" "$log" | tail -40
 done
 if ((${#tests[@]})); then
   HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-gpu} timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider -rs --durations=15 "${tests[@]}" > "$OUT/pytest.log" 2>&1; rc=$?; status=$((status|rc))

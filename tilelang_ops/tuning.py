@@ -194,21 +194,20 @@ def tune(tunable: Tunable, shapes, dtype, device, time_fn, progress=None) -> lis
 
 
 def time_cuda(fn, warmup: int = 5, rep: int = 30, flush_l2: bool = True) -> float:
-    """Median milliseconds of fn() by CUDA events (the tuner's clock). With flush_l2, a buffer twice
-    the L2's size is zeroed before each timed run (outside the events): a memory-bound op's
-    configs are then ranked on DRAM traffic, as the benchmarks measure them, not on inputs the
-    previous run left in L2; and the memset keeps the GPU busy while the host launches fn, so a
-    small problem is timed on the GPU, not on its host path."""
+    """Median milliseconds of fn() by CUDA events (the tuner's clock; benchmarks/_timing.bench is
+    this with more runs). With flush_l2, 256 MB (over 4x an H200's L2) are zeroed before each
+    timed run, outside the events: a memory-bound op's configs are then ranked on DRAM traffic, as
+    the benchmarks measure them, not on inputs the previous run left in L2; and the memset keeps
+    the GPU busy while the host launches fn, so a small problem is timed on the GPU, not on its
+    host path."""
     import statistics
 
     import torch
 
     for _ in range(warmup):
         fn()
-    scratch = None
-    if flush_l2:
-        l2 = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "L2_cache_size", 0) or 64 << 20
-        scratch = torch.empty(2 * l2, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    scratch = torch.empty(256 << 20, dtype=torch.uint8, device="cuda") if flush_l2 else None
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(rep)]
     for s, e in events:
         if scratch is not None:

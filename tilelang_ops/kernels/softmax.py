@@ -915,7 +915,7 @@ REPRESENTATIVE = (
     + _rep(65536, "bfloat16", "softmax", False, 128)  # split: stats + apply
     + _rep(65536, "bfloat16", "softmax", False, 4096)  # loop
     + _rep(65536, "bfloat16", "softmax", True, 4096)
-    # csplit (Hopper clusters; the MEASURED default for long rows backward on an H200)
+    # csplit (Hopper clusters; the MEASURED default for long rows backward, and forward at 131072)
     + [(csplit, SoftmaxConfig("csplit", 1, 256, 8192, 0), {"n": 65536, "dtype": "bfloat16", "kind": "softmax", "backward": False})]
     + [(csplit, MEASURED[("bwd", 32768, "many")], {"n": 32768, "dtype": "bfloat16", "kind": "softmax", "backward": True})]
     + [(csplit, SoftmaxConfig("csplitd", 1, 128, 4096, 0), {"n": 32768, "dtype": "bfloat16", "kind": "softmax", "backward": False, "dsmem": True})]
