@@ -183,7 +183,8 @@ def main(argv=None) -> int:
         for cfg in dict.fromkeys(G.config_for(s["layout"], s["n"], s["k"], getattr(torch, s["dtype"]), args.arch, s["rows"], m=m) for m in K.M_BUCKET_REP):
             jobs.append((K.matmul_kernel, cfg, s))
     for n, dt, act in dict.fromkeys(acts):
-        jobs.append((K.act_grad_kernel, K.default_act_grad_config(args.arch, n), dict(n=n, dtype=dt, activation=act)))
+        for bias_grad in (True, False):
+            jobs.append((K.act_grad_kernel, K.default_act_grad_config(args.arch, n), dict(n=n, dtype=dt, activation=act, bias_grad=bias_grad)))
     if "tests" in want:
         jobs += async_test_kernels()
     if "tune" in want:

@@ -566,7 +566,8 @@ def test_kernel_resolution_static_args(monkeypatch):
     assert ops._kernel("dq", torch.bfloat16, dev, 128, True, 4, None)[1] == dict(headdim=128, causal=True, groups=4, scale=1 / math.sqrt(128))
     assert ops._kernel("bwd_nodq", torch.bfloat16, dev, 128, True, 4, None)[0] == "bwd_nodq"
     assert ops._kernel("prep_nodq", torch.bfloat16, dev, 64)[1] == dict(headdim=64)
-    assert len(built) == 7
+    assert ops._kernel("bwd_fused", torch.bfloat16, dev, 128, True, 4, None)[1] == dict(headdim=128, causal=True, groups=4, scale=1 / math.sqrt(128))
+    assert len(built) == 8
 
 
 def _launch_recorder(monkeypatch):
@@ -609,7 +610,12 @@ def test_backward_path_follows_deterministic_flag(det, with_dlse, monkeypatch):
     dlse = torch.randn_like(lse) if with_dlse else None
     with _deterministic_algorithms(det):
         dq, dk, dv = ops._flash_bwd_cuda(torch.randn_like(out), q, k, v, out, lse, True, None, dlse)
-    assert launched == (["flash_bwd_prep", "flash_bwd", "flash_bwd_dq"] if det else ["flash_bwd_prep", "flash_bwd", "cast_f32"])
+    if det:
+        assert launched == ["flash_bwd_prep", "flash_bwd", "flash_bwd_dq"]
+    elif with_dlse:  # dlse is folded into Delta between the preprocess and the main kernel
+        assert launched == ["flash_bwd_prep", "flash_bwd", "cast_f32"]
+    else:  # the common call: the three kernels of the fast path in one host call
+        assert launched == ["flash_bwd_fused"]
     assert dq.shape == q.shape and dq.dtype == q.dtype and dk.shape == k.shape and dv.shape == v.shape
 
 

@@ -215,13 +215,17 @@ def test_linear_backward_fp16_and_frozen_weight(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("act", ["relu", "gelu", "gelu_tanh", "silu"])
-def test_act_grad(device, act):
+@pytest.mark.parametrize("bias_grad", [True, False], ids=["db", "no-db"])
+def test_act_grad(device, act, bias_grad):
     dy = _randn(300, 200, dtype=torch.bfloat16, device=device)
     z = _randn(300, 200, dtype=torch.bfloat16, device=device)
-    dz, db = torch.ops.tileops.act_grad(dy, z, act, True)
+    dz, db = torch.ops.tileops.act_grad(dy, z, act, bias_grad)
     want = dy.float() * reference.activation_grad(z.float(), act)
     _check(dz, want, torch.bfloat16, "dz")
-    _check(db, want.sum(0), torch.bfloat16, "db")
+    if bias_grad:
+        _check(db, want.sum(0), torch.bfloat16, "db")
+    else:
+        assert db.shape == (0,) and db.dtype == dy.dtype
     zr = z.float().requires_grad_()
     reference.activation(zr, act).backward(dy.float())  # the analytic derivative agrees with autograd
     _check(dz, zr.grad, torch.bfloat16, "dz vs autograd")
@@ -260,12 +264,14 @@ def test_linear_cuda_poisoned_output(act):
     _check(y, _linear_ref(x, w, b, act), torch.bfloat16, "poisoned linear")
     dy = _randn(333, out_f, dtype=torch.bfloat16, device="cuda")
     z = x @ w.t()
-    with poisoned_cuda_allocation(333 * out_f * 2) as ptr:
-        dz, db = torch.ops.tileops.act_grad(dy, z, "gelu_tanh", True)
-    assert dz.data_ptr() == ptr
     want = dy.float() * reference.activation_grad(z.float(), "gelu_tanh")
-    _check(dz, want, torch.bfloat16, "poisoned act_grad dz")
-    _check(db, want.sum(0), torch.bfloat16, "poisoned act_grad db")
+    for bias_grad in (True, False):  # dz and db in one host call (two kernels), and dz alone
+        with poisoned_cuda_allocation(333 * out_f * 2) as ptr:
+            dz, db = torch.ops.tileops.act_grad(dy, z, "gelu_tanh", bias_grad)
+        assert dz.data_ptr() == ptr
+        _check(dz, want, torch.bfloat16, f"poisoned act_grad dz (bias_grad={bias_grad})")
+        if bias_grad:
+            _check(db, want.sum(0), torch.bfloat16, "poisoned act_grad db")
 
 
 # The async pipeline (GemmConfig.pipeline="async": our own mbarrier producer/consumer loop) over

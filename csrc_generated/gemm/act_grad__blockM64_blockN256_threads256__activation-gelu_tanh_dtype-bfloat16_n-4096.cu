@@ -20,8 +20,9 @@
 #include <tl_templates/cuda/cuda_bf16_fallbacks.cuh>
 #endif
 
-extern "C" __global__ void act_grad_kernel(float* __restrict__ DB, const bfloat16_t* __restrict__ DY, bfloat16_t* __restrict__ DZ, const bfloat16_t* __restrict__ Z, int M, int MB);
-extern "C" __global__ void __launch_bounds__(256, 1) act_grad_kernel(float* __restrict__ DB, const bfloat16_t* __restrict__ DY, bfloat16_t* __restrict__ DZ, const bfloat16_t* __restrict__ Z, int M, int MB) {
+extern "C" __global__ void act_grad_kernel(const bfloat16_t* __restrict__ DY, bfloat16_t* __restrict__ DZ, float* __restrict__ P, const bfloat16_t* __restrict__ Z, int M, int MB);
+extern "C" __global__ void act_grad_kernel_1(bfloat16_t* __restrict__ DB, const float* __restrict__ P, int MB);
+extern "C" __global__ void __launch_bounds__(256, 1) act_grad_kernel(const bfloat16_t* __restrict__ DY, bfloat16_t* __restrict__ DZ, float* __restrict__ P, const bfloat16_t* __restrict__ Z, int M, int MB) {
   float g[64];
   float colsum[4];
   extern __shared__ __align__(1024) float workspace[];
@@ -537,7 +538,58 @@ extern "C" __global__ void __launch_bounds__(256, 1) act_grad_kernel(float* __re
   }
   if ((((int)threadIdx.x) >> 6) == 0) {
     if (((int)blockIdx.y) < MB) {
-      *(float4*)(DB + (((((int64_t)((int)blockIdx.y)) * (int64_t)4096) + (((int64_t)((int)blockIdx.x)) * (int64_t)256)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)63) * (int64_t)4))) = *(float4*)(colsum + 0);
+      *(float4*)(P + (((((int64_t)((int)blockIdx.y)) * (int64_t)4096) + (((int64_t)((int)blockIdx.x)) * (int64_t)256)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)63) * (int64_t)4))) = *(float4*)(colsum + 0);
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1) act_grad_kernel_1(bfloat16_t* __restrict__ DB, const float* __restrict__ P, int MB) {
+  float acc[8];
+  float total[4];
+  extern __shared__ __align__(1024) float workspace[];
+  #pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    float broadcast_var = 0x0p+0f/*0.000000e+00*/;
+    *(float4*)(acc + (i * 4)) = make_float4(broadcast_var, broadcast_var, broadcast_var, broadcast_var);
+  }
+  for (int it = 0; it < ((MB + 31) >> 5); ++it) {
+    #pragma unroll
+    for (int i_1 = 0; i_1 < 2; ++i_1) {
+      float broadcast_var_1 = 0x0p+0f/*0.000000e+00*/;
+      float4 __1;
+        float4 v_ = *(float4*)(acc + (i_1 * 4));
+        float4 condval;
+        if (((((it * 32) + (i_1 * 16)) + (((int)threadIdx.x) >> 4)) < MB)) {
+          condval = *(float4*)(P + (((((((int64_t)it) * (int64_t)131072) + (((int64_t)i_1) * (int64_t)65536)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)4) * (int64_t)4096)) + (((int64_t)((int)blockIdx.x)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)4)));
+        } else {
+          condval = make_float4(broadcast_var_1, broadcast_var_1, broadcast_var_1, broadcast_var_1);
+        }
+        __1.x = (v_.x+condval.x);
+        __1.y = (v_.y+condval.y);
+        __1.z = (v_.z+condval.z);
+        __1.w = (v_.w+condval.w);
+      *(float4*)(acc + (i_1 * 4)) = __1;
+    }
+  }
+  #pragma unroll
+  for (int i_2 = 0; i_2 < 4; ++i_2) {
+    total[i_2] = 0x0p+0f/*0.000000e+00*/;
+    #pragma unroll
+    for (int rv = 0; rv < 2; ++rv) {
+      total[i_2] = (total[i_2] + acc[((rv * 4) + i_2)]);
+    }
+    __syncthreads();
+    total[i_2] = tl::AllReduce<tl::SumOp, 256, 16, 0, tl::NamedBarrier<256>>::run(total[i_2], (&(workspace[0])));
+  }
+  if ((((int)threadIdx.x) >> 4) == 0) {
+    {
+      bfloat16_t DB_local_cast[4];
+      uint2 __2;
+      float4 v__1 = *(float4*)(total + 0);
+      (reinterpret_cast<__nv_bfloat162*>(&__2))[0] = __float22bfloat162_rn(((float2*)(&v__1))[0]);
+      (reinterpret_cast<__nv_bfloat162*>(&__2))[1] = __float22bfloat162_rn(((float2*)(&v__1))[1]);
+      *(uint2*)(DB_local_cast + 0) = __2;
+      *(uint2*)(DB + ((((int)blockIdx.x) * 64) + ((((int)threadIdx.x) & 15) * 4))) = *(uint2*)(DB_local_cast + 0);
     }
   }
 }

@@ -247,17 +247,9 @@ class PrepConfig:
         return self
 
 
-@kernel("attention", "flash_bwd_prep", pass_configs=_PASS_CONFIGS)
-def flash_bwd_prep_kernel(config: PrepConfig, headdim: int, dtype: str, dq: bool = True):
-    """Delta = rowsum(dO * O) and lse2 = lse * log2(e), as (B, H, SqP) fp32 with SqP = Sq rounded
-    up to a multiple of 4: the backward loads them by TMA, whose global strides must be 16-byte
-    multiples. Entries past Sq are written as 0 (never left uninitialized: 0 * NaN is NaN).
-    dq=True also zeroes the fp32 dQ accumulator the main kernel reduce-adds into: one launch (and
-    one host call) fewer than a separate memset. dq=False (deterministic path): no accumulator."""
-    B = T.dynamic("B")
-    Sq = T.dynamic("Sq")
-    SqP = T.dynamic("SqP")
-    H = T.dynamic("H")
+def _prep_body(config: PrepConfig, headdim: int, dtype: str, dq: bool, dims: tuple):
+    """The preprocess kernel (see flash_bwd_prep_kernel) as a macro over (B, Sq, SqP, H)."""
+    B, Sq, SqP, H = dims
     D = headdim
     blk = config.block
     acc = "float32"
@@ -286,6 +278,24 @@ def flash_bwd_prep_kernel(config: PrepConfig, headdim: int, dtype: str, dq: bool
                     LSE2[bz, by, bx * blk + i] = T.if_then_else(
                         bx * blk + i < Sq, LSE[bz, by, T.min(bx * blk + i, Sq - 1)] * LOG2E, 0
                     )
+
+    return body
+
+
+@kernel("attention", "flash_bwd_prep", pass_configs=_PASS_CONFIGS)
+def flash_bwd_prep_kernel(config: PrepConfig, headdim: int, dtype: str, dq: bool = True):
+    """Delta = rowsum(dO * O) and lse2 = lse * log2(e), as (B, H, SqP) fp32 with SqP = Sq rounded
+    up to a multiple of 4: the backward loads them by TMA, whose global strides must be 16-byte
+    multiples. Entries past Sq are written as 0 (never left uninitialized: 0 * NaN is NaN).
+    dq=True also zeroes the fp32 dQ accumulator the main kernel reduce-adds into: one launch (and
+    one host call) fewer than a separate memset. dq=False (deterministic path): no accumulator."""
+    B = T.dynamic("B")
+    Sq = T.dynamic("Sq")
+    SqP = T.dynamic("SqP")
+    H = T.dynamic("H")
+    D = headdim
+    acc = "float32"
+    body = _prep_body(config, headdim, dtype, dq, (B, Sq, SqP, H))
 
     if dq:
 
@@ -363,13 +373,9 @@ def _bwd_dims():
     return tuple(T.dynamic(n) for n in ("B", "Sq", "SqP", "Sk", "H", "HK"))
 
 
-@kernel("attention", "flash_bwd", pass_configs=_PASS_CONFIGS)
-def flash_bwd_kernel(config: BwdConfig, headdim: int, dtype: str, causal: bool, groups: int, scale: float, dq: bool = True):
-    """One CTA per (key block, kv head, batch): walks every query block of every query head in the
-    GQA group, so dK/dV accumulate in registers and are written once (deterministic, no atomics).
-    dq=True: dQ tiles are also atomically added into a zeroed fp32 (B, Sq, H, D) buffer (fast, not
-    deterministic). dq=False: dK/dV only, no dQacc argument; `flash_bwd_dq` computes dQ."""
-    B, Sq, SqP, Sk, H, HK = _bwd_dims()
+def _bwd_body(config: BwdConfig, headdim: int, dtype: str, causal: bool, groups: int, scale: float, dq: bool, dims: tuple):
+    """The main backward kernel (see flash_bwd_kernel) as a macro over _bwd_dims()."""
+    B, Sq, SqP, Sk, H, HK = dims
     D = headdim
     bm, bn = config.block_m, config.block_n
     acc = "float32"
@@ -461,6 +467,20 @@ def flash_bwd_kernel(config: BwdConfig, headdim: int, dtype: str, causal: bool, 
             T.copy(dk, dk_s)
             T.copy(dk_s, dK[bz, bx * bm : (bx + 1) * bm, by, :])
 
+    return body
+
+
+@kernel("attention", "flash_bwd", pass_configs=_PASS_CONFIGS)
+def flash_bwd_kernel(config: BwdConfig, headdim: int, dtype: str, causal: bool, groups: int, scale: float, dq: bool = True):
+    """One CTA per (key block, kv head, batch): walks every query block of every query head in the
+    GQA group, so dK/dV accumulate in registers and are written once (deterministic, no atomics).
+    dq=True: dQ tiles are also atomically added into a zeroed fp32 (B, Sq, H, D) buffer (fast, not
+    deterministic). dq=False: dK/dV only, no dQacc argument; `flash_bwd_dq` computes dQ."""
+    B, Sq, SqP, Sk, H, HK = dims = _bwd_dims()
+    D = headdim
+    acc = "float32"
+    body = _bwd_body(config, headdim, dtype, causal, groups, scale, dq, dims)
+
     # T.prim_func needs an explicit signature per argument list: with and without dQacc.
     if dq:
 
@@ -494,6 +514,47 @@ def flash_bwd_kernel(config: BwdConfig, headdim: int, dtype: str, causal: bool, 
             body(Q, K, V, dO, LSE2, Delta, None, dK, dV)
 
     return flash_bwd
+
+
+@kernel("attention", "flash_bwd_fused", pass_configs=_PASS_CONFIGS)
+def flash_bwd_fused_kernel(config: BwdConfig, headdim: int, dtype: str, causal: bool, groups: int, scale: float):
+    """The default backward in one host call: the preprocess (Delta, base-2 LSE, dQacc zeroed),
+    flash_bwd (dK, dV, dQ reduce-added into dQacc) and the dQ conversion, as three `T.Kernel`s of
+    one prim_func, launched in order on one stream. Same kernels as the three separate launches
+    (the preprocess at PrepConfig(), the main one at `config`); one tvm_ffi call instead of three
+    (~5 us of host time each, most of a small call's cost)."""
+    B, Sq, SqP, Sk, H, HK = dims = _bwd_dims()
+    D = headdim
+    acc = "float32"
+    prep_cfg = PrepConfig()
+    prep = _prep_body(prep_cfg, headdim, dtype, True, (B, Sq, SqP, H))
+    main = _bwd_body(config, headdim, dtype, causal, groups, scale, True, dims)
+    blk = prep_cfg.block
+
+    @T.prim_func
+    def flash_bwd_fused(
+        Q: _qkv_param("q", (B, Sq, H, D), dtype),
+        K: _qkv_param("k", (B, Sk, HK, D), dtype),
+        V: _qkv_param("v", (B, Sk, HK, D), dtype),
+        O: T.Tensor((B, Sq, H, D), dtype),
+        dO: T.Tensor((B, Sq, H, D), dtype),
+        LSE: T.Tensor((B, H, Sq), acc),
+        Delta: T.Tensor((B, H, SqP), acc),
+        LSE2: T.Tensor((B, H, SqP), acc),
+        dQacc: T.Tensor((B, Sq, H, D), acc),  # scratch, zeroed by the preprocess
+        dQ: T.Tensor((B, Sq, H, D), dtype),
+        dK: T.Tensor((B, Sk, HK, D), dtype),
+        dV: T.Tensor((B, Sk, HK, D), dtype),
+    ):
+        prep(O, dO, LSE, Delta, LSE2, dQacc)
+        main(Q, K, V, dO, LSE2, Delta, dQacc, dK, dV)
+        # dQ conversion, over the preprocess's grid: blk query rows of one head per CTA
+        with T.Kernel(T.ceildiv(Sq, blk), H, B, threads=prep_cfg.threads) as (bx, by, bz):
+            for i, j in T.Parallel(blk, D):
+                if bx * blk + i < Sq:
+                    dQ[bz, bx * blk + i, by, j] = T.Cast(dtype, dQacc[bz, bx * blk + i, by, j])
+
+    return flash_bwd_fused
 
 
 # ---------------------------------------------------------------------------------------------
@@ -650,6 +711,7 @@ def cast_f32_kernel(config: CastConfig, dtype: str):
 flash_fwd_kernel = _arch_aware(flash_fwd_kernel)
 flash_bwd_prep_kernel = _arch_aware(flash_bwd_prep_kernel)
 flash_bwd_kernel = _arch_aware(flash_bwd_kernel)
+flash_bwd_fused_kernel = _arch_aware(flash_bwd_fused_kernel)
 flash_bwd_dq_kernel = _arch_aware(flash_bwd_dq_kernel)
 cast_f32_kernel = _arch_aware(cast_f32_kernel)
 
@@ -677,6 +739,8 @@ REPRESENTATIVE = [
     (flash_bwd_prep_kernel, PrepConfig(), dict(headdim=128, dtype="bfloat16")),
     (flash_bwd_kernel, bwd_default_config(128, True), dict(headdim=128, dtype="bfloat16", causal=True, groups=1, scale=default_scale(128))),
     (cast_f32_kernel, CastConfig(), dict(dtype="bfloat16")),
+    # the default backward in one host call (preprocess + main + dQ conversion)
+    (flash_bwd_fused_kernel, bwd_default_config(128, False), dict(headdim=128, dtype="bfloat16", causal=False, groups=1, scale=default_scale(128))),
     # deterministic backward: prep without the dQ accumulator, dK/dV only, dQ without atomics
     (flash_bwd_prep_kernel, PrepConfig(), dict(headdim=128, dtype="bfloat16", dq=False)),
     (flash_bwd_kernel, bwd_default_config(128, True), dict(headdim=128, dtype="bfloat16", causal=True, groups=1, scale=default_scale(128), dq=False)),

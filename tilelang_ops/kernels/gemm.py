@@ -422,20 +422,31 @@ def default_act_grad_config(arch: str, n: int) -> ActGradConfig:
     return ActGradConfig()
 
 
-@kernel("gemm", "act_grad")
-def act_grad_kernel(config: ActGradConfig, *, n: int, dtype: str, activation: str):
-    """dZ = dY * act'(Z) and per-row-block partial column sums of dZ (for the bias gradient).
+@dataclass(frozen=True)
+class ColsumConfig:
+    block_rows: int = 32  # partial rows folded per step (32 × 64 fp32 = 8 KB in flight per CTA)
+    block_N: int = 64
+    threads: int = 256
 
-    One pass over two (M, n) inputs: reads 2·M·n, writes M·n + ceil(M/block_M)·n fp32 partials,
-    which the op sums (deterministically, no atomics). For relu, Z may be the activation's
-    output: relu'(z) = [z > 0] = [relu(z) > 0].
+
+@kernel("gemm", "act_grad")
+def act_grad_kernel(config: ActGradConfig, *, n: int, dtype: str, activation: str, bias_grad: bool = True):
+    """dZ = dY * act'(Z), and with bias_grad the bias gradient DB = column sums of dZ (in dtype).
+
+    One pass over two (M, n) inputs. With bias_grad, the same launch (one host call: a second
+    `T.Kernel` in the prim_func runs after the first) also writes one fp32 partial column sum per
+    block_M rows, ceil(M/block_M)·n (~1.5% extra traffic in bf16), and a second kernel folds them
+    in a fixed order (deterministic, no atomics). For relu, Z may be the activation's output:
+    relu'(z) = [z > 0] = [relu(z) > 0].
     """
     bm, bn = config.block_M, config.block_N
+    cs = ColsumConfig()
+    rb, cbn = cs.block_rows, cs.block_N
     M = T.dynamic("M")
-    MB = T.dynamic("MB")  # = ceil(M / block_M); the host checks it against the grid
+    MB = T.dynamic("MB")  # = ceil(M / block_M): the op allocates the partials so
 
-    @T.prim_func
-    def act_grad(DY: T.Tensor((M, n), dtype), Z: T.Tensor((M, n), dtype), DZ: T.Tensor((M, n), dtype), DB: T.Tensor((MB, n), "float32")):
+    @T.macro
+    def dz_body(DY, Z, DZ, P):
         with T.Kernel(T.ceildiv(n, bn), T.ceildiv(M, bm), threads=config.threads) as (bx, by):
             g = T.alloc_fragment((bm, bn), "float32")
             colsum = T.alloc_fragment((bn,), "float32")
@@ -451,43 +462,44 @@ def act_grad_kernel(config: ActGradConfig, *, n: int, dtype: str, activation: st
                         if bx * bn + j < n:
                             g[i, j] = T.Cast("float32", DY[by * bm + i, bx * bn + j]) * _act_grad(T.Cast("float32", Z[by * bm + i, bx * bn + j]), activation)
                             DZ[by * bm + i, bx * bn + j] = T.Cast(dtype, g[i, j])
-            T.reduce_sum(g, colsum, dim=0)
-            for j in T.Parallel(bn):
-                if bx * bn + j < n:
-                    DB[by, bx * bn + j] = colsum[j]
+            if bias_grad:
+                T.reduce_sum(g, colsum, dim=0)
+                for j in T.Parallel(bn):
+                    if bx * bn + j < n:
+                        P[by, bx * bn + j] = colsum[j]
 
-    return act_grad
-
-
-@dataclass(frozen=True)
-class ColsumConfig:
-    block_rows: int = 32  # partial rows folded per step (32 × 64 fp32 = 8 KB in flight per CTA)
-    block_N: int = 64
-    threads: int = 256
-
-
-@kernel("gemm", "colsum")
-def colsum_kernel(config: ColsumConfig, *, n: int, dtype: str):
-    """DB = column sums of the act_grad partials (MB, n) fp32, cast to `dtype`: one launch where
-    `partial.sum(0).to(dtype)` costs two, in a fixed order (deterministic)."""
-    rb, bn = config.block_rows, config.block_N
-    MB = T.dynamic("MB")
-
-    @T.prim_func
-    def colsum(P: T.Tensor((MB, n), "float32"), DB: T.Tensor((n,), dtype)):
-        with T.Kernel(T.ceildiv(n, bn), threads=config.threads) as bx:
-            acc = T.alloc_fragment((rb, bn), "float32")
-            total = T.alloc_fragment((bn,), "float32")
+    @T.macro
+    def colsum_body(P, DB):
+        with T.Kernel(T.ceildiv(n, cbn), threads=cs.threads) as bx:
+            acc = T.alloc_fragment((rb, cbn), "float32")
+            total = T.alloc_fragment((cbn,), "float32")
             T.clear(acc)
             for it in T.serial(T.ceildiv(MB, rb)):
-                for i, j in T.Parallel(rb, bn):
-                    acc[i, j] += T.if_then_else(it * rb + i < MB, T.if_then_else(bx * bn + j < n, P[it * rb + i, bx * bn + j], T.float32(0)), T.float32(0))
+                for i, j in T.Parallel(rb, cbn):
+                    acc[i, j] += T.if_then_else(it * rb + i < MB, T.if_then_else(bx * cbn + j < n, P[it * rb + i, bx * cbn + j], T.float32(0)), T.float32(0))
             T.reduce_sum(acc, total, dim=0)
-            for j in T.Parallel(bn):
-                if bx * bn + j < n:
-                    DB[bx * bn + j] = T.Cast(dtype, total[j])
+            for j in T.Parallel(cbn):
+                if bx * cbn + j < n:
+                    DB[bx * cbn + j] = T.Cast(dtype, total[j])
 
-    return colsum
+    # T.prim_func needs an explicit signature per argument list: with and without the bias gradient.
+    if bias_grad:
+
+        @T.prim_func
+        def act_grad(
+            DY: T.Tensor((M, n), dtype), Z: T.Tensor((M, n), dtype), DZ: T.Tensor((M, n), dtype),
+            P: T.Tensor((MB, n), "float32"), DB: T.Tensor((n,), dtype),
+        ):
+            dz_body(DY, Z, DZ, P)
+            colsum_body(P, DB)
+
+    else:
+
+        @T.prim_func
+        def act_grad(DY: T.Tensor((M, n), dtype), Z: T.Tensor((M, n), dtype), DZ: T.Tensor((M, n), dtype)):
+            dz_body(DY, Z, DZ, None)
+
+    return act_grad
 
 
 # (kernel, config, static) that `tileops export` writes and `tileops check` / the compile tests
@@ -503,5 +515,5 @@ REPRESENTATIVE = [
     (matmul_kernel, _HOPPER_NARROW, dict(layout="nn", n=128, k=64, rows=0, dtype="float16", batched=True, bias=False, activation="none", save_preact=False)),
     (matmul_kernel, DEFAULT_OVERRIDES[("sm_9", "nn", 0, 3072, 768)], dict(layout="nn", n=3072, k=768, rows=0, dtype="bfloat16", batched=False, bias=False, activation="none", save_preact=False)),
     (act_grad_kernel, ActGradConfig(), dict(n=4096, dtype="bfloat16", activation="gelu_tanh")),
-    (colsum_kernel, ColsumConfig(), dict(n=4096, dtype="bfloat16")),
+    (act_grad_kernel, ActGradConfig(), dict(n=4096, dtype="bfloat16", activation="gelu_tanh", bias_grad=False)),
 ]

@@ -82,6 +82,7 @@ _KDEFS = {
     "fwd_nolse": ("flash_fwd_kernel", {"lse": False}),  # inference: out only
     "bwd": ("flash_bwd_kernel", {}),
     "bwd_nodq": ("flash_bwd_kernel", {"dq": False}),
+    "bwd_fused": ("flash_bwd_fused_kernel", {}),  # prep + bwd + cast in one host call
     "dq": ("flash_bwd_dq_kernel", {}),
     "prep": ("flash_bwd_prep_kernel", {}),
     "prep_nodq": ("flash_bwd_prep_kernel", {"dq": False}),
@@ -89,7 +90,7 @@ _KDEFS = {
 }
 # Kernels with every static arg, and the tuned-config entry each resolves its config from
 # (dK/dV-only uses the main backward's: same tiles, minus the dQ work).
-_TUNED_AS = {"fwd": "fwd", "fwd_nolse": "fwd", "bwd": "bwd", "bwd_nodq": "bwd", "dq": "dq"}
+_TUNED_AS = {"fwd": "fwd", "fwd_nolse": "fwd", "bwd": "bwd", "bwd_nodq": "bwd", "bwd_fused": "bwd", "dq": "dq"}
 
 
 def kernel_static(name: str, headdim: int, causal: bool, groups: int, softmax_scale: Optional[float]) -> dict:
@@ -342,6 +343,12 @@ def _flash_bwd_cuda(dout, q, k, v, out, lse, causal=False, softmax_scale=None, d
     # inside one CTA), dQ from its own kernel, one CTA per query block summing its key blocks in a
     # fixed order; no fp32 dQ buffer and no cast, S and dP computed twice.
     det = _deterministic()
+    q, k, v = _qkv3(q, k, v)
+    dq = q.new_empty(B, Sq, H, D)
+    if not det and dlse is None:  # the common call: preprocess, main kernel and dQ cast in one host call
+        dq_acc = torch.empty(B, Sq, H, D, dtype=torch.float32, device=dev)  # reduce-add target, zeroed by prep
+        _kernel("bwd_fused", dtype, dev, D, causal, groups, softmax_scale)(q, k, v, ready(out), dout, ready(lse), delta, lse2, dq_acc, dq, dk, dv)
+        return dq, dk, dv
     if det:
         _kernel("prep_nodq", dtype, dev, D)(ready(out), dout, ready(lse), delta, lse2)
     else:
@@ -349,8 +356,6 @@ def _flash_bwd_cuda(dout, q, k, v, out, lse, causal=False, softmax_scale=None, d
         _kernel("prep", dtype, dev, D)(ready(out), dout, ready(lse), delta, lse2, dq_acc)
     if dlse is not None:  # d lse_i / d s_ij = P_ij, so dlse folds into Delta: dS = P (dP - (Delta - dlse))
         delta[:, :, :Sq].sub_(dlse)
-    q, k, v = _qkv3(q, k, v)
-    dq = q.new_empty(B, Sq, H, D)
     if det:
         _kernel("bwd_nodq", dtype, dev, D, causal, groups, softmax_scale)(q, k, v, dout, lse2, delta, dk, dv)
         _kernel("dq", dtype, dev, D, causal, groups, softmax_scale)(q, k, v, dout, lse2, delta, dq)

@@ -163,19 +163,19 @@ def _matmul_kernel(device, layout, n, k, dtype, rows=0, batched=False, bias=Fals
     return hit[0]
 
 
-def _act_grad_kernel(device, n, dtype, activation):
-    """(act_grad launcher, colsum launcher, block_M): act_grad writes one fp32 partial column
-    sum per block_M rows; colsum folds them into the bias gradient."""
-    key = (device.index, "act_grad", n, dtype, activation)
+def _act_grad_kernel(device, n, dtype, activation, bias_grad):
+    """(launcher, block_M): dz, and with bias_grad the bias gradient, in one host call (the
+    launcher runs two kernels then: dz with per-block_M-rows fp32 partial column sums, and the
+    fold of those partials)."""
+    key = (device.index, "act_grad", n, dtype, activation, bias_grad)
     hit = _kernels.get(key)
     if hit is None:
         from ..kernels import gemm as K
 
         arch = runtime.arch_for_device(device)
         cfg = K.default_act_grad_config(arch, n)
-        static = dict(n=n, dtype=TL_DTYPE[dtype], activation=activation)
-        colsum = runtime.launcher(K.colsum_kernel.compile(K.ColsumConfig(), arch, n=n, dtype=TL_DTYPE[dtype]))
-        hit = _kernels[key] = ((runtime.launcher(K.act_grad_kernel.compile(cfg, arch, **static)), colsum, cfg.block_M), ("act_grad", cfg, static))
+        static = dict(n=n, dtype=TL_DTYPE[dtype], activation=activation, bias_grad=bias_grad)
+        hit = _kernels[key] = ((runtime.launcher(K.act_grad_kernel.compile(cfg, arch, **static)), cfg.block_M), ("act_grad", cfg, static))
     _last["act_grad"] = hit[1]
     return hit[0]
 
@@ -501,12 +501,13 @@ def _(dy, z, activation, bias_grad):
     dz = dy.new_empty(M, N)
     if dy.numel() == 0:
         return dz, (dy.new_zeros(N) if bias_grad else dy.new_empty(0))
-    kern, colsum, bm = _act_grad_kernel(dy.device, N, dy.dtype, activation)
+    kern, bm = _act_grad_kernel(dy.device, N, dy.dtype, activation, bias_grad)
+    if not bias_grad:
+        kern(ready(dy), ready(z), dz)
+        return dz, dy.new_empty(0)
     partial = torch.empty(-(-M // bm), N, dtype=torch.float32, device=dy.device)  # (ceil(M/bm), N) column sums
-    kern(ready(dy), ready(z), dz, partial)
-    db = dy.new_empty(N if bias_grad else 0)
-    if bias_grad:
-        colsum(partial, db)
+    db = dy.new_empty(N)
+    kern(ready(dy), ready(z), dz, partial, db)
     return dz, db
 
 
