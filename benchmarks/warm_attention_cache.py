@@ -58,6 +58,15 @@ def _jobs(quick: bool) -> list[tuple]:
         jobs.append(("prep_nodq", d, dt, False, 1, 0.0))
     for dt in ("bfloat16",) if quick else ("bfloat16", "float16"):
         jobs.append(("cast", 0, dt, False, 1, 0.0))
+    # forward configs run by config rather than by the op: the async-pipeline GPU tests and the
+    # candidates of benchmarks/sweep_attention.py
+    from benchmarks.sweep_attention import jobs as sweep_jobs
+
+    extra = [] if quick else __import__("tests.test_attention", fromlist=["async_fwd_kernels"]).async_fwd_kernels()
+    for cfg, st in extra + sweep_jobs():
+        job = ("fwd", st["headdim"], st["dtype"], st["causal"], st["groups"], st["scale"], cfg)
+        if job not in jobs:
+            jobs.append(job)
     return jobs
 
 

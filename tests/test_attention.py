@@ -255,6 +255,74 @@ def test_flash_attn_cuda_poisoned_out_only(shape):
     assert torch.isfinite(out).all() and rel_err(out, ref_out) <= ATTENTION_REL_ERR[torch.bfloat16]
 
 
+# The async forward pipeline (FwdConfig.pipeline="async": our own mbarrier producer/consumer
+# loop, step j's softmax overlapping step j-1's P V wgmma) at the tile shapes a sweep may pick.
+ASYNC_FWD_CONFIGS = {
+    64: [(128, 128, 2, 256), (128, 176, 2, 256), (192, 176, 2, 384)],
+    128: [(128, 128, 2, 256), (192, 128, 2, 384), (128, 128, 3, 256)],
+}
+ASYNC_FWD_SHAPES = [
+    (1, 1, 1, 2, 2, 0),  # one query, one key
+    (2, 17, 33, 4, 2, 0),  # one ragged tile, GQA
+    (2, 1000, 1000, 8, 2, 0),  # many tiles + tail: the stage ring wraps
+    (1, 300, 1000, 4, 4, 0),  # Sq < Sk
+    (1, 1000, 300, 4, 4, 0),  # Sq > Sk: leading causal rows see no key
+    (1, 1, 4097, 2, 1, 0),  # one query, a long key range, MQA
+]
+
+
+def _async_fwd_cases():
+    return [
+        pytest.param((b, sq, sk, h, hk, d), cfg, id=f"d{d}-{'x'.join(map(str, cfg))}-{b}x{sq}x{sk}x{h}/{hk}")
+        for d, cfgs in ASYNC_FWD_CONFIGS.items()
+        for cfg in cfgs
+        for b, sq, sk, h, hk, _ in ASYNC_FWD_SHAPES
+    ]
+
+
+def async_fwd_kernel(shape, cfg, causal):
+    """(config, static) the async-forward test compiles; benchmarks/warm_attention_cache.py pre-builds them."""
+    from tilelang_ops.kernels import attention as K
+
+    B, Sq, Sk, H, HK, D = shape
+    return K.FwdConfig(*cfg, "async"), dict(headdim=D, dtype="bfloat16", causal=causal, groups=H // HK, scale=K.default_scale(D))
+
+
+def async_fwd_kernels():
+    out = []
+    for p in _async_fwd_cases():
+        for causal in (False, True):
+            k = async_fwd_kernel(p.values[0], p.values[1], causal)
+            if k not in out:
+                out.append(k)
+    return out
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape, cfg", _async_fwd_cases())
+def test_flash_fwd_async_pipeline_matches_reference(shape, cfg, causal):
+    from tilelang_ops import runtime
+    from tilelang_ops.kernels import attention as K
+
+    B, Sq, Sk, H, HK, D = shape
+    dtype = torch.bfloat16
+    q, k, v = _inputs(shape, dtype, "cuda", requires_grad=False)
+    config, static = async_fwd_kernel(shape, cfg, causal)
+    kern = runtime.launcher(K.flash_fwd_kernel.compile(config, "sm_90a", **static))
+    out = torch.full_like(q, float("nan"))  # poisoned: an unwritten element stays NaN
+    lse = torch.full((B, H, Sq), float("nan"), device="cuda")
+    kern(q, k, v, out, lse)
+    ref_out, ref_lse, _ = _ref(q, k, v, causal)
+    assert torch.isfinite(out).all(), "unwritten or non-finite output elements"
+    assert not torch.isnan(lse).any(), "unwritten lse rows"
+    assert rel_err(out, ref_out) <= ATTENTION_REL_ERR[dtype]
+    seen = torch.isfinite(ref_lse)  # rows with no visible key: lse = -inf on both sides
+    assert torch.equal(torch.isfinite(lse), seen)
+    assert (lse[seen] - ref_lse[seen].float()).abs().max().item() <= 1e-2
+
+
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

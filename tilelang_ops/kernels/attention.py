@@ -41,6 +41,17 @@ LN2 = 0.6931471805599453
 _PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
 
 
+_PRODUCER_REGS = 24  # setmaxnreg of a TMA producer warpgroup (TileLang's own choice)
+
+
+def _consumer_regs(consumers: int) -> int:
+    """setmaxnreg of the consumer warpgroups beside a 24-register producer, one CTA per SM: the
+    CTA's launch allocation (64K registers / its threads, in steps of 8) must cover both."""
+    total = consumers + 128
+    launch = min(65536 // total, 255) // 8 * 8
+    return min((launch * total - _PRODUCER_REGS * 128) // consumers // 8 * 8, 240)
+
+
 def _is_hopper(arch: str) -> bool:
     return arch.startswith("sm_90")
 
@@ -67,10 +78,26 @@ class FwdConfig:
     block_n: int = 128  # keys per pipeline step
     num_stages: int = 2
     threads: int = 256  # consumer threads; on Hopper TileLang adds a 128-thread TMA producer
+    # "auto": TileLang's warp-specialized T.Pipelined; each T.gemm waits for its wgmma, so a
+    # warpgroup's softmax never overlaps its own GEMMs (other warpgroups fill the tensor cores).
+    # "async": our own producer/consumer mbarrier pipeline in which each consumer warpgroup issues
+    # step j's S = Q K_j^T and step j-1's O += P V_{j-1} back to back and computes step j's softmax
+    # while the P V wgmma runs (FlashAttention-3's intra-warpgroup overlap; sm_90 only).
+    pipeline: str = "auto"
 
     def for_arch(self, arch: str) -> "FwdConfig":
         # TileLang 0.1.15's cp.async pipeline (pre-Hopper) fails in codegen on a symbolic trip count.
-        return self if _is_hopper(arch) else dataclasses.replace(self, num_stages=1)
+        return self if _is_hopper(arch) else dataclasses.replace(self, num_stages=1, pipeline="auto")
+
+    @property
+    def min_sm(self) -> int:
+        return 90 if self.pipeline == "async" else 0  # wgmma + TMA + setmaxnreg
+
+    def pass_configs(self) -> dict:
+        # The async pipeline synchronizes with mbarriers and named barriers itself: TileLang's
+        # storage-sync pass would put CTA-wide barriers inside the producer/consumer branches
+        # (a deadlock), and its buffer-init check cannot see T.tma_copy's writes.
+        return {"tl.disable_thread_storage_sync": True, "tl.disable_buffer_init_check": True} if self.pipeline == "async" else {}
 
 
 def fwd_default_config(headdim: int, causal: bool, arch: str = "sm_90a") -> FwdConfig:
@@ -125,6 +152,50 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
     neg_inf = -T.infinity(acc)
 
     @T.macro
+    def init_scores(s, kb, qt, offset):
+        # The mask is the GEMM's initial accumulator: 0 where visible, -inf elsewhere. Only the
+        # diagonal and the tail blocks need it; the others start from 0.
+        if causal:
+            full = ((kb + 1) * bn <= Sk) & ((kb + 1) * bn - 1 <= qt * bm + offset)
+        else:
+            full = (kb + 1) * bn <= Sk
+        if full:
+            T.fill(s, 0)
+        else:
+            for i, j in T.Parallel(bm, bn):
+                if causal:
+                    s[i, j] = T.if_then_else(
+                        (kb * bn + j >= Sk) | (kb * bn + j > qt * bm + i + offset), neg_inf, 0
+                    )
+                else:
+                    s[i, j] = T.if_then_else(kb * bn + j >= Sk, neg_inf, 0)
+
+    @T.macro
+    def online_softmax(s, m, m_prev, m_scaled, alpha, row_sum, l):
+        """Scores s -> unnormalized probabilities in place; running max m, sum l, and the factor
+        alpha that rescales what was accumulated under the previous max."""
+        T.copy(m, m_prev)
+        T.reduce_max(s, m, dim=1, clear=False)
+        for i in T.Parallel(bm):
+            # A row with no visible key yet keeps max -inf; shift by 0 so exp2 gives 0, not NaN.
+            m_scaled[i] = T.if_then_else(m[i] == neg_inf, 0, m[i] * scale_log2)
+            alpha[i] = T.exp2(m_prev[i] * scale_log2 - m_scaled[i])
+        for i, j in T.Parallel(bm, bn):
+            s[i, j] = T.exp2(s[i, j] * scale_log2 - m_scaled[i])
+        T.reduce_sum(s, row_sum, dim=1)
+        for i in T.Parallel(bm):
+            l[i] = l[i] * alpha[i] + row_sum[i]
+
+    @T.macro
+    def normalize(o, l, m_scaled, lse):
+        for i in T.Parallel(bm):
+            # l == 0 only for rows that saw no key: output 0, lse -inf.
+            lse[i] = T.if_then_else(l[i] > 0, (T.log2(l[i]) + m_scaled[i]) * LN2, neg_inf)
+            l[i] = T.if_then_else(l[i] > 0, 1.0 / l[i], 0)
+        for i, j in T.Parallel(bm, D):
+            o[i, j] *= l[i]
+
+    @T.macro
     def body(Q, K, V, O, LSE):
         with T.Kernel(T.ceildiv(Sq, bm), H, B, threads=config.threads) as (bx, by, bz):
             q_s = T.alloc_shared((bm, D), dtype)
@@ -161,35 +232,9 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
 
             for kb in T.Pipelined(n_blocks, num_stages=config.num_stages):
                 T.copy(K[bz, kb * bn : (kb + 1) * bn, kvh, :], k_s)
-                # The mask is the GEMM's initial accumulator: 0 where visible, -inf elsewhere. Only
-                # the diagonal and the tail blocks need it; the others start from 0.
-                if causal:
-                    full = ((kb + 1) * bn <= Sk) & ((kb + 1) * bn - 1 <= qt * bm + offset)
-                else:
-                    full = (kb + 1) * bn <= Sk
-                if full:
-                    T.fill(s, 0)
-                else:
-                    for i, j in T.Parallel(bm, bn):
-                        if causal:
-                            s[i, j] = T.if_then_else(
-                                (kb * bn + j >= Sk) | (kb * bn + j > qt * bm + i + offset), neg_inf, 0
-                            )
-                        else:
-                            s[i, j] = T.if_then_else(kb * bn + j >= Sk, neg_inf, 0)
+                init_scores(s, kb, qt, offset)
                 T.gemm(q_s, k_s, s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-
-                T.copy(m, m_prev)
-                T.reduce_max(s, m, dim=1, clear=False)
-                for i in T.Parallel(bm):
-                    # A row with no visible key yet keeps max -inf; shift by 0 so exp2 gives 0, not NaN.
-                    m_scaled[i] = T.if_then_else(m[i] == neg_inf, 0, m[i] * scale_log2)
-                    alpha[i] = T.exp2(m_prev[i] * scale_log2 - m_scaled[i])
-                for i, j in T.Parallel(bm, bn):
-                    s[i, j] = T.exp2(s[i, j] * scale_log2 - m_scaled[i])
-                T.reduce_sum(s, row_sum, dim=1)
-                for i in T.Parallel(bm):
-                    l[i] = l[i] * alpha[i] + row_sum[i]
+                online_softmax(s, m, m_prev, m_scaled, alpha, row_sum, l)
                 T.copy(s, p)
                 for i, j in T.Parallel(bm, D):
                     o[i, j] *= alpha[i]
@@ -197,16 +242,111 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
                 T.copy(V[bz, kb * bn : (kb + 1) * bn, kvh, :], v_s)
                 T.gemm(p, v_s, o, policy=T.GemmWarpPolicy.FullRow)
 
-            for i in T.Parallel(bm):
-                # l == 0 only for rows that saw no key: output 0, lse -inf.
-                lse[i] = T.if_then_else(l[i] > 0, (T.log2(l[i]) + m_scaled[i]) * LN2, neg_inf)
-                l[i] = T.if_then_else(l[i] > 0, 1.0 / l[i], 0)
-            for i, j in T.Parallel(bm, D):
-                o[i, j] *= l[i]
+            normalize(o, l, m_scaled, lse)
             T.copy(o, o_s)
             T.copy(o_s, O[bz, qt * bm : (qt + 1) * bm, by, :])
             if with_lse:
                 T.copy(lse, LSE[bz, by, qt * bm : (qt + 1) * bm])
+
+    S = config.num_stages
+    consumers = config.threads
+    cwg = tuple(range(consumers // 128))  # consumer warpgroups; the producer is the next one
+
+    @T.macro
+    def body_async(Q, K, V, O, LSE):
+        # Producer warpgroup: Q once, then K_j and V_j into an S-stage ring (full_*: the bytes
+        # landed; empty_*: every consumer thread is done with the stage). Each consumer
+        # warpgroup, per step j >= 1: issue S_j = Q K_j^T and O += P_{j-1} V_{j-1} (two wgmma
+        # groups), wait for S_j only, run step j's softmax while P V runs, then wait for P V,
+        # release both stages, rescale O by step j's alpha and convert P_j. O is always on the
+        # basis of the max of the P being multiplied, as in the serial order.
+        with T.Kernel(T.ceildiv(Sq, bm), H, B, threads=consumers + 128) as (bx, by, bz):
+            q_s = T.alloc_shared((bm, D), dtype)
+            k_s = T.alloc_shared((S, bn, D), dtype)
+            v_s = T.alloc_shared((S, bn, D), dtype)
+            o_s = T.alloc_shared((bm, D), dtype)
+            s = T.alloc_fragment((bm, bn), acc)
+            p = T.alloc_fragment((bm, bn), dtype)
+            o = T.alloc_fragment((bm, D), acc)
+            m = T.alloc_fragment((bm,), acc)
+            m_prev = T.alloc_fragment((bm,), acc)
+            m_scaled = T.alloc_fragment((bm,), acc)
+            alpha = T.alloc_fragment((bm,), acc)
+            row_sum = T.alloc_fragment((bm,), acc)
+            l = T.alloc_fragment((bm,), acc)
+            lse = T.alloc_fragment((bm,), acc)
+            q_full = T.alloc_barrier([128])
+            k_full = T.alloc_barrier([128] * S)
+            v_full = T.alloc_barrier([128] * S)
+            k_empty = T.alloc_barrier([consumers] * S)
+            v_empty = T.alloc_barrier([consumers] * S)
+
+            qt = T.ceildiv(Sq, bm) - 1 - bx if causal else bx
+            kvh = by // groups
+            offset = Sk - Sq
+            if causal:
+                n_blocks = T.max(T.min(T.ceildiv(Sk, bn), T.ceildiv((qt + 1) * bm + offset, bn)), 1)
+            else:
+                n_blocks = T.ceildiv(Sk, bn)
+
+            with T.ws(len(cwg)):
+                T.dec_max_nreg(_PRODUCER_REGS)
+                T.tma_copy(Q[bz, qt * bm : (qt + 1) * bm, by, :], q_s, barrier=q_full)
+                T.mbarrier_arrive(q_full)
+                for kb in T.serial(n_blocks):
+                    st = kb % S
+                    T.mbarrier_wait_parity(k_empty[st], ((kb // S) & 1) ^ 1)
+                    T.tma_copy(K[bz, kb * bn : (kb + 1) * bn, kvh, :], k_s[st, :, :], barrier=k_full[st])
+                    T.mbarrier_arrive(k_full[st])
+                    T.mbarrier_wait_parity(v_empty[st], ((kb // S) & 1) ^ 1)
+                    T.tma_copy(V[bz, kb * bn : (kb + 1) * bn, kvh, :], v_s[st, :, :], barrier=v_full[st])
+                    T.mbarrier_arrive(v_full[st])
+            with T.ws(*cwg):
+                T.inc_max_nreg(_consumer_regs(consumers))
+                T.fill(o, 0)
+                T.fill(l, 0)
+                T.fill(m, neg_inf)
+                T.mbarrier_wait_parity(q_full, 0)
+                # step 0: scores and softmax only (O is still 0)
+                T.mbarrier_wait_parity(k_full[0], 0)
+                init_scores(s, 0, qt, offset)
+                T.wgmma_gemm(q_s, k_s[0, :, :], s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                T.wait_wgmma(0)
+                T.mbarrier_arrive(k_empty[0])
+                online_softmax(s, m, m_prev, m_scaled, alpha, row_sum, l)
+                T.copy(s, p)
+                for kb in T.serial(1, n_blocks):
+                    st = kb % S
+                    sp = (kb - 1) % S
+                    T.mbarrier_wait_parity(k_full[st], (kb // S) & 1)
+                    init_scores(s, kb, qt, offset)
+                    T.wgmma_gemm(q_s, k_s[st, :, :], s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                    T.mbarrier_wait_parity(v_full[sp], ((kb - 1) // S) & 1)
+                    T.wgmma_gemm(p, v_s[sp, :, :], o, policy=T.GemmWarpPolicy.FullRow)
+                    T.wait_wgmma(1)  # S_j done; P_{j-1} V_{j-1} may still run
+                    T.mbarrier_arrive(k_empty[st])
+                    online_softmax(s, m, m_prev, m_scaled, alpha, row_sum, l)
+                    T.wait_wgmma(0)
+                    T.mbarrier_arrive(v_empty[sp])
+                    for i, j in T.Parallel(bm, D):
+                        o[i, j] *= alpha[i]
+                    T.copy(s, p)
+                last = n_blocks - 1
+                T.mbarrier_wait_parity(v_full[last % S], (last // S) & 1)
+                T.wgmma_gemm(p, v_s[last % S, :, :], o, policy=T.GemmWarpPolicy.FullRow)
+                T.wait_wgmma(0)
+                normalize(o, l, m_scaled, lse)
+                T.copy(o, o_s)
+                # named barrier over the consumers (the producer may have exited); the generic-proxy
+                # writes to o_s made visible to the TMA store first
+                T.fence_proxy_async()
+                T.sync_threads(1, consumers)
+                T.copy(o_s, O[bz, qt * bm : (qt + 1) * bm, by, :])
+                if with_lse:
+                    T.copy(lse, LSE[bz, by, qt * bm : (qt + 1) * bm])
+
+    if config.pipeline == "async":
+        body = body_async  # noqa: F811
 
     # T.prim_func needs an explicit signature per argument list: with and without LSE.
     if with_lse:

@@ -1,0 +1,110 @@
+"""Attention forward configs side by side: the default and candidates (e.g. the async pipeline), per
+shape of the benchmark set, timed in turns in one process. Each candidate's output is checked
+against the default's first (max abs difference and LSE difference printed), so a fast but wrong
+kernel shows.
+
+    python -m benchmarks.sweep_attention --warm      # CPU machine: compile every candidate (sm_90a)
+    python -m benchmarks.sweep_attention             # H200: TFLOP/s table, JSON under $OUT
+
+Forward FLOPs = 4 * B * H * S^2 * D, halved when causal (as bench_attention).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+# (B, H, HK, S, D) as bench_attention.CASES
+SHAPES = [(8, 32, 32, 4096, 128), (2, 16, 16, 16384, 128), (16, 32, 32, 2048, 64), (8, 32, 8, 4096, 128)]
+
+
+def candidates(headdim: int):
+    """FwdConfigs to time beside the default at this head dim (the default is added by the caller)."""
+    from tilelang_ops.kernels.attention import FwdConfig
+
+    if headdim == 128:
+        return [FwdConfig(128, 128, 2, 256, "async"), FwdConfig(192, 128, 2, 384, "async"), FwdConfig(128, 128, 3, 256, "async")]
+    if headdim == 64:
+        return [FwdConfig(128, 128, 2, 256, "async"), FwdConfig(128, 176, 2, 256, "async"), FwdConfig(192, 176, 2, 384, "async"), FwdConfig(192, 128, 2, 384, "async")]
+    return []
+
+
+def jobs():
+    """(config, static) of every kernel the sweep runs: default and candidates, causal and not."""
+    from tilelang_ops.kernels import attention as K
+
+    out = []
+    for B, H, HK, S, D in SHAPES:
+        for causal in (False, True):
+            static = dict(headdim=D, dtype="bfloat16", causal=causal, groups=H // HK, scale=K.default_scale(D))
+            for cfg in [K.fwd_default_config(D, causal)] + candidates(D):
+                if (cfg, static) not in [(c, s) for c, s in out]:
+                    out.append((cfg, static))
+    return out
+
+
+def warm() -> int:
+    from tilelang_ops.kernels import attention as K
+
+    failed = 0
+    for cfg, static in jobs():
+        try:
+            K.flash_fwd_kernel.compile(cfg, "sm_90a", **static)
+            print("ok", cfg, static["headdim"], static["causal"], static["groups"])
+        except Exception as e:  # a candidate may not fit; report and go on
+            failed += 1
+            print("FAILED", cfg, static, type(e).__name__, str(e).splitlines()[0][:200])
+    return failed
+
+
+def main() -> None:
+    import torch
+
+    from tilelang_ops import runtime
+    from tilelang_ops.kernels import attention as K
+
+    from ._timing import bench, interleaved, table, write_json
+
+    arch = runtime.arch_for_device(torch.device("cuda", torch.cuda.current_device()))
+    rows = []
+    for B, H, HK, S, D in SHAPES:
+        for causal in (False, True):
+            static = dict(headdim=D, dtype="bfloat16", causal=causal, groups=H // HK, scale=K.default_scale(D))
+            q = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16)
+            k, v = (torch.randn(B, S, HK, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            cfgs = [K.fwd_default_config(D, causal, arch)] + candidates(D)
+            fns, names, checks = [], [], []
+            ref = None
+            for cfg in cfgs:
+                try:
+                    kern = runtime.launcher(K.flash_fwd_kernel.compile(cfg, arch, **static))
+                except Exception as e:
+                    rows.append(dict(shape=f"{B}x{H}/{HK}x{S}x{D}", causal=causal, config=str(cfg), error=str(e)[:80]))
+                    continue
+                out = torch.full_like(q, float("nan"))
+                lse = torch.full((B, H, S), float("nan"), device="cuda")
+                kern(q, k, v, out, lse)
+                torch.cuda.synchronize()
+                if ref is None:
+                    ref = (out.float(), lse)
+                err = (out.float() - ref[0]).abs().max().item()
+                lerr = (lse - ref[1]).abs().max().item()
+                checks.append((err, lerr))
+                fns.append(lambda kern=kern, out=out, lse=lse: kern(q, k, v, out, lse))
+                names.append(cfg)
+            flops = 4.0 * B * H * S * S * D / (2 if causal else 1)
+            times = interleaved(lambda f: bench(f, warmup=5, rep=30), fns)
+            for cfg, t, (err, lerr) in zip(names, times, checks):
+                rows.append(dict(shape=f"{B}x{H}/{HK}x{S}x{D}", causal=causal, config=f"{cfg.block_m}x{cfg.block_n}/{cfg.num_stages}/{cfg.threads}/{cfg.pipeline}",
+                                 ms=t, tflops=flops / t / 1e9, vs_default=times[0] / t, max_abs_diff=err, lse_diff=lerr))
+            print(f"done {B}x{H}/{HK}x{S}x{D} causal={causal}", flush=True)
+    write_json("sweep_attention", rows)
+    print(table(rows, ["shape", "causal", "config", "ms", "tflops", "vs_default", "max_abs_diff", "lse_diff", "error"]))
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--warm", action="store_true", help="compile every candidate for sm_90a (no GPU needed)")
+    args = ap.parse_args()
+    if args.warm:
+        sys.exit(1 if warm() else 0)
+    main()
