@@ -24,7 +24,7 @@ def candidates(headdim: int):
     if headdim == 128:
         return [FwdConfig(128, 128, 2, 256, "async"), FwdConfig(192, 128, 2, 384, "async"), FwdConfig(128, 128, 3, 256, "async")]
     if headdim == 64:
-        return [FwdConfig(128, 128, 2, 256, "async"), FwdConfig(128, 176, 2, 256, "async"), FwdConfig(192, 176, 2, 384, "async"), FwdConfig(192, 128, 2, 384, "async")]
+        return [FwdConfig(128, 128, 2, 256, "async"), FwdConfig(128, 176, 2, 256, "async"), FwdConfig(128, 176, 3, 256, "async"), FwdConfig(192, 176, 2, 384, "async"), FwdConfig(192, 128, 2, 384, "async")]
     return []
 
 
@@ -82,8 +82,12 @@ def main() -> None:
                     continue
                 out = torch.full_like(q, float("nan"))
                 lse = torch.full((B, H, S), float("nan"), device="cuda")
-                kern(q, k, v, out, lse)
-                torch.cuda.synchronize()
+                try:
+                    kern(q, k, v, out, lse)
+                    torch.cuda.synchronize()
+                except Exception as e:  # e.g. more shared memory than the SM has
+                    rows.append(dict(shape=f"{B}x{H}/{HK}x{S}x{D}", causal=causal, config=str(cfg), error=str(e).splitlines()[0][:80]))
+                    continue
                 if ref is None:
                     ref = (out.float(), lse)
                 err = (out.float() - ref[0]).abs().max().item()

@@ -90,12 +90,20 @@ def _check(out, lse, ref_out, ref_lse, dtype, grads=None, ref_grads=None, base_e
     assert torch.equal(torch.isneginf(lse), empty), "lse must be -inf exactly on rows that see no key"
     assert (out.transpose(1, 2)[empty] == 0).all(), "rows that see no key must output 0"
     torch.testing.assert_close(lse[~empty].double(), ref_lse[~empty], atol=2e-3, rtol=1e-3)
+    if grads:
+        B, Sq, H, _ = ref_out.shape
+        Sk = ref_grads[1].shape[1]
+        summed = {"dq": Sk, "dk": Sq * H // ref_grads[1].shape[2], "dv": Sq * H // ref_grads[1].shape[2]}
     for name, g, r, tol in zip(("dq", "dk", "dv"), grads or (), ref_grads or (), tols[1:]):
         assert g.dtype == dtype and torch.isfinite(g).all(), f"{name}: non-finite"
         if r.abs().max() > 1e-6:
             assert rel_err(g, r) <= tol, f"{name} rel err {rel_err(g, r):.2e} > {tol:.2e}"
-        else:  # e.g. dq with one key: exactly 0 in theory, rounding noise of O in practice
-            assert g.abs().max() <= 1e-4, f"{name}: expected ~0, got max {g.abs().max().item():.2e}"
+        else:
+            # Exactly 0 in theory (e.g. one key: dS = dP - Delta = 0), rounding noise in practice:
+            # dP and Delta are the same dot product summed in two orders, and each gradient
+            # element sums that noise over `summed` rows, growing like a random walk.
+            atol = 1e-4 * max(1.0, (summed[name] / 64) ** 0.5)
+            assert g.abs().max() <= atol, f"{name}: expected ~0 (|x| <= {atol:.1e}), got max {g.abs().max().item():.2e}"
 
 
 @contextlib.contextmanager
@@ -258,7 +266,7 @@ def test_flash_attn_cuda_poisoned_out_only(shape):
 # The async forward pipeline (FwdConfig.pipeline="async": our own mbarrier producer/consumer
 # loop, step j's softmax overlapping step j-1's P V wgmma) at the tile shapes a sweep may pick.
 ASYNC_FWD_CONFIGS = {
-    64: [(128, 128, 2, 256), (128, 176, 2, 256), (192, 176, 2, 384)],
+    64: [(128, 128, 2, 256), (128, 176, 2, 256), (128, 176, 3, 256), (192, 176, 2, 384)],
     128: [(128, 128, 2, 256), (192, 128, 2, 384), (128, 128, 3, 256)],
 }
 ASYNC_FWD_SHAPES = [
@@ -296,6 +304,24 @@ def async_fwd_kernels():
             if k not in out:
                 out.append(k)
     return out
+
+
+@pytest.mark.slow
+def test_flash_fwd_async_pipeline_source():
+    """What makes the async forward overlap and stay correct, in its generated code: in the loop,
+    S_j's wgmma is issued before P_{j-1} V_{j-1}'s, the softmax runs after wait<1> (S_j done,
+    P V in flight), the V stage is released only after wait<0>; no CTA-wide barrier after the
+    barrier init (it would deadlock the producer)."""
+    from tilelang_ops.kernels import attention as K
+
+    cfg = K.FwdConfig(128, 128, 2, 256, "async")
+    assert cfg.min_sm == 90 and cfg.pass_configs()["tl.disable_thread_storage_sync"]
+    src = K.flash_fwd_kernel.source(cfg, "sm_90a", headdim=128, dtype="bfloat16", causal=True, groups=1, scale=K.default_scale(128))
+    assert src.count("__syncthreads()") == 1 and src.index("__syncthreads()") < src.index("fence_barrier_init") + 60
+    loop = src[src.index("for (int kb_1 = 1"):]
+    assert loop.index("wgmma_ss") < loop.index("wgmma_rs") < loop.index("wait_wgmma<1>") < loop.index("exp2") < loop.index("wait_wgmma<0>")
+    assert loop.index("wait_wgmma<0>") < loop.index("v_empty[")
+    assert "warpgroup_reg_dealloc<24>" in src and "warpgroup_reg_alloc<240>" in src
 
 
 @pytest.mark.gpu

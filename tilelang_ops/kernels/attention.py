@@ -264,7 +264,10 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
             q_s = T.alloc_shared((bm, D), dtype)
             k_s = T.alloc_shared((S, bn, D), dtype)
             v_s = T.alloc_shared((S, bn, D), dtype)
-            o_s = T.alloc_shared((bm, D), dtype)
+            # The output tile goes out through Q's buffer: a warpgroup's wgmmas read only its own
+            # rows of q_s, and its last one has retired when it writes them (saves bm x D, e.g. a
+            # third K/V stage at D=128).
+            o_s = q_s
             s = T.alloc_fragment((bm, bn), acc)
             p = T.alloc_fragment((bm, bn), dtype)
             o = T.alloc_fragment((bm, D), acc)
