@@ -22,9 +22,11 @@ def candidates(headdim: int):
     from tilelang_ops.kernels.attention import FwdConfig
 
     if headdim == 128:
-        return [FwdConfig(128, 128, 2, 256, "async"), FwdConfig(192, 128, 2, 384, "async"), FwdConfig(128, 128, 3, 256, "async")]
+        return [FwdConfig(128, 128, 2, 256, "async"), FwdConfig(128, 128, 2, 256, "pingpong"), FwdConfig(128, 128, 3, 256, "pingpong"),
+                FwdConfig(192, 96, 2, 384, "pingpong"), FwdConfig(192, 96, 2, 384, "async")]
     if headdim == 64:
-        return [FwdConfig(128, 128, 2, 256, "async"), FwdConfig(128, 176, 2, 256, "async"), FwdConfig(128, 176, 3, 256, "async"), FwdConfig(192, 176, 2, 384, "async"), FwdConfig(192, 128, 2, 384, "async")]
+        return [FwdConfig(192, 128, 2, 384, "async"), FwdConfig(192, 128, 2, 384, "pingpong"), FwdConfig(128, 128, 2, 256, "pingpong"),
+                FwdConfig(192, 144, 2, 384, "pingpong")]
     return []
 
 

@@ -263,11 +263,12 @@ def test_flash_attn_cuda_poisoned_out_only(shape):
     assert torch.isfinite(out).all() and rel_err(out, ref_out) <= ATTENTION_REL_ERR[torch.bfloat16]
 
 
-# The async forward pipeline (FwdConfig.pipeline="async": our own mbarrier producer/consumer
-# loop, step j's softmax overlapping step j-1's P V wgmma) at the tile shapes a sweep may pick.
+# The async forward pipelines (FwdConfig.pipeline="async": our own mbarrier producer/consumer
+# loop, step j's softmax overlapping step j-1's P V wgmma; "pingpong": plus consumer warpgroups
+# taking turns at the tensor cores) at the tile shapes a sweep may pick.
 ASYNC_FWD_CONFIGS = {
-    64: [(128, 128, 2, 256), (128, 176, 2, 256), (128, 176, 3, 256), (192, 176, 2, 384)],
-    128: [(128, 128, 2, 256), (192, 128, 2, 384), (128, 128, 3, 256)],
+    64: [(128, 128, 2, 256, "async"), (128, 176, 2, 256, "async"), (192, 128, 2, 384, "pingpong"), (128, 128, 2, 256, "pingpong")],
+    128: [(128, 128, 2, 256, "async"), (128, 128, 3, 256, "async"), (128, 128, 2, 256, "pingpong"), (128, 128, 3, 256, "pingpong"), (192, 96, 2, 384, "pingpong")],
 }
 ASYNC_FWD_SHAPES = [
     (1, 1, 1, 2, 2, 0),  # one query, one key
@@ -293,7 +294,7 @@ def async_fwd_kernel(shape, cfg, causal):
     from tilelang_ops.kernels import attention as K
 
     B, Sq, Sk, H, HK, D = shape
-    return K.FwdConfig(*cfg, "async"), dict(headdim=D, dtype="bfloat16", causal=causal, groups=H // HK, scale=K.default_scale(D))
+    return K.FwdConfig(*cfg), dict(headdim=D, dtype="bfloat16", causal=causal, groups=H // HK, scale=K.default_scale(D))
 
 
 def async_fwd_kernels():
@@ -322,13 +323,20 @@ def test_flash_fwd_async_pipeline_source():
     assert loop.index("wgmma_ss") < loop.index("wgmma_rs") < loop.index("wait_wgmma<1>") < loop.index("exp2") < loop.index("wait_wgmma<0>")
     assert loop.index("wait_wgmma<0>") < loop.index("v_empty[")
     assert "warpgroup_reg_dealloc<24>" in src and "warpgroup_reg_alloc<240>" in src
+    assert "__named_barrier_arrive" not in src
+    # ping-pong: in the loop a warpgroup waits for its turn before issuing both GEMMs and hands it
+    # on right after issuing them, before it waits for any of them
+    pp = K.flash_fwd_kernel.source(K.FwdConfig(128, 128, 2, 256, "pingpong"), "sm_90a", headdim=128, dtype="bfloat16", causal=True, groups=1, scale=K.default_scale(128))
+    loop = pp[pp.index("for (int kb_1 = 1"):]
+    assert loop.index("__sync_thread_partial((w") < loop.index("wgmma_ss") < loop.index("wgmma_rs") < loop.index("__named_barrier_arrive") < loop.index("wait_wgmma<1>")
+    assert pp.count("__named_barrier_arrive(2, 256)") == 1  # the ring's primer, by the last warpgroup
 
 
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("shape, cfg", _async_fwd_cases())
-def test_flash_fwd_async_pipeline_matches_reference(shape, cfg, causal):
+def test_flash_fwd_async_pipelines_match_reference(shape, cfg, causal):
     from tilelang_ops import runtime
     from tilelang_ops.kernels import attention as K
 

@@ -83,6 +83,9 @@ class FwdConfig:
     # "async": our own producer/consumer mbarrier pipeline in which each consumer warpgroup issues
     # step j's S = Q K_j^T and step j-1's O += P V_{j-1} back to back and computes step j's softmax
     # while the P V wgmma runs (FlashAttention-3's intra-warpgroup overlap; sm_90 only).
+    # "pingpong": "async" plus FlashAttention-3's warpgroup ping-pong: the consumer warpgroups take
+    # turns issuing their GEMMs (a ring of named barriers), so one's softmax runs while the next
+    # one's GEMMs occupy the tensor cores.
     pipeline: str = "auto"
 
     def for_arch(self, arch: str) -> "FwdConfig":
@@ -91,13 +94,13 @@ class FwdConfig:
 
     @property
     def min_sm(self) -> int:
-        return 90 if self.pipeline == "async" else 0  # wgmma + TMA + setmaxnreg
+        return 0 if self.pipeline == "auto" else 90  # wgmma + TMA + setmaxnreg
 
     def pass_configs(self) -> dict:
         # The async pipeline synchronizes with mbarriers and named barriers itself: TileLang's
         # storage-sync pass would put CTA-wide barriers inside the producer/consumer branches
         # (a deadlock), and its buffer-init check cannot see T.tma_copy's writes.
-        return {"tl.disable_thread_storage_sync": True, "tl.disable_buffer_init_check": True} if self.pipeline == "async" else {}
+        return {} if self.pipeline == "auto" else {"tl.disable_thread_storage_sync": True, "tl.disable_buffer_init_check": True}
 
 
 def fwd_default_config(headdim: int, causal: bool, arch: str = "sm_90a") -> FwdConfig:
@@ -251,6 +254,28 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
     S = config.num_stages
     consumers = config.threads
     cwg = tuple(range(consumers // 128))  # consumer warpgroups; the producer is the next one
+    pingpong = config.pipeline == "pingpong" and len(cwg) > 1
+    _TURN = 2  # named barriers 2.. (0: __syncthreads, 1: the consumers' epilogue barrier)
+
+    @T.macro
+    def my_turn(wg):
+        # Ping-pong: wait until the previous warpgroup in the ring has issued its GEMMs (bar.sync
+        # on this warpgroup's barrier, completed by the predecessor's bar.arrive: 256 threads).
+        if pingpong:
+            for w in T.unroll(len(cwg)):
+                if wg == w:
+                    T.sync_threads(_TURN + w, 256)
+
+    @T.macro
+    def pass_turn(wg, last):
+        # ...and hand the turn on after issuing. The ring is primed by the last warpgroup's arrive
+        # before the first step, which it makes up for by not arriving after its last one, so
+        # every bar.sync has exactly one matching bar.arrive.
+        if pingpong:
+            for w in T.unroll(len(cwg)):
+                if wg == w:
+                    if not (last and w == len(cwg) - 1):
+                        T.named_barrier_arrive(_TURN + (w + 1) % len(cwg), 256)
 
     @T.macro
     def body_async(Q, K, V, O, LSE):
@@ -306,6 +331,10 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
                     T.mbarrier_arrive(v_full[st])
             with T.ws(*cwg):
                 T.inc_max_nreg(_consumer_regs(consumers))
+                wg = T.get_thread_binding() // 128
+                if pingpong:
+                    if wg == len(cwg) - 1:
+                        T.named_barrier_arrive(_TURN, 256)  # prime the ring: warpgroup 0 goes first
                 T.fill(o, 0)
                 T.fill(l, 0)
                 T.fill(m, neg_inf)
@@ -313,7 +342,9 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
                 # step 0: scores and softmax only (O is still 0)
                 T.mbarrier_wait_parity(k_full[0], 0)
                 init_scores(s, 0, qt, offset)
+                my_turn(wg)
                 T.wgmma_gemm(q_s, k_s[0, :, :], s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                pass_turn(wg, False)
                 T.wait_wgmma(0)
                 T.mbarrier_arrive(k_empty[0])
                 online_softmax(s, m, m_prev, m_scaled, alpha, row_sum, l)
@@ -323,9 +354,11 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
                     sp = (kb - 1) % S
                     T.mbarrier_wait_parity(k_full[st], (kb // S) & 1)
                     init_scores(s, kb, qt, offset)
-                    T.wgmma_gemm(q_s, k_s[st, :, :], s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                     T.mbarrier_wait_parity(v_full[sp], ((kb - 1) // S) & 1)
+                    my_turn(wg)
+                    T.wgmma_gemm(q_s, k_s[st, :, :], s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                     T.wgmma_gemm(p, v_s[sp, :, :], o, policy=T.GemmWarpPolicy.FullRow)
+                    pass_turn(wg, False)
                     T.wait_wgmma(1)  # S_j done; P_{j-1} V_{j-1} may still run
                     T.mbarrier_arrive(k_empty[st])
                     online_softmax(s, m, m_prev, m_scaled, alpha, row_sum, l)
@@ -336,7 +369,9 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
                     T.copy(s, p)
                 last = n_blocks - 1
                 T.mbarrier_wait_parity(v_full[last % S], (last // S) & 1)
+                my_turn(wg)
                 T.wgmma_gemm(p, v_s[last % S, :, :], o, policy=T.GemmWarpPolicy.FullRow)
+                pass_turn(wg, True)
                 T.wait_wgmma(0)
                 normalize(o, l, m_scaled, lse)
                 T.copy(o, o_s)
@@ -348,7 +383,7 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
                 if with_lse:
                     T.copy(lse, LSE[bz, by, qt * bm : (qt + 1) * bm])
 
-    if config.pipeline == "async":
+    if config.pipeline != "auto":
         body = body_async  # noqa: F811
 
     # T.prim_func needs an explicit signature per argument list: with and without LSE.
