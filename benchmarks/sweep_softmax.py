@@ -43,19 +43,15 @@ def candidates() -> dict:
     csd = lambda t, c, mb=0: [S("csplit", 1, t, c, mb), S("csplitd", 1, t, c, mb)]  # noqa: E731
     # tma = the chunk brought into shared memory by bulk copies in `stages` sub-chunks
     tma = lambda t, c, stages: [S("tma", 1, t, c, 0, st) for st in stages]  # noqa: E731
+    tmaw = lambda t, c, stages: [S("tmaw", 1, t, c, 0, st) for st in stages]  # noqa: E731
+    # Eighth session: `tma` (the session-7 defaults) against `tmaw` (warp-level statistics, no
+    # CTA barrier per sub-chunk) at the forward shapes below target. Earlier candidates and the
+    # backward ones: git history of this file (sessions 4-7).
     return {
-        # few long rows: csplit (chunk in registers) vs tma (chunk in shared memory)
-        (256, 32768, False): csd(128, 4096) + tma(256, 32768, (2, 4)) + tma(128, 32768, (2, 4)) + tma(256, 16384, (4,)),
-        (128, 65536, False): csd(256, 8192) + tma(512, 65536, (4,)) + tma(256, 65536, (4,)) + tma(256, 32768, (4,)),
-        (64, 131072, False): csd(512, 16384) + tma(256, 32768, (4,)),
-        (32, 262144, False): tma(256, 32768, (2, 4)) + tma(128, 32768, (4,)),
-        # many long rows
-        (4096, 32768, False): csd(256, 8192) + tma(256, 32768, (4, 8)) + tma(128, 32768, (4,)),
-        # backward (csplit is the default for every long-row bucket)
-        (256, 32768, True): csd(128, 4096),
-        (128, 65536, True): csd(256, 8192),
-        (32, 262144, True): csd(512, 32768),
-        (4096, 32768, True): csd(128, 4096),
+        (256, 32768, False): tma(128, 32768, (4,)) + tmaw(128, 32768, (2, 4)) + tmaw(256, 32768, (4,)) + tmaw(512, 32768, (4,)),
+        (128, 65536, False): tma(512, 65536, (4,)) + tmaw(512, 65536, (2, 4)) + tmaw(256, 65536, (4,)) + tmaw(256, 32768, (4,)),
+        (32, 262144, False): tma(256, 32768, (4,)) + tmaw(256, 32768, (2, 4)) + tmaw(512, 32768, (4,)) + tmaw(128, 32768, (4,)),
+        (4096, 32768, False): tma(256, 32768, (4,)) + tmaw(256, 32768, (4,)) + tmaw(128, 32768, (4,)),
     }
 
 

@@ -11,6 +11,8 @@ to the input dtype before the backward, as in PyTorch).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given
@@ -251,15 +253,15 @@ def test_tma_fits_only_whole_chunks():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["tma", "tmaw"])
 @pytest.mark.parametrize("n", [32768, 262144])
-def test_tma_source_cannot_hang(n):
+def test_tma_source_cannot_hang(n, schedule):
     """The tma schedule's mbarriers complete only when every thread has arrived and the bulk
     copies' bytes have landed: T.tma_copy adds the expected bytes but does not arrive (without
     the arrives the kernel hung on the GPU, session 7). Checked in the generated code."""
     from tilelang_ops.kernels import softmax as K
 
-    cfg = K.MEASURED[("fwd", 32768, "many")]
-    assert cfg.schedule == "tma"
+    cfg = dataclasses.replace(K.SoftmaxConfig("tma", 1, 256, 32768, 0, 4), schedule=schedule)
     src = K.tma_fwd.source(cfg, "sm_90a", n=n, dtype="bfloat16", kind="softmax")
     assert src.count(f".init({cfg.threads})") == cfg.stages  # arrive count = the CTA's threads
     issue, arrive, wait = src.index("tma_load("), src.index(".arrive()"), src.index(".wait(0)")
@@ -437,6 +439,13 @@ EXTRA_SCHEDULES = [
     (("tma", 1, 256, 16384, 0, 2), 32768, False),  # a cluster of 2 per row, DSMEM partials
     (("tma", 1, 256, 32768, 0, 4), 262144, False),  # a cluster of 8
     (("tma", 1, 128, 1024, 0, 1), 2048, False),  # one slice per sub-chunk
+    # the same with warp-level statistics (no CTA barrier per sub-chunk)
+    (("tmaw", 1, 128, 32768, 0, 4), 32768, False),  # the 256x32768 candidate
+    (("tmaw", 1, 512, 65536, 0, 4), 65536, False),  # the 128x65536 candidate
+    (("tmaw", 1, 256, 32768, 0, 4), 32768, False),
+    (("tmaw", 1, 256, 16384, 0, 2), 32768, False),  # a cluster of 2 per row, DSMEM partials
+    (("tmaw", 1, 256, 32768, 0, 4), 262144, False),  # a cluster of 8
+    (("tmaw", 1, 128, 1024, 0, 1), 2048, False),  # one slice per sub-chunk
 ]
 
 

@@ -41,6 +41,12 @@ shapes the schedule: each distinct N compiles once per (kind, dtype, direction).
   one ulp), the per-lane sums rescaled. The output pass only multiplies by one factor per
   sub-chunk. Rows must split into equal 16-byte multiples (n % chunk == 0). Best with many rows:
   several 64 KB rows per SM in different phases keep loads and stores overlapping like a copy.
+* **tmaw** — `tma` with warp-level statistics: each warp keeps its own running max and sum over
+  the elements it owns (the same ones in the load and the output pass), so a landed sub-chunk is
+  reduced with shuffles only (no CTA barrier) and read from shared memory once; the warps' (max,
+  sum) are combined once at the end, one factor per (sub-chunk, warp) in the output pass. For few
+  long rows, where the reductions of the last sub-chunks are on the critical path
+  (benchmarks/probe_softmax.py).
 
 `SoftmaxConfig.min_blocks` sets __launch_bounds__' min CTAs per SM: a register cap (ptxas
 otherwise spends registers freely, e.g. a 1024-thread `rows` CTA at 48 registers leaves one CTA
@@ -75,7 +81,7 @@ def vec_width(n: int, dtype: str) -> int:
     return v
 
 
-SCHEDULES = ("rows", "loop", "split", "csplit", "csplitd", "tma")
+SCHEDULES = ("rows", "loop", "split", "csplit", "csplitd", "tma", "tmaw")
 
 
 @dataclass(frozen=True)
@@ -123,14 +129,14 @@ def _row_limit(dtype: str, backward: bool, kind: str) -> int:
 # benchmarks.sweep_softmax` (on the GPU) prints the lines to paste here, best config per shape.
 MEASURED: dict[tuple[str, int, str], SoftmaxConfig] = {
     # benchmarks/sweep_softmax.py on one H200, 2026-11-30 (bf16, 8M elements unless noted; % of copy_)
-    ("fwd", 32768, "few"): SoftmaxConfig("tma", 1, 128, 32768, 0, 4),  # 256x32768: 85-86% vs 256 threads 83-84%, csplit 78-81% (session 7)
+    ("fwd", 32768, "few"): SoftmaxConfig("tmaw", 1, 128, 32768, 0, 4),  # 256x32768: tma 85-86% vs 256 threads 83-84%, csplit 78-81% (session 7); tmaw: session 8
     ("bwd", 32768, "few"): SoftmaxConfig("csplit", 1, 128, 4096, 0),  # 256x32768: 96-100% vs 90%
-    ("fwd", 65536, "few"): SoftmaxConfig("tma", 1, 512, 65536, 0, 4),  # 128x65536: 76-79% vs csplit 73-79% (session 7, 3 sweeps)
+    ("fwd", 65536, "few"): SoftmaxConfig("tmaw", 1, 512, 65536, 0, 4),  # 128x65536: tma 76-79% vs csplit 73-79% (session 7, 3 sweeps); tmaw: session 8
     ("bwd", 65536, "few"): SoftmaxConfig("csplit", 1, 256, 8192, 0),  # 128x65536: 93% vs 81-84%
     ("bwd", 262144, "few"): SoftmaxConfig("csplit", 1, 512, 32768, 0),  # 32x262144: 75-77% vs 61%
     # fourth session (three sweeps: session 3 call 7, session 4 calls 2 and 3)
     ("fwd", 131072, "few"): SoftmaxConfig("csplit", 1, 512, 16384, 0),  # 64x131072: 69-70% vs split 63-65%
-    ("fwd", 262144, "few"): SoftmaxConfig("tma", 1, 256, 32768, 0, 4),  # 32x262144: 62-65% vs 60-63% (session 7)
+    ("fwd", 262144, "few"): SoftmaxConfig("tmaw", 1, 256, 32768, 0, 4),  # 32x262144: tma 62-65% vs 60-63% (session 7); tmaw: session 8
     ("fwd", 32768, "many"): SoftmaxConfig("tma", 1, 256, 32768, 0, 4),  # 4096x32768: 96% vs 83% (session 7)
     ("bwd", 32768, "many"): SoftmaxConfig("csplit", 1, 128, 4096, 0),  # 4096x32768: 89-90% vs loop 67%
 }
@@ -191,7 +197,7 @@ def fits(cfg: SoftmaxConfig, n: int, dtype: str, kind: str = "softmax", backward
         idle = lanes * vec >= 2 * n  # more than half of a row's lanes would hold only padding
         held = k * vec * _arrays(kind, backward)  # fp32 registers
         return cfg.block_m <= cfg.threads and not idle and held <= 2 * _PER_THREAD
-    if cfg.schedule == "tma":  # forward; equal chunks and sub-chunks of whole vectors, in shared memory
+    if cfg.schedule in ("tma", "tmaw"):  # forward; equal chunks and sub-chunks of whole vectors, in shared memory
         w = cfg.threads * vec
         return (
             not backward
@@ -226,7 +232,7 @@ def schedule_kernels(cfg: SoftmaxConfig, n: int, dtype: str, kind: str, backward
         return [(rows_bwd if backward else rows_fwd, cfg, st)]
     if cfg.schedule == "loop":
         return [(loop_bwd if backward else loop_fwd, cfg, st)]
-    if cfg.schedule == "tma":
+    if cfg.schedule in ("tma", "tmaw"):
         assert not backward, "tma is a forward schedule"
         return [(tma_fwd, cfg, st)]
     base, d = _cluster_base(cfg.schedule)
@@ -241,7 +247,7 @@ SEARCH_SPACE = [
 # Hopper only (thread-block clusters, bulk copies): what the MEASURED long-row defaults are made of.
 SEARCH_SPACE_SM90 = [
     SoftmaxConfig(s, 1, t, c) for s in ("csplit", "csplitd") for t, c in ((128, 4096), (256, 8192), (512, 16384), (512, 32768))
-] + [SoftmaxConfig("tma", 1, t, c, 0, st) for t in (128, 256, 512) for c in (16384, 32768, 65536) for st in (2, 4)]
+] + [SoftmaxConfig(sc, 1, t, c, 0, st) for sc in ("tma", "tmaw") for t in (128, 256, 512) for c in (16384, 32768, 65536) for st in (2, 4)]
 
 
 def search_space(n: int, dtype: str, kind: str, backward: bool, sm: int) -> list[SoftmaxConfig]:
@@ -677,6 +683,128 @@ def _tma_tile(config: SoftmaxConfig, n: int, dtype: str) -> tuple[int, int, int,
     return n // config.chunk, sub, sub // w, w
 
 
+def _tma_warp_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str, M, nc: int, sub: int, ks: int, w: int):
+    """`tmaw`: the `tma` kernel with warp-level statistics. Each warp keeps its own running max and
+    sum over the lanes' vectors it owns (the same elements in the load and the output pass), so a
+    landed sub-chunk is reduced with shuffles only, no CTA barrier; its elements are read from
+    shared memory once (held in registers for the max, then the exps). One CTA-wide combine of
+    the warps' (max, sum) at the end, then the cluster's as in `tma`."""
+    c, threads, stages = config.chunk, config.threads, config.stages
+    nw, lw = threads // 32, w // (threads // 32)  # warps; elements a warp owns per slice
+    log = kind == "log_softmax"
+    neg_inf = -T.infinity(_ACC)
+
+    @T.macro
+    def body(X, Y, bx):
+        if config.min_blocks:
+            T.annotate_min_blocks_per_sm(config.min_blocks)
+        row = bx // nc
+        base = (bx % nc) * c
+        a = T.alloc_shared((stages, sub), dtype)
+        bars = T.alloc_barrier([threads] * stages)
+        xs = [T.alloc_fragment((nw, lw), dtype) for _ in range(ks)]  # one slice each, read once
+        part = T.alloc_fragment((nw, lw), _ACC)
+        ps = T.alloc_fragment((nw, lw), _ACC)  # per-lane sum of exp(x - the warp's running max)
+        rw = T.alloc_fragment((nw,), _ACC)
+        run = T.alloc_fragment((nw,), _ACC)  # the warp's running max
+        alpha = T.alloc_fragment((nw,), _ACC)
+        em = [T.alloc_fragment((nw,), _ACC) for _ in range(stages)]  # the max each sub-chunk's exps used
+        sw = T.alloc_fragment((nw,), _ACC)
+        stats = T.alloc_shared((nw, 2), _ACC)
+        r0 = T.alloc_fragment((1,), _ACC)
+        r1 = T.alloc_fragment((1,), _ACC)
+        acc0 = T.alloc_var(_ACC)
+        acc1 = T.alloc_var(_ACC)
+        if nc > 1:
+            mine = T.alloc_shared((2,), _ACC)
+            peers = T.alloc_shared((nc, 2), _ACC, scope="shared")  # static: peers write it remotely
+            T.cluster_arrive_relaxed()  # paired with the wait before the DSMEM stores
+        for s in T.serial(stages):  # one elected thread: every load in flight at once
+            T.tma_copy(X[row, base + s * sub : base + (s + 1) * sub], a[s, :], barrier=bars[s])
+        for s in T.serial(stages):  # tma_copy only adds the expected bytes: every thread arrives
+            T.mbarrier_arrive(bars[s])
+        for i in T.Parallel(nw):
+            run[i] = neg_inf
+        for i, l in T.Parallel(nw, lw):
+            ps[i, l] = 0.0
+        # Python-level loops over lists of fragments (enumerate: the builder turns range() loops
+        # into TIR loops, whose variable cannot index a list): unrolled, each slice its registers.
+        for s, em_s in enumerate(em):
+            T.mbarrier_wait_parity(bars[s], 0)
+            for kk, xk in enumerate(xs):
+                for i, l in T.Parallel(nw, lw):
+                    xk[i, l] = a[s, kk * w + i * lw + l]
+            for kk, xk in enumerate(xs):
+                for i, l in T.Parallel(nw, lw):
+                    part[i, l] = T.max(part[i, l], T.Cast(_ACC, xk[i, l])) if kk else T.Cast(_ACC, xk[i, l])
+            T.reduce_max(part, rw, dim=1)  # within each warp: shuffles
+            for i in T.Parallel(nw):
+                # new running max; the sums so far were shifted by the old one (0 while it is -inf)
+                alpha[i] = T.if_then_else(run[i] == neg_inf, 0.0, T.exp2((run[i] - T.max(run[i], rw[i])) * LOG2E))
+                run[i] = T.max(run[i], rw[i])
+                em_s[i] = run[i]
+            for i, l in T.Parallel(nw, lw):
+                ps[i, l] = ps[i, l] * alpha[i]
+            for kk, xk in enumerate(xs):
+                for i, l in T.Parallel(nw, lw):
+                    part[i, l] = T.exp2((T.Cast(_ACC, xk[i, l]) - _safe(run[i])) * LOG2E)
+                    ps[i, l] = ps[i, l] + part[i, l]
+                if not log:  # keep the exps (log_softmax's output needs x itself)
+                    for i, l in T.Parallel(nw, lw):
+                        a[s, kk * w + i * lw + l] = T.Cast(dtype, part[i, l])
+        T.reduce_sum(ps, sw, dim=1)
+        for i in T.Parallel(nw):
+            stats[i, 0] = run[i]
+            stats[i, 1] = sw[i]
+        # the CTA's (max, sum) from its warps', as the cluster folds its CTAs' below
+        acc0 = neg_inf
+        for k in T.serial(nw):
+            acc0 = T.max(acc0, stats[k, 0])
+        acc1 = 0.0
+        for k in T.serial(nw):  # a warp with only -inf so far: its sum is 0 (NaN only for an all -inf row)
+            acc1 = acc1 + T.if_then_else(stats[k, 0] == neg_inf, 0.0, stats[k, 1] * T.exp2((stats[k, 0] - acc0) * LOG2E))
+        if nc > 1:
+            r0[0] = acc0
+            r1[0] = acc1
+            _push(mine, peers, r0, r1, bx % nc, nc)
+            acc0 = neg_inf
+            for k in T.serial(nc):
+                acc0 = T.max(acc0, peers[k, 0])
+            acc1 = 0.0
+            for k in T.serial(nc):
+                acc1 = acc1 + peers[k, 1] * T.exp2((peers[k, 0] - acc0) * LOG2E)
+        if log:
+            acc1 = acc0 + T.log2(acc1) * LN2
+        for s, em_s in enumerate(em):
+            if not log:
+                # one factor per (sub-chunk, warp) rescales and normalises its exps; em = -inf: 0,
+                # or NaN when the whole row is -inf (acc0 = -inf), as PyTorch gives
+                for i in T.Parallel(nw):
+                    alpha[i] = T.exp2((em_s[i] - acc0) * LOG2E) / acc1
+            for kk in range(ks):
+                for i, l in T.Parallel(nw, lw):
+                    if log:
+                        Y[row, base + s * sub + kk * w + i * lw + l] = T.Cast(dtype, T.Cast(_ACC, a[s, kk * w + i * lw + l]) - acc1)
+                    else:
+                        Y[row, base + s * sub + kk * w + i * lw + l] = T.Cast(dtype, T.Cast(_ACC, a[s, kk * w + i * lw + l]) * alpha[i])
+
+    if nc > 1:
+
+        @T.prim_func
+        def fwd(X: T.Tensor((M, n), dtype), Y: T.Tensor((M, n), dtype)):
+            with T.ClusterKernel(M * nc, cluster_dims=(nc, 1, 1), threads=threads) as bx:
+                body(X, Y, bx)
+
+    else:
+
+        @T.prim_func
+        def fwd(X: T.Tensor((M, n), dtype), Y: T.Tensor((M, n), dtype)):
+            with T.Kernel(M, threads=threads) as bx:
+                body(X, Y, bx)
+
+    return fwd
+
+
 @kernel("softmax", "softmax_tma", min_sm=90)
 def tma_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str, probe: str = ""):
     """probe="copy" (benchmarks/probe_softmax.py only; wrong results): the same loads, exchange and
@@ -687,6 +815,8 @@ def tma_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str, probe: str = "
     assert n % c == 0 and nc <= CLUSTER_MAX and sub % w == 0 and config.block_m == 1, (n, config)
     log = kind == "log_softmax"
     neg_inf = -T.infinity(_ACC)
+    if config.schedule == "tmaw":
+        return _tma_warp_fwd(config, n, dtype, kind, M, nc, sub, ks, w)
 
     @T.macro
     def body(X, Y, bx):
