@@ -445,6 +445,7 @@ EXTRA_SCHEDULES = [
     (("tmaw", 1, 256, 32768, 0, 4), 32768, False),
     (("tmaw", 1, 256, 16384, 0, 2), 32768, False),  # a cluster of 2 per row, DSMEM partials
     (("tmaw", 1, 256, 32768, 0, 4), 262144, False),  # a cluster of 8
+    (("tmaw", 1, 128, 32768, 0, 4), 262144, False),  # the 32x262144 default: 4 warps per CTA
     (("tmaw", 1, 128, 1024, 0, 1), 2048, False),  # one slice per sub-chunk
 ]
 

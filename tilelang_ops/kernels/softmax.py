@@ -129,14 +129,14 @@ def _row_limit(dtype: str, backward: bool, kind: str) -> int:
 # benchmarks.sweep_softmax` (on the GPU) prints the lines to paste here, best config per shape.
 MEASURED: dict[tuple[str, int, str], SoftmaxConfig] = {
     # benchmarks/sweep_softmax.py on one H200, 2026-11-30 (bf16, 8M elements unless noted; % of copy_)
-    ("fwd", 32768, "few"): SoftmaxConfig("tmaw", 1, 128, 32768, 0, 4),  # 256x32768: tma 85-86% vs 256 threads 83-84%, csplit 78-81% (session 7); tmaw: session 8
+    ("fwd", 32768, "few"): SoftmaxConfig("tmaw", 1, 256, 32768, 0, 4),  # 256x32768: 88% vs tma 86% (128 threads), tmaw 128 threads 81% (session 8)
     ("bwd", 32768, "few"): SoftmaxConfig("csplit", 1, 128, 4096, 0),  # 256x32768: 96-100% vs 90%
-    ("fwd", 65536, "few"): SoftmaxConfig("tmaw", 1, 512, 65536, 0, 4),  # 128x65536: tma 76-79% vs csplit 73-79% (session 7, 3 sweeps); tmaw: session 8
+    ("fwd", 65536, "few"): SoftmaxConfig("tmaw", 1, 512, 65536, 0, 4),  # 128x65536: 82% vs tma 77%, tmaw 256 threads 80% (session 8)
     ("bwd", 65536, "few"): SoftmaxConfig("csplit", 1, 256, 8192, 0),  # 128x65536: 93% vs 81-84%
     ("bwd", 262144, "few"): SoftmaxConfig("csplit", 1, 512, 32768, 0),  # 32x262144: 75-77% vs 61%
     # fourth session (three sweeps: session 3 call 7, session 4 calls 2 and 3)
     ("fwd", 131072, "few"): SoftmaxConfig("csplit", 1, 512, 16384, 0),  # 64x131072: 69-70% vs split 63-65%
-    ("fwd", 262144, "few"): SoftmaxConfig("tmaw", 1, 256, 32768, 0, 4),  # 32x262144: tma 62-65% vs 60-63% (session 7); tmaw: session 8
+    ("fwd", 262144, "few"): SoftmaxConfig("tmaw", 1, 128, 32768, 0, 4),  # 32x262144: 67% vs tma 65%, tmaw 256 threads 66% (session 8)
     ("fwd", 32768, "many"): SoftmaxConfig("tma", 1, 256, 32768, 0, 4),  # 4096x32768: 96% vs 83% (session 7)
     ("bwd", 32768, "many"): SoftmaxConfig("csplit", 1, 128, 4096, 0),  # 4096x32768: 89-90% vs loop 67%
 }
