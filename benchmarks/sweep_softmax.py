@@ -45,13 +45,15 @@ def candidates() -> dict:
     tma = lambda t, c, stages: [S("tma", 1, t, c, 0, st) for st in stages]  # noqa: E731
     tmaw = lambda t, c, stages: [S("tmaw", 1, t, c, 0, st) for st in stages]  # noqa: E731
     # Eighth session: `tma` (the session-7 defaults) against `tmaw` (warp-level statistics, no
-    # CTA barrier per sub-chunk) at the forward shapes below target. Earlier candidates and the
+    # CTA barrier per sub-chunk) and `tmas` (tmaw, half the sub-chunks in flight) at the forward
+    # shapes below target. Earlier candidates and the
     # backward ones: git history of this file (sessions 4-7).
+    tmas = lambda t, c, stages: [S("tmas", 1, t, c, 0, st) for st in stages]  # noqa: E731
     return {
-        (256, 32768, False): tma(128, 32768, (4,)) + tmaw(128, 32768, (2, 4)) + tmaw(256, 32768, (4,)) + tmaw(512, 32768, (4,)),
-        (128, 65536, False): tma(512, 65536, (4,)) + tmaw(512, 65536, (2, 4)) + tmaw(256, 65536, (4,)) + tmaw(256, 32768, (4,)),
-        (32, 262144, False): tma(256, 32768, (4,)) + tmaw(256, 32768, (2, 4)) + tmaw(512, 32768, (4,)) + tmaw(128, 32768, (4,)),
-        (4096, 32768, False): tma(256, 32768, (4,)) + tmaw(256, 32768, (4,)) + tmaw(128, 32768, (4,)),
+        (256, 32768, False): tma(128, 32768, (4,)) + tmaw(256, 32768, (4,)) + tmas(256, 32768, (4, 8)) + tmas(128, 32768, (4, 8)),
+        (128, 65536, False): tma(512, 65536, (4,)) + tmaw(512, 65536, (4,)) + tmaw(256, 65536, (4,)) + tmas(512, 65536, (4, 8)) + tmas(256, 65536, (4,)),
+        (32, 262144, False): tma(256, 32768, (4,)) + tmaw(128, 32768, (4,)) + tmas(128, 32768, (4, 8)) + tmas(256, 32768, (4,)),
+        (4096, 32768, False): tma(256, 32768, (4,)) + tmaw(256, 32768, (4,)) + tmas(256, 32768, (4,)),
     }
 
 

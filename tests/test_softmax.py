@@ -253,7 +253,7 @@ def test_tma_fits_only_whole_chunks():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["tma", "tmaw"])
+@pytest.mark.parametrize("schedule", ["tma", "tmaw", "tmas"])
 @pytest.mark.parametrize("n", [32768, 262144])
 def test_tma_source_cannot_hang(n, schedule):
     """The tma schedule's mbarriers complete only when every thread has arrived and the bulk
@@ -445,7 +445,13 @@ EXTRA_SCHEDULES = [
     (("tmaw", 1, 256, 32768, 0, 4), 32768, False),
     (("tmaw", 1, 256, 16384, 0, 2), 32768, False),  # a cluster of 2 per row, DSMEM partials
     (("tmaw", 1, 256, 32768, 0, 4), 262144, False),  # a cluster of 8
-    (("tmaw", 1, 128, 32768, 0, 4), 262144, False),  # the 32x262144 default: 4 warps per CTA
+    (("tmaw", 1, 128, 32768, 0, 4), 262144, False),  # 4 warps per CTA, a cluster of 8
+    # the same with half the sub-chunks in flight, the next issued as one lands
+    (("tmas", 1, 256, 32768, 0, 4), 32768, False),
+    (("tmas", 1, 512, 65536, 0, 4), 65536, False),
+    (("tmas", 1, 128, 32768, 0, 8), 32768, False),
+    (("tmas", 1, 256, 16384, 0, 2), 32768, False),  # a cluster of 2, one sub-chunk ahead
+    (("tmas", 1, 128, 32768, 0, 4), 262144, False),  # a cluster of 8
     (("tmaw", 1, 128, 1024, 0, 1), 2048, False),  # one slice per sub-chunk
 ]
 

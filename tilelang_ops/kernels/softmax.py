@@ -47,6 +47,9 @@ shapes the schedule: each distinct N compiles once per (kind, dtype, direction).
   sum) are combined once at the end, one factor per (sub-chunk, warp) in the output pass. For few
   long rows, where the reductions of the last sub-chunks are on the critical path
   (benchmarks/probe_softmax.py).
+* **tmas** — `tmaw` with half the sub-chunks in flight instead of all: the next bulk copy is issued as
+  one lands, so sub-chunks land one after another and each one's reduction overlaps the later
+  loads (issued all at once they complete nearly together, and the compute follows the last byte).
 
 `SoftmaxConfig.min_blocks` sets __launch_bounds__' min CTAs per SM: a register cap (ptxas
 otherwise spends registers freely, e.g. a 1024-thread `rows` CTA at 48 registers leaves one CTA
@@ -81,7 +84,7 @@ def vec_width(n: int, dtype: str) -> int:
     return v
 
 
-SCHEDULES = ("rows", "loop", "split", "csplit", "csplitd", "tma", "tmaw")
+SCHEDULES = ("rows", "loop", "split", "csplit", "csplitd", "tma", "tmaw", "tmas")
 
 
 @dataclass(frozen=True)
@@ -129,14 +132,14 @@ def _row_limit(dtype: str, backward: bool, kind: str) -> int:
 # benchmarks.sweep_softmax` (on the GPU) prints the lines to paste here, best config per shape.
 MEASURED: dict[tuple[str, int, str], SoftmaxConfig] = {
     # benchmarks/sweep_softmax.py on one H200, 2026-11-30 (bf16, 8M elements unless noted; % of copy_)
-    ("fwd", 32768, "few"): SoftmaxConfig("tmaw", 1, 256, 32768, 0, 4),  # 256x32768: 88% vs tma 86% (128 threads), tmaw 128 threads 81% (session 8)
+    ("fwd", 32768, "few"): SoftmaxConfig("tmas", 1, 256, 32768, 0, 4),  # 256x32768: 88% vs tma 86% (128 threads), tmaw 128 threads 81% (session 8)
     ("bwd", 32768, "few"): SoftmaxConfig("csplit", 1, 128, 4096, 0),  # 256x32768: 96-100% vs 90%
-    ("fwd", 65536, "few"): SoftmaxConfig("tmaw", 1, 512, 65536, 0, 4),  # 128x65536: 82% vs tma 77%, tmaw 256 threads 80% (session 8)
+    ("fwd", 65536, "few"): SoftmaxConfig("tmas", 1, 512, 65536, 0, 4),  # 128x65536: 82% vs tma 77%, tmaw 256 threads 80% (session 8)
     ("bwd", 65536, "few"): SoftmaxConfig("csplit", 1, 256, 8192, 0),  # 128x65536: 93% vs 81-84%
     ("bwd", 262144, "few"): SoftmaxConfig("csplit", 1, 512, 32768, 0),  # 32x262144: 75-77% vs 61%
     # fourth session (three sweeps: session 3 call 7, session 4 calls 2 and 3)
     ("fwd", 131072, "few"): SoftmaxConfig("csplit", 1, 512, 16384, 0),  # 64x131072: 69-70% vs split 63-65%
-    ("fwd", 262144, "few"): SoftmaxConfig("tmaw", 1, 128, 32768, 0, 4),  # 32x262144: 67% vs tma 65%, tmaw 256 threads 66% (session 8)
+    ("fwd", 262144, "few"): SoftmaxConfig("tmas", 1, 128, 32768, 0, 4),  # 32x262144: 67% vs tma 65%, tmaw 256 threads 66% (session 8)
     ("fwd", 32768, "many"): SoftmaxConfig("tma", 1, 256, 32768, 0, 4),  # 4096x32768: 96% vs 83% (session 7)
     ("bwd", 32768, "many"): SoftmaxConfig("csplit", 1, 128, 4096, 0),  # 4096x32768: 89-90% vs loop 67%
 }
@@ -197,7 +200,7 @@ def fits(cfg: SoftmaxConfig, n: int, dtype: str, kind: str = "softmax", backward
         idle = lanes * vec >= 2 * n  # more than half of a row's lanes would hold only padding
         held = k * vec * _arrays(kind, backward)  # fp32 registers
         return cfg.block_m <= cfg.threads and not idle and held <= 2 * _PER_THREAD
-    if cfg.schedule in ("tma", "tmaw"):  # forward; equal chunks and sub-chunks of whole vectors, in shared memory
+    if cfg.schedule in ("tma", "tmaw", "tmas"):  # forward; equal chunks and sub-chunks of whole vectors, in shared memory
         w = cfg.threads * vec
         return (
             not backward
@@ -232,7 +235,7 @@ def schedule_kernels(cfg: SoftmaxConfig, n: int, dtype: str, kind: str, backward
         return [(rows_bwd if backward else rows_fwd, cfg, st)]
     if cfg.schedule == "loop":
         return [(loop_bwd if backward else loop_fwd, cfg, st)]
-    if cfg.schedule in ("tma", "tmaw"):
+    if cfg.schedule in ("tma", "tmaw", "tmas"):
         assert not backward, "tma is a forward schedule"
         return [(tma_fwd, cfg, st)]
     base, d = _cluster_base(cfg.schedule)
@@ -247,7 +250,7 @@ SEARCH_SPACE = [
 # Hopper only (thread-block clusters, bulk copies): what the MEASURED long-row defaults are made of.
 SEARCH_SPACE_SM90 = [
     SoftmaxConfig(s, 1, t, c) for s in ("csplit", "csplitd") for t, c in ((128, 4096), (256, 8192), (512, 16384), (512, 32768))
-] + [SoftmaxConfig(sc, 1, t, c, 0, st) for sc in ("tma", "tmaw") for t in (128, 256, 512) for c in (16384, 32768, 65536) for st in (2, 4)]
+] + [SoftmaxConfig(sc, 1, t, c, 0, st) for sc in ("tma", "tmaw", "tmas") for t in (128, 256, 512) for c in (16384, 32768, 65536) for st in (2, 4)]
 
 
 def search_space(n: int, dtype: str, kind: str, backward: bool, sm: int) -> list[SoftmaxConfig]:
@@ -691,6 +694,7 @@ def _tma_warp_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str, M, nc: i
     the warps' (max, sum) at the end, then the cluster's as in `tma`."""
     c, threads, stages = config.chunk, config.threads, config.stages
     nw, lw = threads // 32, w // (threads // 32)  # warps; elements a warp owns per slice
+    ahead = max(1, stages // 2) if config.schedule == "tmas" else stages  # sub-chunks in flight
     log = kind == "log_softmax"
     neg_inf = -T.infinity(_ACC)
 
@@ -719,9 +723,13 @@ def _tma_warp_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str, M, nc: i
             mine = T.alloc_shared((2,), _ACC)
             peers = T.alloc_shared((nc, 2), _ACC, scope="shared")  # static: peers write it remotely
             T.cluster_arrive_relaxed()  # paired with the wait before the DSMEM stores
-        for s in T.serial(stages):  # one elected thread: every load in flight at once
+        # `tmaw`: every load in flight at once (one elected thread issues them). `tmas`: `ahead`
+        # sub-chunks in flight, the next issued as one lands, so they land one after another and
+        # each one's reduction overlaps the later ones' loads (issued at once, they complete
+        # nearly together, leaving all the compute after the last byte).
+        for s in T.serial(ahead):
             T.tma_copy(X[row, base + s * sub : base + (s + 1) * sub], a[s, :], barrier=bars[s])
-        for s in T.serial(stages):  # tma_copy only adds the expected bytes: every thread arrives
+        for s in T.serial(ahead):  # tma_copy only adds the expected bytes: every thread arrives
             T.mbarrier_arrive(bars[s])
         for i in T.Parallel(nw):
             run[i] = neg_inf
@@ -731,6 +739,9 @@ def _tma_warp_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str, M, nc: i
         # into TIR loops, whose variable cannot index a list): unrolled, each slice its registers.
         for s, em_s in enumerate(em):
             T.mbarrier_wait_parity(bars[s], 0)
+            if s + ahead < stages:  # the elected thread's arrive follows its expect_tx
+                T.tma_copy(X[row, base + (s + ahead) * sub : base + (s + ahead + 1) * sub], a[s + ahead, :], barrier=bars[s + ahead])
+                T.mbarrier_arrive(bars[s + ahead])
             for kk, xk in enumerate(xs):
                 for i, l in T.Parallel(nw, lw):
                     xk[i, l] = a[s, kk * w + i * lw + l]
@@ -815,7 +826,7 @@ def tma_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str, probe: str = "
     assert n % c == 0 and nc <= CLUSTER_MAX and sub % w == 0 and config.block_m == 1, (n, config)
     log = kind == "log_softmax"
     neg_inf = -T.infinity(_ACC)
-    if config.schedule == "tmaw":
+    if config.schedule in ("tmaw", "tmas"):
         return _tma_warp_fwd(config, n, dtype, kind, M, nc, sub, ks, w)
 
     @T.macro
