@@ -689,6 +689,25 @@ def _tma_tile(config: SoftmaxConfig, n: int, dtype: str) -> tuple[int, int, int,
     return n // config.chunk, sub, sub // w, w
 
 
+def _tma_prim_func(body, M, n: int, dtype: str, nc: int, threads: int):
+    """The prim_func of a tma-family forward: a CTA per row, or a cluster of nc CTAs per row."""
+    if nc > 1:
+
+        @T.prim_func
+        def fwd(X: T.Tensor((M, n), dtype), Y: T.Tensor((M, n), dtype)):
+            with T.ClusterKernel(M * nc, cluster_dims=(nc, 1, 1), threads=threads) as bx:
+                body(X, Y, bx)
+
+    else:
+
+        @T.prim_func
+        def fwd(X: T.Tensor((M, n), dtype), Y: T.Tensor((M, n), dtype)):
+            with T.Kernel(M, threads=threads) as bx:
+                body(X, Y, bx)
+
+    return fwd
+
+
 def _tma_warp_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str, M, nc: int, sub: int, ks: int, w: int):
     """`tmaw`: the `tma` kernel with warp-level statistics. Each warp keeps its own running max and
     sum over the lanes' vectors it owns (the same elements in the load and the output pass), so a
@@ -802,21 +821,7 @@ def _tma_warp_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str, M, nc: i
                     else:
                         Y[row, base + s * sub + kk * w + i * lw + l] = T.Cast(dtype, T.Cast(_ACC, a[s, kk * w + i * lw + l]) * alpha[i])
 
-    if nc > 1:
-
-        @T.prim_func
-        def fwd(X: T.Tensor((M, n), dtype), Y: T.Tensor((M, n), dtype)):
-            with T.ClusterKernel(M * nc, cluster_dims=(nc, 1, 1), threads=threads) as bx:
-                body(X, Y, bx)
-
-    else:
-
-        @T.prim_func
-        def fwd(X: T.Tensor((M, n), dtype), Y: T.Tensor((M, n), dtype)):
-            with T.Kernel(M, threads=threads) as bx:
-                body(X, Y, bx)
-
-    return fwd
+    return _tma_prim_func(body, M, n, dtype, nc, threads)
 
 
 @kernel("softmax", "softmax_tma", min_sm=90)
@@ -919,21 +924,7 @@ def tma_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str, probe: str = "
                         xf[j] = T.Cast(dtype, T.Cast(_ACC, xf[j]) * alpha)
                 T.copy(xf, Y[row, base + s * sub + kk * w : base + s * sub + (kk + 1) * w])
 
-    if nc > 1:
-
-        @T.prim_func
-        def fwd(X: T.Tensor((M, n), dtype), Y: T.Tensor((M, n), dtype)):
-            with T.ClusterKernel(M * nc, cluster_dims=(nc, 1, 1), threads=threads) as bx:
-                body(X, Y, bx)
-
-    else:
-
-        @T.prim_func
-        def fwd(X: T.Tensor((M, n), dtype), Y: T.Tensor((M, n), dtype)):
-            with T.Kernel(M, threads=threads) as bx:
-                body(X, Y, bx)
-
-    return fwd
+    return _tma_prim_func(body, M, n, dtype, nc, threads)
 
 
 # ---------------------------------------------------------------------------------------------
