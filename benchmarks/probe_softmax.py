@@ -15,13 +15,18 @@ SHAPES = [(256, 32768), (128, 65536), (32, 262144), (4096, 32768)]
 
 
 def probes() -> list[tuple]:
-    """(m, n, config, static) of every probe kernel: the forward default at each shape, if `tma`."""
+    """(m, n, config, static) of every probe kernel: the forward default at each shape if it is of
+    the tma family, as a `tma` config (tmaw/tmas have no probe variant: the same loads, so the
+    same structural floor)."""
+    import dataclasses
+
     from tilelang_ops.kernels import softmax as K
 
     out = []
     for m, n in SHAPES:
         cfg = K.default_config(n, "bfloat16", "softmax", False, m)
-        if cfg.schedule == "tma":
+        if cfg.schedule in ("tma", "tmaw", "tmas"):
+            cfg = dataclasses.replace(cfg, schedule="tma")
             out.append((m, n, cfg, {"n": n, "dtype": "bfloat16", "kind": "softmax", "probe": "copy"}))
     return out
 
