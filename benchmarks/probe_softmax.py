@@ -25,7 +25,7 @@ def probes() -> list[tuple]:
     out = []
     for m, n in SHAPES:
         cfg = K.default_config(n, "bfloat16", "softmax", False, m)
-        if cfg.schedule in ("tma", "tmaw", "tmas"):
+        if cfg.schedule in K.TMA_SCHEDULES:
             cfg = dataclasses.replace(cfg, schedule="tma")
             out.append((m, n, cfg, {"n": n, "dtype": "bfloat16", "kind": "softmax", "probe": "copy"}))
     return out

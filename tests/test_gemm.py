@@ -755,13 +755,13 @@ def test_fast_path_accepts_only_the_plain_call(monkeypatch):
 def test_two_cta_register_split_fits_the_launch_allocation():
     # setmaxnreg.inc that the CTA's launch allocation cannot grant waits forever: the derived
     # consumer budget plus the producer's must fit, for every layout a config can ask for.
-    from tilelang_ops.kernels.gemm import _PRODUCER_REGS, _warpgroup_regs
+    from tilelang_ops.runtime import PRODUCER_REGS, warpgroup_regs
 
-    assert _warpgroup_regs(256, 2) == 104  # the shipped two-CTA schedules (GPU-measured)
+    assert warpgroup_regs(256, 2) == 104  # the shipped two-CTA schedules (GPU-measured)
     for threads in (128, 256, 384):
         for blocks in (2, 3, 4):
             total = threads + 128
             launch = min(65536 // (total * blocks), 255) // 8 * 8
-            regs = _warpgroup_regs(threads, blocks)
+            regs = warpgroup_regs(threads, blocks)
             assert regs % 8 == 0 and 24 <= regs <= 240, (threads, blocks, regs)
-            assert _PRODUCER_REGS * 128 + regs * threads <= launch * total, (threads, blocks, regs)
+            assert PRODUCER_REGS * 128 + regs * threads <= launch * total, (threads, blocks, regs)

@@ -240,6 +240,38 @@ def test_measured_table_is_sane():
             assert K.fits(cfg, n, dtype, "softmax", direction == "bwd"), (direction, n, cfg)
 
 
+@pytest.mark.parametrize("backward", [False, True], ids=["fwd", "bwd"])
+def test_run_hands_each_schedule_its_kernels_arguments(backward):
+    # ops._run decides from the config which buffers each launch gets (the partials only for the
+    # split and cluster schedules); every launch must match its kernel's parameters. No GPU: the
+    # kernels are their PrimFuncs, launching checks the argument count and ranks.
+    from tilelang_ops.kernels import softmax as K
+    from tilelang_ops.ops import softmax as ops
+
+    n = 32768
+    configs = [K.SoftmaxConfig("rows", 1, 1024), K.SoftmaxConfig("loop", 1, 256, 8192), K.SoftmaxConfig("split", 1, 256, 4096),
+               K.SoftmaxConfig("csplit", 1, 256, 8192), K.SoftmaxConfig("csplitd", 1, 256, 8192)]
+    if not backward:
+        configs += [K.SoftmaxConfig(s, 1, 256, n, 0, 4) for s in K.TMA_SCHEDULES]
+    assert {c.schedule for c in configs} == set(K.SCHEDULES) - (set() if not backward else set(K.TMA_SCHEDULES))
+    for cfg in configs:
+        launched = []
+
+        def launcher(func):
+            def launch(*args):
+                assert len(args) == len(func.params), (cfg.schedule, len(args), len(func.params))
+                for p, a in zip(func.params, args):
+                    assert len(func.buffer_map[p].shape) == a.dim(), (cfg.schedule, func.buffer_map[p].name)
+                launched.append(cfg.schedule)
+
+            return launch
+
+        kernels = tuple(launcher(kd.build(c, **st)) for kd, c, st in K.schedule_kernels(cfg, n, "bfloat16", "softmax", backward))
+        x = torch.randn(4, n, dtype=torch.bfloat16)
+        ops._run(cfg, kernels, backward, x, x.clone() if backward else None, torch.empty_like(x))
+        assert len(launched) == len(kernels), cfg
+
+
 def test_tma_fits_only_whole_chunks():
     from tilelang_ops.kernels import softmax as K
 

@@ -103,13 +103,12 @@ class CustomOp:
     def _impl_autograd(self, with_grad):
         """The Autograd kernel: `with_grad(keyset, args)` when a gradient will be needed, else the
         no-grad path (the implementation directly, or a redispatch)."""
-        run, direct = self._run, self.impls.direct
+        run = self._run
 
         def autograd_kernel(keyset, *args):
             if _C.is_grad_enabled() and _C._any_requires_grad(*args):
                 return with_grad(keyset, args)
-            impl = direct.get(keyset.raw_repr())  # run()'s memo, inlined: the common call
-            return impl(*args) if impl is not None else run(keyset, args)
+            return run(keyset, args)
 
         _LIB.impl(self.name, autograd_kernel, "Autograd", with_keyset=True)
 

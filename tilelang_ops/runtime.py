@@ -39,6 +39,21 @@ def arch_for_device(device) -> str:
     return arch
 
 
+# Hopper warp specialization: a 128-thread TMA producer warpgroup beside the consumers.
+PRODUCER_REGS = 24  # setmaxnreg of the producer warpgroup (TileLang's own choice)
+
+
+def warpgroup_regs(threads: int, min_blocks: int = 1) -> int:
+    """Consumer registers per thread for setmaxnreg when `min_blocks` CTAs of `threads` consumers
+    plus the 128-thread producer share an SM: ptxas gives each thread 64K / (CTA threads ×
+    min_blocks) registers at launch (in steps of 8), and the producer's 24 plus the consumers'
+    budget must fit in that CTA allocation, or setmaxnreg.inc waits forever (threads=256,
+    min_blocks=2: 80 at launch, 104 for the consumers)."""
+    total = threads + 128
+    launch = min(65536 // (total * min_blocks), 255) // 8 * 8
+    return min((launch * total - PRODUCER_REGS * 128) // threads // 8 * 8, 240)
+
+
 def config_str(config) -> str:
     """Canonical name of a config dataclass: `block1024_threads256`. Names kernels in every cache."""
     return "_".join(f"{f.name.replace('_', '')}{getattr(config, f.name)}" for f in dataclasses.fields(config))

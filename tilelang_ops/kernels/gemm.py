@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import tilelang.language as T
 
-from ..runtime import kernel
+from ..runtime import PRODUCER_REGS, kernel, warpgroup_regs
 
 DTYPES = ("float16", "bfloat16")
 ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu")
@@ -42,7 +42,7 @@ class GemmConfig:
     swizzle: int = 8  # T.use_swizzle panel size (L2 reuse across neighbouring CTAs); 0 = off
     policy: str = "Square"  # T.GemmWarpPolicy member: Square | FullRow | FullCol
     # CTAs resident per SM (__launch_bounds__' second argument); 2 lets one CTA's epilogue overlap
-    # the other's main loop. The setmaxnreg split that fits is derived (`_warpgroup_regs`).
+    # the other's main loop. The setmaxnreg split that fits is derived (`warpgroup_regs`).
     # 0 = TileLang's defaults (one CTA per SM, 24/240).
     min_blocks: int = 0
     # "auto": TileLang's warp-specialized T.Pipelined, each k-step's wgmma drained before the next
@@ -61,20 +61,6 @@ class GemmConfig:
         # branches, which deadlock (the producer never reaches the consumers' barrier).
         # (The buffer-init check cannot see T.tma_copy's writes to the stages either.)
         return {"tl.disable_thread_storage_sync": True, "tl.disable_buffer_init_check": True} if self.pipeline == "async" else {}
-
-
-_PRODUCER_REGS = 24  # setmaxnreg of the TMA producer warpgroup (TileLang's own choice)
-
-
-def _warpgroup_regs(threads: int, min_blocks: int) -> int:
-    """Consumer registers per thread for setmaxnreg when `min_blocks` CTAs of `threads` consumers
-    plus the 128-thread producer share an SM: ptxas gives each thread 64K / (CTA threads ×
-    min_blocks) registers at launch (in steps of 8), and the producer's 24 plus the consumers'
-    budget must fit in that CTA allocation, or setmaxnreg.inc waits forever (threads=256,
-    min_blocks=2: 80 at launch, 104 for the consumers)."""
-    total = threads + 128
-    launch = min(65536 // (total * min_blocks), 255) // 8 * 8
-    return min((launch * total - _PRODUCER_REGS * 128) // threads // 8 * 8, 240)
 
 
 # Defaults per (arch, shape class). The static dims (N, K; output rows for "tn") are baked into
@@ -303,8 +289,8 @@ def matmul_kernel(
         if config.min_blocks:
             T.annotate_min_blocks_per_sm(config.min_blocks)
             if config.min_blocks > 1:  # TileLang's 24/240 would not fit two CTAs' registers
-                T.annotate_producer_reg_dealloc(_PRODUCER_REGS)
-                T.annotate_consumer_reg_alloc(_warpgroup_regs(config.threads, config.min_blocks))
+                T.annotate_producer_reg_dealloc(PRODUCER_REGS)
+                T.annotate_consumer_reg_alloc(warpgroup_regs(config.threads, config.min_blocks))
         ix = (bz,) if batched else ()
         A_s = T.alloc_shared(a_tile, dtype)
         B_s = T.alloc_shared(b_tile, dtype)
@@ -346,7 +332,7 @@ def matmul_kernel(
         # Two loops, one per role (a shared loop makes ptxas allocate the producer's branch with
         # the consumers' registers: it spills under setmaxnreg.dec).
         with T.ws(len(cwg)):
-            T.dec_max_nreg(_PRODUCER_REGS)
+            T.dec_max_nreg(PRODUCER_REGS)
             for kk in T.serial(nk):
                 s = kk % S
                 T.mbarrier_wait_parity(empty[s], ((kk // S) & 1) ^ 1)
@@ -354,7 +340,7 @@ def matmul_kernel(
                 T.tma_copy(b_src(B, ix, bx, kk), B_s[s, :, :], barrier=full[s])
                 T.mbarrier_arrive(full[s])
         with T.ws(*cwg):
-            T.inc_max_nreg(_warpgroup_regs(consumers, max(config.min_blocks, 1)))
+            T.inc_max_nreg(warpgroup_regs(consumers, max(config.min_blocks, 1)))
             T.clear(C_f)
             for kk in T.serial(nk):
                 s = kk % S

@@ -84,7 +84,8 @@ def vec_width(n: int, dtype: str) -> int:
     return v
 
 
-SCHEDULES = ("rows", "loop", "split", "csplit", "csplitd", "tma", "tmaw", "tmas")
+TMA_SCHEDULES = ("tma", "tmaw", "tmas")  # forward; the chunk in shared memory by bulk copies, one kernel
+SCHEDULES = ("rows", "loop", "split", "csplit", "csplitd") + TMA_SCHEDULES
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,12 @@ class SoftmaxConfig:
     # tma: sub-chunks per chunk, each loaded by its own bulk copy and mbarrier, so the reduction
     # of the first starts while the others are still in flight.
     stages: int = 1
+
+    @property
+    def partials(self) -> bool:
+        """Whether the op hands the kernels per-chunk (max, sum) buffers (split and the cluster
+        schedules); rows, loop and the tma family reduce each row inside one launch."""
+        return self.schedule in ("split", "csplit", "csplitd")
 
 
 # Registers per thread: 32 fp32 row values (64 bytes of bf16 loads in flight per thread) keeps
@@ -200,7 +207,7 @@ def fits(cfg: SoftmaxConfig, n: int, dtype: str, kind: str = "softmax", backward
         idle = lanes * vec >= 2 * n  # more than half of a row's lanes would hold only padding
         held = k * vec * _arrays(kind, backward)  # fp32 registers
         return cfg.block_m <= cfg.threads and not idle and held <= 2 * _PER_THREAD
-    if cfg.schedule in ("tma", "tmaw", "tmas"):  # forward; equal chunks and sub-chunks of whole vectors, in shared memory
+    if cfg.schedule in TMA_SCHEDULES:  # forward; equal chunks and sub-chunks of whole vectors, in shared memory
         w = cfg.threads * vec
         return (
             not backward
@@ -235,7 +242,7 @@ def schedule_kernels(cfg: SoftmaxConfig, n: int, dtype: str, kind: str, backward
         return [(rows_bwd if backward else rows_fwd, cfg, st)]
     if cfg.schedule == "loop":
         return [(loop_bwd if backward else loop_fwd, cfg, st)]
-    if cfg.schedule in ("tma", "tmaw", "tmas"):
+    if cfg.schedule in TMA_SCHEDULES:
         assert not backward, "tma is a forward schedule"
         return [(tma_fwd, cfg, st)]
     base, d = _cluster_base(cfg.schedule)
@@ -835,7 +842,7 @@ def tma_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str, probe: str = "
     assert n % c == 0 and nc <= CLUSTER_MAX and sub % w == 0 and config.block_m == 1, (n, config)
     log = kind == "log_softmax"
     neg_inf = -T.infinity(_ACC)
-    if config.schedule in ("tmaw", "tmas"):
+    if config.schedule != "tma":  # tmaw, tmas
         return _tma_warp_fwd(config, n, dtype, kind, M, nc, sub, ks, w)
 
     @T.macro

@@ -343,17 +343,16 @@ def _flash_bwd_cuda(dout, q, k, v, out, lse, causal=False, softmax_scale=None, d
     # inside one CTA), dQ from its own kernel, one CTA per query block summing its key blocks in a
     # fixed order; no fp32 dQ buffer and no cast, S and dP computed twice.
     det = _deterministic()
-    q, k, v = _qkv3(q, k, v)
+    q, k, v, out, lse = *_qkv3(q, k, v), ready(out), ready(lse)
     dq = q.new_empty(B, Sq, H, D)
+    dq_acc = None if det else torch.empty(B, Sq, H, D, dtype=torch.float32, device=dev)  # reduce-add target, zeroed by prep
     if not det and dlse is None:  # the common call: preprocess, main kernel and dQ cast in one host call
-        dq_acc = torch.empty(B, Sq, H, D, dtype=torch.float32, device=dev)  # reduce-add target, zeroed by prep
-        _kernel("bwd_fused", dtype, dev, D, causal, groups, softmax_scale)(q, k, v, ready(out), dout, ready(lse), delta, lse2, dq_acc, dq, dk, dv)
+        _kernel("bwd_fused", dtype, dev, D, causal, groups, softmax_scale)(q, k, v, out, dout, lse, delta, lse2, dq_acc, dq, dk, dv)
         return dq, dk, dv
     if det:
-        _kernel("prep_nodq", dtype, dev, D)(ready(out), dout, ready(lse), delta, lse2)
+        _kernel("prep_nodq", dtype, dev, D)(out, dout, lse, delta, lse2)
     else:
-        dq_acc = torch.empty(B, Sq, H, D, dtype=torch.float32, device=dev)  # reduce-add target, zeroed by prep
-        _kernel("prep", dtype, dev, D)(ready(out), dout, ready(lse), delta, lse2, dq_acc)
+        _kernel("prep", dtype, dev, D)(out, dout, lse, delta, lse2, dq_acc)
     if dlse is not None:  # d lse_i / d s_ij = P_ij, so dlse folds into Delta: dS = P (dP - (Delta - dlse))
         delta[:, :, :Sq].sub_(dlse)
     if det:

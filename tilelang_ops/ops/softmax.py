@@ -117,7 +117,7 @@ def _launch(kind: str, backward: bool, a: torch.Tensor, b: torch.Tensor | None) 
 
 def _run(cfg, kernels: tuple, backward: bool, a: torch.Tensor, b: torch.Tensor | None, out: torch.Tensor | None = None):
     out = torch.empty_like(a) if out is None else out  # first, so it takes the block a same-size request freed last
-    if cfg.schedule in ("rows", "loop", "tma", "tmaw", "tmas"):  # one launch, no partials buffer
+    if not cfg.partials:  # one launch, no partials buffer
         kernels[0](a, b, out) if backward else kernels[0](a, out)
         return out
     m, n = a.shape
