@@ -697,6 +697,18 @@ def _tma_tile(config: SoftmaxConfig, n: int, dtype: str) -> tuple[int, int, int,
     return n // config.chunk, sub, sub // w, w
 
 
+@T.macro
+def _tma_issue(X, a, bars, row, base, sub: int, first: int, count: int):
+    """Bulk copies of sub-chunks first .. first+count-1 of this CTA's chunk into `a`, each on its
+    own mbarrier (one elected thread issues them). T.tma_copy only adds the expected bytes, so
+    every thread then arrives (the barriers count the CTA's threads; the issuing thread's arrive
+    follows its expect_tx, so no barrier can complete before its bytes are expected)."""
+    for s in T.serial(first, first + count):
+        T.tma_copy(X[row, base + s * sub : base + (s + 1) * sub], a[s, :], barrier=bars[s])
+    for s in T.serial(first, first + count):
+        T.mbarrier_arrive(bars[s])
+
+
 def _tma_prim_func(body, M, n: int, dtype: str, nc: int, threads: int):
     """The prim_func of a tma-family forward: a CTA per row, or a cluster of nc CTAs per row."""
     if nc > 1:
@@ -757,10 +769,7 @@ def _tma_warp_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str, M, nc: i
         # sub-chunks in flight, the next issued as one lands, so they land one after another and
         # each one's reduction overlaps the later ones' loads (issued at once, they complete
         # nearly together, leaving all the compute after the last byte).
-        for s in T.serial(ahead):
-            T.tma_copy(X[row, base + s * sub : base + (s + 1) * sub], a[s, :], barrier=bars[s])
-        for s in T.serial(ahead):  # tma_copy only adds the expected bytes: every thread arrives
-            T.mbarrier_arrive(bars[s])
+        _tma_issue(X, a, bars, row, base, sub, 0, ahead)
         for i in T.Parallel(nw):
             run[i] = neg_inf
         for i, l in T.Parallel(nw, lw):
@@ -769,9 +778,8 @@ def _tma_warp_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str, M, nc: i
         # into TIR loops, whose variable cannot index a list): unrolled, each slice its registers.
         for s, em_s in enumerate(em):
             T.mbarrier_wait_parity(bars[s], 0)
-            if s + ahead < stages:  # the elected thread's arrive follows its expect_tx
-                T.tma_copy(X[row, base + (s + ahead) * sub : base + (s + ahead + 1) * sub], a[s + ahead, :], barrier=bars[s + ahead])
-                T.mbarrier_arrive(bars[s + ahead])
+            if s + ahead < stages:
+                _tma_issue(X, a, bars, row, base, sub, s + ahead, 1)
             for kk, xk in enumerate(xs):
                 for i, l in T.Parallel(nw, lw):
                     xk[i, l] = a[s, kk * w + i * lw + l]
@@ -867,10 +875,7 @@ def tma_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str, probe: str = "
             mine = T.alloc_shared((2,), _ACC)
             peers = T.alloc_shared((nc, 2), _ACC, scope="shared")  # static: peers write it remotely
             T.cluster_arrive_relaxed()  # paired with the wait before the DSMEM stores
-        for s in T.serial(stages):  # one elected thread: every load in flight at once
-            T.tma_copy(X[row, base + s * sub : base + (s + 1) * sub], a[s, :], barrier=bars[s])
-        for s in T.serial(stages):  # tma_copy only adds the expected bytes: every thread arrives
-            T.mbarrier_arrive(bars[s])
+        _tma_issue(X, a, bars, row, base, sub, 0, stages)  # every load in flight at once
         run = neg_inf
         for j in T.Parallel(w):
             ps[j] = 0.0
