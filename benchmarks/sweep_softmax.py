@@ -37,23 +37,15 @@ def candidates() -> dict:
     """(m, n, backward) -> [configs]; the heuristic default is added by `plan()` when missing."""
     from tilelang_ops.kernels.softmax import SoftmaxConfig as S
 
-    # csplit = a cluster of n / chunk <= 8 CTAs per row, the chunk in registers (fwd softmax also
-    # keeps exp in fp32).
-    # The d-suffixed cluster schedules exchange the chunk partials through DSMEM (no global round trip).
-    csd = lambda t, c, mb=0: [S("csplit", 1, t, c, mb), S("csplitd", 1, t, c, mb)]  # noqa: E731
-    # tma = the chunk brought into shared memory by bulk copies in `stages` sub-chunks
-    tma = lambda t, c, stages: [S("tma", 1, t, c, 0, st) for st in stages]  # noqa: E731
-    tmaw = lambda t, c, stages: [S("tmaw", 1, t, c, 0, st) for st in stages]  # noqa: E731
-    # Eighth session: `tma` (the session-7 defaults) against `tmaw` (warp-level statistics, no
-    # CTA barrier per sub-chunk) and `tmas` (tmaw, half the sub-chunks in flight) at the forward
-    # shapes below target. Earlier candidates and the
-    # backward ones: git history of this file (sessions 4-7).
+    # tmas = the chunk in shared memory by bulk copies, `stages` sub-chunks, half of them in flight
+    # Ninth session: the tmas defaults (eighth session) against tmas split over a cluster of 2-8
+    # CTAs per row (more, smaller CTAs per SM: their phases overlap), at the forward shapes still
+    # at or below target. Earlier candidates and the backward ones: git history of this file.
     tmas = lambda t, c, stages: [S("tmas", 1, t, c, 0, st) for st in stages]  # noqa: E731
     return {
-        (256, 32768, False): tma(128, 32768, (4,)) + tmaw(256, 32768, (4,)) + tmas(256, 32768, (4, 8)) + tmas(128, 32768, (4, 8)),
-        (128, 65536, False): tma(512, 65536, (4,)) + tmaw(512, 65536, (4,)) + tmaw(256, 65536, (4,)) + tmas(512, 65536, (4, 8)) + tmas(256, 65536, (4,)),
-        (32, 262144, False): tma(256, 32768, (4,)) + tmaw(128, 32768, (4,)) + tmas(128, 32768, (4, 8)) + tmas(256, 32768, (4,)),
-        (4096, 32768, False): tma(256, 32768, (4,)) + tmaw(256, 32768, (4,)) + tmas(256, 32768, (4,)),
+        (256, 32768, False): tmas(128, 32768, (4,)) + tmas(128, 16384, (4,)) + tmas(256, 16384, (4,)) + tmas(128, 8192, (2, 4)),
+        (128, 65536, False): tmas(256, 65536, (8, 16)) + tmas(256, 32768, (4, 8)) + tmas(128, 32768, (8,)) + tmas(128, 16384, (4,)) + tmas(256, 16384, (4,)) + tmas(128, 8192, (2, 4)),
+        (32, 262144, False): tmas(256, 32768, (8,)) + tmas(128, 32768, (4,)),
     }
 
 
