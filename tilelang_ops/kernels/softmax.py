@@ -64,6 +64,7 @@ exps in the input dtype: twice, within one ulp). Semantics match PyTorch: an all
 """
 from dataclasses import dataclass
 
+import tilelang
 import tilelang.language as T
 
 from ..runtime import kernel
@@ -102,6 +103,12 @@ class SoftmaxConfig:
     # of the first starts while the others are still in flight.
     stages: int = 1
 
+    def pass_configs(self) -> dict:
+        # tmaw/tmas place their only CTA barrier themselves (before the warps' statistics are
+        # read): TileLang's sync pass would add two __syncthreads per re-issued bulk copy, which
+        # cost ~0.13 us each at one CTA per SM (session 9's clock probe).
+        return {"tl.disable_thread_storage_sync": True} if self.schedule in ("tmaw", "tmas") else {}
+
     @property
     def partials(self) -> bool:
         """Whether the op hands the kernels per-chunk (max, sum) buffers (split and the cluster
@@ -139,7 +146,7 @@ def _row_limit(dtype: str, backward: bool, kind: str) -> int:
 # benchmarks.sweep_softmax` (on the GPU) prints the lines to paste here, best config per shape.
 MEASURED: dict[tuple[str, int, str], SoftmaxConfig] = {
     # benchmarks/sweep_softmax.py on one H200, 2026-11-30 (bf16, 8M elements unless noted; % of copy_)
-    ("fwd", 32768, "few"): SoftmaxConfig("tmas", 1, 256, 32768, 0, 8),  # 256x32768: 88.1% vs tmas 4 stages 85.5, tmaw 86.4, tma 86.3 (session 8, call 7)
+    ("fwd", 32768, "few"): SoftmaxConfig("tmas", 1, 256, 32768, 0, 4),  # 256x32768: 93.2% vs 8 stages 88.7, 128 threads 91.8 (session 9, call 3)
     ("bwd", 32768, "few"): SoftmaxConfig("csplit", 1, 128, 4096, 0),  # 256x32768: 96-100% vs 90%
     ("fwd", 65536, "few"): SoftmaxConfig("tmas", 1, 256, 65536, 0, 4),  # 128x65536: 83.0% vs tmas 512 threads 79.5, tmaw 78.8-81.7, tma 74-78 (session 8)
     ("bwd", 65536, "few"): SoftmaxConfig("csplit", 1, 256, 8192, 0),  # 128x65536: 93% vs 81-84%
@@ -709,8 +716,25 @@ def _tma_issue(X, a, bars, row, base, sub: int, first: int, count: int):
         T.mbarrier_arrive(bars[s])
 
 
-def _tma_prim_func(body, M, n: int, dtype: str, nc: int, threads: int):
-    """The prim_func of a tma-family forward: a CTA per row, or a cluster of nc CTAs per row."""
+def _tma_prim_func(body, M, n: int, dtype: str, nc: int, threads: int, clocks: int = 0):
+    """The prim_func of a tma-family forward: a CTA per row, or a cluster of nc CTAs per row.
+    clocks > 0 (probe): a third tensor of `clocks` clock64() stamps per CTA."""
+    if clocks and nc > 1:
+
+        @T.prim_func
+        def fwd(X: T.Tensor((M, n), dtype), Y: T.Tensor((M, n), dtype), C: T.Tensor((M * nc, clocks), "int64")):
+            with T.ClusterKernel(M * nc, cluster_dims=(nc, 1, 1), threads=threads) as bx:
+                body(X, Y, bx, C)
+
+        return fwd
+    if clocks:
+
+        @T.prim_func
+        def fwd(X: T.Tensor((M, n), dtype), Y: T.Tensor((M, n), dtype), C: T.Tensor((M, clocks), "int64")):
+            with T.Kernel(M, threads=threads) as bx:
+                body(X, Y, bx, C)
+
+        return fwd
     if nc > 1:
 
         @T.prim_func
@@ -728,27 +752,40 @@ def _tma_prim_func(body, M, n: int, dtype: str, nc: int, threads: int):
     return fwd
 
 
-def _tma_warp_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str, M, nc: int, sub: int, ks: int, w: int):
+def _tma_warp_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str, M, nc: int, sub: int, ks: int, w: int, clock: bool = False):
     """`tmaw`: the `tma` kernel with warp-level statistics. Each warp keeps its own running max and
     sum over the lanes' vectors it owns (the same elements in the load and the output pass), so a
     landed sub-chunk is reduced with shuffles only, no CTA barrier; its elements are read from
     shared memory once (held in registers for the max, then the exps). One CTA-wide combine of
-    the warps' (max, sum) at the end, then the cluster's as in `tma`."""
+    the warps' (max, sum) at the end, then the cluster's as in `tma`.
+
+    clock=True (benchmarks/probe_softmax.py only): thread 0 stamps clock64() into C[bx, :] at
+    the start, as each sub-chunk lands and is reduced, after the combine and at the end."""
     c, threads, stages = config.chunk, config.threads, config.stages
+    clocks = 2 * stages + 3 if clock else 0
     nw, lw = threads // 32, w // (threads // 32)  # warps; elements a warp owns per slice
     ahead = max(1, stages // 2) if config.schedule == "tmas" else stages  # sub-chunks in flight
     log = kind == "log_softmax"
     neg_inf = -T.infinity(_ACC)
 
     @T.macro
-    def body(X, Y, bx):
+    def stamp(C, bx, k: int):
+        if clock:
+            if T.get_thread_binding() == 0:
+                C[bx, k] = T.call_extern("int64", "clock64")
+
+    @T.macro
+    def body(X, Y, bx, C=None):
         if config.min_blocks:
             T.annotate_min_blocks_per_sm(config.min_blocks)
+        stamp(C, bx, 0)
         row = bx // nc
         base = (bx % nc) * c
         a = T.alloc_shared((stages, sub), dtype)
         bars = T.alloc_barrier([threads] * stages)
-        xs = [T.alloc_fragment((nw, lw), dtype) for _ in range(ks)]  # one slice each, read once
+        # one slice each, read from shared memory once and converted once (fp32: 64 registers
+        # per thread at 8 slices, which a CTA of <= 512 threads can afford)
+        xs = [T.alloc_fragment((nw, lw), _ACC) for _ in range(ks)]
         part = T.alloc_fragment((nw, lw), _ACC)
         ps = T.alloc_fragment((nw, lw), _ACC)  # per-lane sum of exp(x - the warp's running max)
         rw = T.alloc_fragment((nw,), _ACC)
@@ -778,14 +815,15 @@ def _tma_warp_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str, M, nc: i
         # into TIR loops, whose variable cannot index a list): unrolled, each slice its registers.
         for s, em_s in enumerate(em):
             T.mbarrier_wait_parity(bars[s], 0)
+            stamp(C, bx, 1 + 2 * s)
             if s + ahead < stages:
                 _tma_issue(X, a, bars, row, base, sub, s + ahead, 1)
             for kk, xk in enumerate(xs):
                 for i, l in T.Parallel(nw, lw):
-                    xk[i, l] = a[s, kk * w + i * lw + l]
+                    xk[i, l] = T.Cast(_ACC, a[s, kk * w + i * lw + l])
             for kk, xk in enumerate(xs):
                 for i, l in T.Parallel(nw, lw):
-                    part[i, l] = T.max(part[i, l], T.Cast(_ACC, xk[i, l])) if kk else T.Cast(_ACC, xk[i, l])
+                    part[i, l] = T.max(part[i, l], xk[i, l]) if kk else xk[i, l]
             T.reduce_max(part, rw, dim=1)  # within each warp: shuffles
             for i in T.Parallel(nw):
                 # new running max; the sums so far were shifted by the old one (0 while it is -inf)
@@ -796,15 +834,17 @@ def _tma_warp_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str, M, nc: i
                 ps[i, l] = ps[i, l] * alpha[i]
             for kk, xk in enumerate(xs):
                 for i, l in T.Parallel(nw, lw):
-                    part[i, l] = T.exp2((T.Cast(_ACC, xk[i, l]) - _safe(run[i])) * LOG2E)
+                    part[i, l] = T.exp2((xk[i, l] - _safe(run[i])) * LOG2E)
                     ps[i, l] = ps[i, l] + part[i, l]
                 if not log:  # keep the exps (log_softmax's output needs x itself)
                     for i, l in T.Parallel(nw, lw):
                         a[s, kk * w + i * lw + l] = T.Cast(dtype, part[i, l])
+            stamp(C, bx, 2 + 2 * s)
         T.reduce_sum(ps, sw, dim=1)
         for i in T.Parallel(nw):
             stats[i, 0] = run[i]
             stats[i, 1] = sw[i]
+        T.sync_threads()  # the one CTA barrier (the sync pass is off: SoftmaxConfig.pass_configs)
         # the CTA's (max, sum) from its warps', as the cluster folds its CTAs' below
         acc0 = neg_inf
         for k in T.serial(nw):
@@ -824,6 +864,7 @@ def _tma_warp_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str, M, nc: i
                 acc1 = acc1 + peers[k, 1] * T.exp2((peers[k, 0] - acc0) * LOG2E)
         if log:
             acc1 = acc0 + T.log2(acc1) * LN2
+        stamp(C, bx, 2 * stages + 1)
         for s, em_s in enumerate(em):
             if not log:
                 # one factor per (sub-chunk, warp) rescales and normalises its exps; em = -inf: 0,
@@ -836,11 +877,15 @@ def _tma_warp_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str, M, nc: i
                         Y[row, base + s * sub + kk * w + i * lw + l] = T.Cast(dtype, T.Cast(_ACC, a[s, kk * w + i * lw + l]) - acc1)
                     else:
                         Y[row, base + s * sub + kk * w + i * lw + l] = T.Cast(dtype, T.Cast(_ACC, a[s, kk * w + i * lw + l]) * alpha[i])
+        stamp(C, bx, 2 * stages + 2)
 
-    return _tma_prim_func(body, M, n, dtype, nc, threads)
+    return _tma_prim_func(body, M, n, dtype, nc, threads, clocks)
 
 
-@kernel("softmax", "softmax_tma", min_sm=90)
+# fast math: exp2 as one MUFU.EX2 (ex2.approx.ftz; exp2f's subnormal handling costs three more
+# instructions per element, and the per-sub-chunk reductions are issue-bound: session 9's clock
+# probe). Only results below 2^-126 of the row max change (to 0).
+@kernel("softmax", "softmax_tma", min_sm=90, pass_configs={tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True})
 def tma_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str, probe: str = ""):
     """probe="copy" (benchmarks/probe_softmax.py only; wrong results): the same loads, exchange and
     output pass with the per-sub-chunk reductions left out, to time what the compute costs."""
@@ -851,7 +896,8 @@ def tma_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str, probe: str = "
     log = kind == "log_softmax"
     neg_inf = -T.infinity(_ACC)
     if config.schedule != "tma":  # tmaw, tmas
-        return _tma_warp_fwd(config, n, dtype, kind, M, nc, sub, ks, w)
+        assert probe in ("", "clock"), probe
+        return _tma_warp_fwd(config, n, dtype, kind, M, nc, sub, ks, w, clock=probe == "clock")
 
     @T.macro
     def body(X, Y, bx):
