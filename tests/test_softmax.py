@@ -464,7 +464,7 @@ EXTRA_SCHEDULES = [
     (("csplitd", 1, 256, 8192, 0), 30001, False),  # ragged last chunk
     (("csplitd", 1, 256, 8192, 0), 30001, True),
     (("csplitd", 1, 512, 32768, 0), 262144, True),
-    (("csplit", 1, 512, 16384, 0), 131072, False),  # the 131072 forward's default
+    (("csplit", 1, 512, 16384, 0), 131072, False),  # the 131072 forward's default until session 9
     # chunk in shared memory by bulk copies, reduced sub-chunk by sub-chunk as it lands
     (("tma", 1, 256, 32768, 0, 4), 32768, False),  # a CTA per row
     (("tma", 1, 512, 65536, 0, 8), 65536, False),
@@ -485,7 +485,8 @@ EXTRA_SCHEDULES = [
     (("tmas", 1, 256, 16384, 0, 2), 32768, False),  # a cluster of 2, one sub-chunk ahead
     (("tmas", 1, 128, 32768, 0, 4), 262144, False),  # a cluster of 8
     # the defaults chosen from the last sweep of the eighth session (their GPU run: the sweep's
-    # check against torch on random rows; these cases add the edge rows)
+    # check against torch on random rows; these cases add the edge rows), and the ninth's
+    (("tmas", 1, 128, 32768, 0, 8), 131072, False),  # a cluster of 4
     (("tmas", 1, 256, 32768, 0, 8), 32768, False),
     (("tmas", 1, 256, 65536, 0, 4), 65536, False),
     (("tmas", 1, 128, 32768, 0, 8), 262144, False),

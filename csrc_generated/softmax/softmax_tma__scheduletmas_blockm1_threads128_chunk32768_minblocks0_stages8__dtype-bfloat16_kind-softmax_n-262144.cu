@@ -41,7 +41,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) fwd_kernel(__grid_constant_
   float xk_2[8];
   float xk_3[8];
   float part[8];
-  float rw[1];
+  float rt[1];
   float alpha[1];
   float em_s[1];
   float em_s_1[1];
@@ -51,6 +51,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) fwd_kernel(__grid_constant_
   float em_s_5[1];
   float em_s_6[1];
   float em_s_7[1];
+  float rw[1];
   float sw[1];
   float acc0 = 0x0p+0f/*0.000000e+00*/;
   float acc1 = 0x0p+0f/*0.000000e+00*/;
@@ -181,20 +182,19 @@ extern "C" __global__ void __launch_bounds__(128, 1) fwd_kernel(__grid_constant_
       __7.w = max(v__8.w, v__9.w);
     *(float4*)(part + (i_10 * 4)) = __7;
   }
-  rw[0] = -CUDART_INF_F;
+  rt[0] = -CUDART_INF_F;
   #pragma unroll
   for (int rv = 0; rv < 8; ++rv) {
-    rw[0] = max(rw[0], part[rv]);
+    rt[0] = max(rt[0], part[rv]);
   }
-  rw[0] = tl::AllReduce<tl::MaxOp, 32, 1, 0, tl::NamedBarrier<128>>::run(rw[0]);
   float condval;
   if ((run[0] == -CUDART_INF_F)) {
     condval = 0x0p+0f/*0.000000e+00*/;
   } else {
-    condval = exp2f(((run[0] - max(run[0], rw[0])) * 0x1.71547652b82fep+0f/*1.442695e+00*/));
+    condval = exp2f(((run[0] - max(run[0], rt[0])) * 0x1.71547652b82fep+0f/*1.442695e+00*/));
   }
   alpha[0] = condval;
-  run[0] = max(run[0], rw[0]);
+  run[0] = max(run[0], rt[0]);
   em_s[0] = run[0];
   #pragma unroll
   for (int i_11 = 0; i_11 < 2; ++i_11) {
@@ -490,20 +490,19 @@ extern "C" __global__ void __launch_bounds__(128, 1) fwd_kernel(__grid_constant_
       __35.w = max(v__44.w, v__45.w);
     *(float4*)(part + (i_28 * 4)) = __35;
   }
-  rw[0] = -CUDART_INF_F;
+  rt[0] = -CUDART_INF_F;
   #pragma unroll
   for (int rv_1 = 0; rv_1 < 8; ++rv_1) {
-    rw[0] = max(rw[0], part[rv_1]);
+    rt[0] = max(rt[0], part[rv_1]);
   }
-  rw[0] = tl::AllReduce<tl::MaxOp, 32, 1, 0, tl::NamedBarrier<128>>::run(rw[0]);
   float condval_5;
   if ((run[0] == -CUDART_INF_F)) {
     condval_5 = 0x0p+0f/*0.000000e+00*/;
   } else {
-    condval_5 = exp2f(((run[0] - max(run[0], rw[0])) * 0x1.71547652b82fep+0f/*1.442695e+00*/));
+    condval_5 = exp2f(((run[0] - max(run[0], rt[0])) * 0x1.71547652b82fep+0f/*1.442695e+00*/));
   }
   alpha[0] = condval_5;
-  run[0] = max(run[0], rw[0]);
+  run[0] = max(run[0], rt[0]);
   em_s_1[0] = run[0];
   #pragma unroll
   for (int i_29 = 0; i_29 < 2; ++i_29) {
@@ -799,20 +798,19 @@ extern "C" __global__ void __launch_bounds__(128, 1) fwd_kernel(__grid_constant_
       __63.w = max(v__80.w, v__81.w);
     *(float4*)(part + (i_46 * 4)) = __63;
   }
-  rw[0] = -CUDART_INF_F;
+  rt[0] = -CUDART_INF_F;
   #pragma unroll
   for (int rv_2 = 0; rv_2 < 8; ++rv_2) {
-    rw[0] = max(rw[0], part[rv_2]);
+    rt[0] = max(rt[0], part[rv_2]);
   }
-  rw[0] = tl::AllReduce<tl::MaxOp, 32, 1, 0, tl::NamedBarrier<128>>::run(rw[0]);
   float condval_10;
   if ((run[0] == -CUDART_INF_F)) {
     condval_10 = 0x0p+0f/*0.000000e+00*/;
   } else {
-    condval_10 = exp2f(((run[0] - max(run[0], rw[0])) * 0x1.71547652b82fep+0f/*1.442695e+00*/));
+    condval_10 = exp2f(((run[0] - max(run[0], rt[0])) * 0x1.71547652b82fep+0f/*1.442695e+00*/));
   }
   alpha[0] = condval_10;
-  run[0] = max(run[0], rw[0]);
+  run[0] = max(run[0], rt[0]);
   em_s_2[0] = run[0];
   #pragma unroll
   for (int i_47 = 0; i_47 < 2; ++i_47) {
@@ -1108,20 +1106,19 @@ extern "C" __global__ void __launch_bounds__(128, 1) fwd_kernel(__grid_constant_
       __91.w = max(v__116.w, v__117.w);
     *(float4*)(part + (i_64 * 4)) = __91;
   }
-  rw[0] = -CUDART_INF_F;
+  rt[0] = -CUDART_INF_F;
   #pragma unroll
   for (int rv_3 = 0; rv_3 < 8; ++rv_3) {
-    rw[0] = max(rw[0], part[rv_3]);
+    rt[0] = max(rt[0], part[rv_3]);
   }
-  rw[0] = tl::AllReduce<tl::MaxOp, 32, 1, 0, tl::NamedBarrier<128>>::run(rw[0]);
   float condval_15;
   if ((run[0] == -CUDART_INF_F)) {
     condval_15 = 0x0p+0f/*0.000000e+00*/;
   } else {
-    condval_15 = exp2f(((run[0] - max(run[0], rw[0])) * 0x1.71547652b82fep+0f/*1.442695e+00*/));
+    condval_15 = exp2f(((run[0] - max(run[0], rt[0])) * 0x1.71547652b82fep+0f/*1.442695e+00*/));
   }
   alpha[0] = condval_15;
-  run[0] = max(run[0], rw[0]);
+  run[0] = max(run[0], rt[0]);
   em_s_3[0] = run[0];
   #pragma unroll
   for (int i_65 = 0; i_65 < 2; ++i_65) {
@@ -1408,20 +1405,19 @@ extern "C" __global__ void __launch_bounds__(128, 1) fwd_kernel(__grid_constant_
       __119.w = max(v__152.w, v__153.w);
     *(float4*)(part + (i_81 * 4)) = __119;
   }
-  rw[0] = -CUDART_INF_F;
+  rt[0] = -CUDART_INF_F;
   #pragma unroll
   for (int rv_4 = 0; rv_4 < 8; ++rv_4) {
-    rw[0] = max(rw[0], part[rv_4]);
+    rt[0] = max(rt[0], part[rv_4]);
   }
-  rw[0] = tl::AllReduce<tl::MaxOp, 32, 1, 0, tl::NamedBarrier<128>>::run(rw[0]);
   float condval_20;
   if ((run[0] == -CUDART_INF_F)) {
     condval_20 = 0x0p+0f/*0.000000e+00*/;
   } else {
-    condval_20 = exp2f(((run[0] - max(run[0], rw[0])) * 0x1.71547652b82fep+0f/*1.442695e+00*/));
+    condval_20 = exp2f(((run[0] - max(run[0], rt[0])) * 0x1.71547652b82fep+0f/*1.442695e+00*/));
   }
   alpha[0] = condval_20;
-  run[0] = max(run[0], rw[0]);
+  run[0] = max(run[0], rt[0]);
   em_s_4[0] = run[0];
   #pragma unroll
   for (int i_82 = 0; i_82 < 2; ++i_82) {
@@ -1708,20 +1704,19 @@ extern "C" __global__ void __launch_bounds__(128, 1) fwd_kernel(__grid_constant_
       __147.w = max(v__188.w, v__189.w);
     *(float4*)(part + (i_98 * 4)) = __147;
   }
-  rw[0] = -CUDART_INF_F;
+  rt[0] = -CUDART_INF_F;
   #pragma unroll
   for (int rv_5 = 0; rv_5 < 8; ++rv_5) {
-    rw[0] = max(rw[0], part[rv_5]);
+    rt[0] = max(rt[0], part[rv_5]);
   }
-  rw[0] = tl::AllReduce<tl::MaxOp, 32, 1, 0, tl::NamedBarrier<128>>::run(rw[0]);
   float condval_25;
   if ((run[0] == -CUDART_INF_F)) {
     condval_25 = 0x0p+0f/*0.000000e+00*/;
   } else {
-    condval_25 = exp2f(((run[0] - max(run[0], rw[0])) * 0x1.71547652b82fep+0f/*1.442695e+00*/));
+    condval_25 = exp2f(((run[0] - max(run[0], rt[0])) * 0x1.71547652b82fep+0f/*1.442695e+00*/));
   }
   alpha[0] = condval_25;
-  run[0] = max(run[0], rw[0]);
+  run[0] = max(run[0], rt[0]);
   em_s_5[0] = run[0];
   #pragma unroll
   for (int i_99 = 0; i_99 < 2; ++i_99) {
@@ -2008,20 +2003,19 @@ extern "C" __global__ void __launch_bounds__(128, 1) fwd_kernel(__grid_constant_
       __175.w = max(v__224.w, v__225.w);
     *(float4*)(part + (i_115 * 4)) = __175;
   }
-  rw[0] = -CUDART_INF_F;
+  rt[0] = -CUDART_INF_F;
   #pragma unroll
   for (int rv_6 = 0; rv_6 < 8; ++rv_6) {
-    rw[0] = max(rw[0], part[rv_6]);
+    rt[0] = max(rt[0], part[rv_6]);
   }
-  rw[0] = tl::AllReduce<tl::MaxOp, 32, 1, 0, tl::NamedBarrier<128>>::run(rw[0]);
   float condval_30;
   if ((run[0] == -CUDART_INF_F)) {
     condval_30 = 0x0p+0f/*0.000000e+00*/;
   } else {
-    condval_30 = exp2f(((run[0] - max(run[0], rw[0])) * 0x1.71547652b82fep+0f/*1.442695e+00*/));
+    condval_30 = exp2f(((run[0] - max(run[0], rt[0])) * 0x1.71547652b82fep+0f/*1.442695e+00*/));
   }
   alpha[0] = condval_30;
-  run[0] = max(run[0], rw[0]);
+  run[0] = max(run[0], rt[0]);
   em_s_6[0] = run[0];
   #pragma unroll
   for (int i_116 = 0; i_116 < 2; ++i_116) {
@@ -2308,20 +2302,19 @@ extern "C" __global__ void __launch_bounds__(128, 1) fwd_kernel(__grid_constant_
       __203.w = max(v__260.w, v__261.w);
     *(float4*)(part + (i_132 * 4)) = __203;
   }
-  rw[0] = -CUDART_INF_F;
+  rt[0] = -CUDART_INF_F;
   #pragma unroll
   for (int rv_7 = 0; rv_7 < 8; ++rv_7) {
-    rw[0] = max(rw[0], part[rv_7]);
+    rt[0] = max(rt[0], part[rv_7]);
   }
-  rw[0] = tl::AllReduce<tl::MaxOp, 32, 1, 0, tl::NamedBarrier<128>>::run(rw[0]);
   float condval_35;
   if ((run[0] == -CUDART_INF_F)) {
     condval_35 = 0x0p+0f/*0.000000e+00*/;
   } else {
-    condval_35 = exp2f(((run[0] - max(run[0], rw[0])) * 0x1.71547652b82fep+0f/*1.442695e+00*/));
+    condval_35 = exp2f(((run[0] - max(run[0], rt[0])) * 0x1.71547652b82fep+0f/*1.442695e+00*/));
   }
   alpha[0] = condval_35;
-  run[0] = max(run[0], rw[0]);
+  run[0] = max(run[0], rt[0]);
   em_s_7[0] = run[0];
   #pragma unroll
   for (int i_133 = 0; i_133 < 2; ++i_133) {
@@ -2526,14 +2519,26 @@ extern "C" __global__ void __launch_bounds__(128, 1) fwd_kernel(__grid_constant_
     }
     *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 31744)) = *(uint4*)(a_local_cast_63 + 0);
   }
-  sw[0] = 0x0p+0f/*0.000000e+00*/;
+  rt[0] = 0x0p+0f/*0.000000e+00*/;
   #pragma unroll
   for (int rv_8 = 0; rv_8 < 8; ++rv_8) {
-    sw[0] = (sw[0] + ps[rv_8]);
+    rt[0] = (rt[0] + ps[rv_8]);
   }
+  rw[0] = -CUDART_INF_F;
+  rw[0] = max(rw[0], run[0]);
+  rw[0] = tl::AllReduce<tl::MaxOp, 32, 1, 0, tl::NamedBarrier<128>>::run(rw[0]);
+  float condval_40;
+  if ((run[0] == -CUDART_INF_F)) {
+    condval_40 = 0x0p+0f/*0.000000e+00*/;
+  } else {
+    condval_40 = (rt[0] * exp2f(((run[0] - rw[0]) * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
+  }
+  rt[0] = condval_40;
+  sw[0] = 0x0p+0f/*0.000000e+00*/;
+  sw[0] = (sw[0] + rt[0]);
   sw[0] = tl::AllReduce<tl::SumOp, 32, 1, 0, tl::NamedBarrier<128>>::run(sw[0]);
   if ((((int)threadIdx.x) % 32) == 0) {
-    ((float*)stats)[((((int)threadIdx.x) >> 5) * 2)] = run[0];
+    ((float*)stats)[((((int)threadIdx.x) >> 5) * 2)] = rw[0];
     ((float*)stats)[(((((int)threadIdx.x) >> 5) * 2) + 1)] = sw[0];
   }
   __syncthreads();
@@ -2543,13 +2548,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) fwd_kernel(__grid_constant_
   }
   acc1 = 0x0p+0f/*0.000000e+00*/;
   for (int k_1 = 0; k_1 < 4; ++k_1) {
-    float condval_40;
+    float condval_41;
     if ((((float*)stats)[(k_1 * 2)] == -CUDART_INF_F)) {
-      condval_40 = 0x0p+0f/*0.000000e+00*/;
+      condval_41 = 0x0p+0f/*0.000000e+00*/;
     } else {
-      condval_40 = (((float*)stats)[((k_1 * 2) + 1)] * exp2f(((((float*)stats)[(k_1 * 2)] - acc0) * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
+      condval_41 = (((float*)stats)[((k_1 * 2) + 1)] * exp2f(((((float*)stats)[(k_1 * 2)] - acc0) * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
     }
-    acc1 = (acc1 + condval_40);
+    acc1 = (acc1 + condval_41);
   }
   r0[0] = acc0;
   r1[0] = acc1;

@@ -152,7 +152,7 @@ MEASURED: dict[tuple[str, int, str], SoftmaxConfig] = {
     ("bwd", 65536, "few"): SoftmaxConfig("csplit", 1, 256, 8192, 0),  # 128x65536: 93% vs 81-84%
     ("bwd", 262144, "few"): SoftmaxConfig("csplit", 1, 512, 32768, 0),  # 32x262144: 75-77% vs 61%
     # fourth session (three sweeps: session 3 call 7, session 4 calls 2 and 3)
-    ("fwd", 131072, "few"): SoftmaxConfig("csplit", 1, 512, 16384, 0),  # 64x131072: 69-70% vs split 63-65%
+    ("fwd", 131072, "few"): SoftmaxConfig("tmas", 1, 128, 32768, 0, 8),  # 64x131072: 76.5% vs csplit 512/16384 66.8% (session 9, call 4)
     ("fwd", 262144, "few"): SoftmaxConfig("tmas", 1, 128, 32768, 0, 8),  # 32x262144: 71.3% vs tmaw 65-67, tma 63-65, tmas 4 stages 54 (session 8, call 7)
     ("fwd", 32768, "many"): SoftmaxConfig("tma", 1, 256, 32768, 0, 4),  # 4096x32768: 96% vs 83% (session 7)
     ("bwd", 32768, "many"): SoftmaxConfig("csplit", 1, 128, 4096, 0),  # 4096x32768: 89-90% vs loop 67%
@@ -753,17 +753,18 @@ def _tma_prim_func(body, M, n: int, dtype: str, nc: int, threads: int, clocks: i
 
 
 def _tma_warp_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str, M, nc: int, sub: int, ks: int, w: int, clock: bool = False):
-    """`tmaw`: the `tma` kernel with warp-level statistics. Each warp keeps its own running max and
-    sum over the lanes' vectors it owns (the same elements in the load and the output pass), so a
-    landed sub-chunk is reduced with shuffles only, no CTA barrier; its elements are read from
-    shared memory once (held in registers for the max, then the exps). One CTA-wide combine of
-    the warps' (max, sum) at the end, then the cluster's as in `tma`.
+    """`tmaw`: the `tma` kernel with per-thread statistics. Each thread keeps its own running max
+    and sum over the vectors it owns (the same elements in the load and the output pass), so a
+    landed sub-chunk is reduced in registers only: no shuffle, no CTA barrier. Its elements are
+    read from shared memory once (held in fp32 registers for the max, then the exps). At the end
+    the threads' (max, sum) fold within each warp (shuffles), the warps' through shared memory
+    (one CTA barrier), then the cluster's as in `tma`.
 
     clock=True (benchmarks/probe_softmax.py only): thread 0 stamps clock64() into C[bx, :] at
     the start, as each sub-chunk lands and is reduced, after the combine and at the end."""
     c, threads, stages = config.chunk, config.threads, config.stages
     clocks = 2 * stages + 3 if clock else 0
-    nw, lw = threads // 32, w // (threads // 32)  # warps; elements a warp owns per slice
+    nw, vec = threads // 32, w // threads  # warps; elements a thread owns per slice
     ahead = max(1, stages // 2) if config.schedule == "tmas" else stages  # sub-chunks in flight
     log = kind == "log_softmax"
     neg_inf = -T.infinity(_ACC)
@@ -783,15 +784,17 @@ def _tma_warp_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str, M, nc: i
         base = (bx % nc) * c
         a = T.alloc_shared((stages, sub), dtype)
         bars = T.alloc_barrier([threads] * stages)
-        # one slice each, read from shared memory once and converted once (fp32: 64 registers
-        # per thread at 8 slices, which a CTA of <= 512 threads can afford)
-        xs = [T.alloc_fragment((nw, lw), _ACC) for _ in range(ks)]
-        part = T.alloc_fragment((nw, lw), _ACC)
-        ps = T.alloc_fragment((nw, lw), _ACC)  # per-lane sum of exp(x - the warp's running max)
+        # Fragments (warp, lane, vec): thread (i, j) owns the vec contiguous elements at
+        # kk * w + (32 i + j) * vec of slice kk. One slice each, read from shared memory once and
+        # converted once (fp32: 64 registers per thread at 8 slices).
+        xs = [T.alloc_fragment((nw, 32, vec), _ACC) for _ in range(ks)]
+        part = T.alloc_fragment((nw, 32, vec), _ACC)
+        ps = T.alloc_fragment((nw, 32, vec), _ACC)  # sum of exp(x - the thread's running max)
+        rt = T.alloc_fragment((nw, 32), _ACC)
+        run = T.alloc_fragment((nw, 32), _ACC)  # the thread's running max
+        alpha = T.alloc_fragment((nw, 32), _ACC)
+        em = [T.alloc_fragment((nw, 32), _ACC) for _ in range(stages)]  # the max each sub-chunk's exps used
         rw = T.alloc_fragment((nw,), _ACC)
-        run = T.alloc_fragment((nw,), _ACC)  # the warp's running max
-        alpha = T.alloc_fragment((nw,), _ACC)
-        em = [T.alloc_fragment((nw,), _ACC) for _ in range(stages)]  # the max each sub-chunk's exps used
         sw = T.alloc_fragment((nw,), _ACC)
         stats = T.alloc_shared((nw, 2), _ACC)
         r0 = T.alloc_fragment((1,), _ACC)
@@ -807,10 +810,10 @@ def _tma_warp_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str, M, nc: i
         # each one's reduction overlaps the later ones' loads (issued at once, they complete
         # nearly together, leaving all the compute after the last byte).
         _tma_issue(X, a, bars, row, base, sub, 0, ahead)
-        for i in T.Parallel(nw):
-            run[i] = neg_inf
-        for i, l in T.Parallel(nw, lw):
-            ps[i, l] = 0.0
+        for i, j in T.Parallel(nw, 32):
+            run[i, j] = neg_inf
+        for i, j, v in T.Parallel(nw, 32, vec):
+            ps[i, j, v] = 0.0
         # Python-level loops over lists of fragments (enumerate: the builder turns range() loops
         # into TIR loops, whose variable cannot index a list): unrolled, each slice its registers.
         for s, em_s in enumerate(em):
@@ -819,30 +822,35 @@ def _tma_warp_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str, M, nc: i
             if s + ahead < stages:
                 _tma_issue(X, a, bars, row, base, sub, s + ahead, 1)
             for kk, xk in enumerate(xs):
-                for i, l in T.Parallel(nw, lw):
-                    xk[i, l] = T.Cast(_ACC, a[s, kk * w + i * lw + l])
+                for i, j, v in T.Parallel(nw, 32, vec):
+                    xk[i, j, v] = T.Cast(_ACC, a[s, kk * w + (i * 32 + j) * vec + v])
             for kk, xk in enumerate(xs):
-                for i, l in T.Parallel(nw, lw):
-                    part[i, l] = T.max(part[i, l], xk[i, l]) if kk else xk[i, l]
-            T.reduce_max(part, rw, dim=1)  # within each warp: shuffles
-            for i in T.Parallel(nw):
+                for i, j, v in T.Parallel(nw, 32, vec):
+                    part[i, j, v] = T.max(part[i, j, v], xk[i, j, v]) if kk else xk[i, j, v]
+            T.reduce_max(part, rt, dim=2)  # within each thread
+            for i, j in T.Parallel(nw, 32):
                 # new running max; the sums so far were shifted by the old one (0 while it is -inf)
-                alpha[i] = T.if_then_else(run[i] == neg_inf, 0.0, T.exp2((run[i] - T.max(run[i], rw[i])) * LOG2E))
-                run[i] = T.max(run[i], rw[i])
-                em_s[i] = run[i]
-            for i, l in T.Parallel(nw, lw):
-                ps[i, l] = ps[i, l] * alpha[i]
+                alpha[i, j] = T.if_then_else(run[i, j] == neg_inf, 0.0, T.exp2((run[i, j] - T.max(run[i, j], rt[i, j])) * LOG2E))
+                run[i, j] = T.max(run[i, j], rt[i, j])
+                em_s[i, j] = run[i, j]
+            for i, j, v in T.Parallel(nw, 32, vec):
+                ps[i, j, v] = ps[i, j, v] * alpha[i, j]
             for kk, xk in enumerate(xs):
-                for i, l in T.Parallel(nw, lw):
-                    part[i, l] = T.exp2((xk[i, l] - _safe(run[i])) * LOG2E)
-                    ps[i, l] = ps[i, l] + part[i, l]
+                for i, j, v in T.Parallel(nw, 32, vec):
+                    part[i, j, v] = T.exp2((xk[i, j, v] - _safe(run[i, j])) * LOG2E)
+                    ps[i, j, v] = ps[i, j, v] + part[i, j, v]
                 if not log:  # keep the exps (log_softmax's output needs x itself)
-                    for i, l in T.Parallel(nw, lw):
-                        a[s, kk * w + i * lw + l] = T.Cast(dtype, part[i, l])
+                    for i, j, v in T.Parallel(nw, 32, vec):
+                        a[s, kk * w + (i * 32 + j) * vec + v] = T.Cast(dtype, part[i, j, v])
             stamp(C, bx, 2 + 2 * s)
-        T.reduce_sum(ps, sw, dim=1)
+        # each warp's (max, sum) from its threads': a thread with only -inf so far has sum 0
+        T.reduce_sum(ps, rt, dim=2)
+        T.reduce_max(run, rw, dim=1)
+        for i, j in T.Parallel(nw, 32):
+            rt[i, j] = T.if_then_else(run[i, j] == neg_inf, 0.0, rt[i, j] * T.exp2((run[i, j] - rw[i]) * LOG2E))
+        T.reduce_sum(rt, sw, dim=1)
         for i in T.Parallel(nw):
-            stats[i, 0] = run[i]
+            stats[i, 0] = rw[i]
             stats[i, 1] = sw[i]
         T.sync_threads()  # the one CTA barrier (the sync pass is off: SoftmaxConfig.pass_configs)
         # the CTA's (max, sum) from its warps', as the cluster folds its CTAs' below
@@ -867,16 +875,17 @@ def _tma_warp_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str, M, nc: i
         stamp(C, bx, 2 * stages + 1)
         for s, em_s in enumerate(em):
             if not log:
-                # one factor per (sub-chunk, warp) rescales and normalises its exps; em = -inf: 0,
-                # or NaN when the whole row is -inf (acc0 = -inf), as PyTorch gives
-                for i in T.Parallel(nw):
-                    alpha[i] = T.exp2((em_s[i] - acc0) * LOG2E) / acc1
+                # one factor per (sub-chunk, thread) rescales and normalises its exps; em = -inf:
+                # 0, or NaN when the whole row is -inf (acc0 = -inf), as PyTorch gives
+                for i, j in T.Parallel(nw, 32):
+                    alpha[i, j] = T.exp2((em_s[i, j] - acc0) * LOG2E) / acc1
             for kk in range(ks):
-                for i, l in T.Parallel(nw, lw):
+                for i, j, v in T.Parallel(nw, 32, vec):
+                    at = kk * w + (i * 32 + j) * vec + v
                     if log:
-                        Y[row, base + s * sub + kk * w + i * lw + l] = T.Cast(dtype, T.Cast(_ACC, a[s, kk * w + i * lw + l]) - acc1)
+                        Y[row, base + s * sub + at] = T.Cast(dtype, T.Cast(_ACC, a[s, at]) - acc1)
                     else:
-                        Y[row, base + s * sub + kk * w + i * lw + l] = T.Cast(dtype, T.Cast(_ACC, a[s, kk * w + i * lw + l]) * alpha[i])
+                        Y[row, base + s * sub + at] = T.Cast(dtype, T.Cast(_ACC, a[s, at]) * alpha[i, j])
         stamp(C, bx, 2 * stages + 2)
 
     return _tma_prim_func(body, M, n, dtype, nc, threads, clocks)
