@@ -41,12 +41,14 @@ shapes the schedule: each distinct N compiles once per (kind, dtype, direction).
   one ulp), the per-lane sums rescaled. The output pass only multiplies by one factor per
   sub-chunk. Rows must split into equal 16-byte multiples (n % chunk == 0). Best with many rows:
   several 64 KB rows per SM in different phases keep loads and stores overlapping like a copy.
-* **tmaw** — `tma` with warp-level statistics: each warp keeps its own running max and sum over
+* **tmaw** — `tma` with per-thread statistics: each thread keeps its own running max and sum over
   the elements it owns (the same ones in the load and the output pass), so a landed sub-chunk is
-  reduced with shuffles only (no CTA barrier) and read from shared memory once; the warps' (max,
-  sum) are combined once at the end, one factor per (sub-chunk, warp) in the output pass. For few
-  long rows, where the reductions of the last sub-chunks are on the critical path
-  (benchmarks/probe_softmax.py).
+  reduced in registers (no shuffle, no CTA barrier; TileLang's sync pass is off for it and the
+  one barrier placed by hand) and read from shared memory once, converted to fp32 once; exp2 is
+  one MUFU op (fast math). The threads' (max, sum) are combined once at the end, one factor per
+  (sub-chunk, thread) in the output pass. For few long rows, where the reductions are on the
+  critical path: at one CTA per SM they are bound by the exp unit (benchmarks/probe_softmax.py
+  --clock: ~1 us per 16K elements per SM, the loads waiting on them).
 * **tmas** — `tmaw` with half the sub-chunks in flight instead of all: the next bulk copy is issued as
   one lands, so sub-chunks land one after another and each one's reduction overlaps the later
   loads (issued all at once they complete nearly together, and the compute follows the last byte).
@@ -148,7 +150,7 @@ MEASURED: dict[tuple[str, int, str], SoftmaxConfig] = {
     # benchmarks/sweep_softmax.py on one H200, 2026-11-30 (bf16, 8M elements unless noted; % of copy_)
     ("fwd", 32768, "few"): SoftmaxConfig("tmas", 1, 256, 32768, 0, 4),  # 256x32768: 93.2% vs 8 stages 88.7, 128 threads 91.8 (session 9, call 3)
     ("bwd", 32768, "few"): SoftmaxConfig("csplit", 1, 128, 4096, 0),  # 256x32768: 96-100% vs 90%
-    ("fwd", 65536, "few"): SoftmaxConfig("tmas", 1, 256, 65536, 0, 4),  # 128x65536: 83.0% vs tmas 512 threads 79.5, tmaw 78.8-81.7, tma 74-78 (session 8)
+    ("fwd", 65536, "few"): SoftmaxConfig("tmas", 1, 256, 65536, 0, 4),  # 128x65536: 89.8% (sweep) / 87.4% (bench) vs 512 threads 90.0, 8 stages 89.0 (session 9, call 5)
     ("bwd", 65536, "few"): SoftmaxConfig("csplit", 1, 256, 8192, 0),  # 128x65536: 93% vs 81-84%
     ("bwd", 262144, "few"): SoftmaxConfig("csplit", 1, 512, 32768, 0),  # 32x262144: 75-77% vs 61%
     # fourth session (three sweeps: session 3 call 7, session 4 calls 2 and 3)
