@@ -155,7 +155,7 @@ MEASURED: dict[tuple[str, int, str], SoftmaxConfig] = {
     ("bwd", 262144, "few"): SoftmaxConfig("csplit", 1, 512, 32768, 0),  # 32x262144: 75-77% vs 61%
     # fourth session (three sweeps: session 3 call 7, session 4 calls 2 and 3)
     ("fwd", 131072, "few"): SoftmaxConfig("tmas", 1, 128, 32768, 0, 8),  # 64x131072: 76.5% vs csplit 512/16384 66.8% (session 9, call 4)
-    ("fwd", 262144, "few"): SoftmaxConfig("tmas", 1, 128, 32768, 0, 8),  # 32x262144: 71.3% vs tmaw 65-67, tma 63-65, tmas 4 stages 54 (session 8, call 7)
+    ("fwd", 262144, "few"): SoftmaxConfig("tmas", 1, 128, 32768, 0, 8),  # 32x262144: 71.3% vs tmaw 65-67, tma 63-65 (session 8); 76.9% after session 9's changes (call 5)
     ("fwd", 32768, "many"): SoftmaxConfig("tma", 1, 256, 32768, 0, 4),  # 4096x32768: 96% vs 83% (session 7)
     ("bwd", 32768, "many"): SoftmaxConfig("csplit", 1, 128, 4096, 0),  # 4096x32768: 89-90% vs loop 67%
 }
