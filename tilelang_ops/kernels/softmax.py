@@ -721,34 +721,19 @@ def _tma_issue(X, a, bars, row, base, sub: int, first: int, count: int):
 def _tma_prim_func(body, M, n: int, dtype: str, nc: int, threads: int, clocks: int = 0):
     """The prim_func of a tma-family forward: a CTA per row, or a cluster of nc CTAs per row.
     clocks > 0 (probe): a third tensor of `clocks` clock64() stamps per CTA."""
-    if clocks and nc > 1:
-
-        @T.prim_func
-        def fwd(X: T.Tensor((M, n), dtype), Y: T.Tensor((M, n), dtype), C: T.Tensor((M * nc, clocks), "int64")):
-            with T.ClusterKernel(M * nc, cluster_dims=(nc, 1, 1), threads=threads) as bx:
-                body(X, Y, bx, C)
-
-        return fwd
+    cluster = (nc, 1, 1) if nc > 1 else None
     if clocks:
 
         @T.prim_func
-        def fwd(X: T.Tensor((M, n), dtype), Y: T.Tensor((M, n), dtype), C: T.Tensor((M, clocks), "int64")):
-            with T.Kernel(M, threads=threads) as bx:
+        def fwd(X: T.Tensor((M, n), dtype), Y: T.Tensor((M, n), dtype), C: T.Tensor((M * nc, clocks), "int64")):
+            with T.Kernel(M * nc, threads=threads, cluster_dims=cluster) as bx:
                 body(X, Y, bx, C)
-
-        return fwd
-    if nc > 1:
-
-        @T.prim_func
-        def fwd(X: T.Tensor((M, n), dtype), Y: T.Tensor((M, n), dtype)):
-            with T.ClusterKernel(M * nc, cluster_dims=(nc, 1, 1), threads=threads) as bx:
-                body(X, Y, bx)
 
     else:
 
         @T.prim_func
         def fwd(X: T.Tensor((M, n), dtype), Y: T.Tensor((M, n), dtype)):
-            with T.Kernel(M, threads=threads) as bx:
+            with T.Kernel(M * nc, threads=threads, cluster_dims=cluster) as bx:
                 body(X, Y, bx)
 
     return fwd
@@ -894,8 +879,8 @@ def _tma_warp_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str, M, nc: i
 
 
 # fast math: exp2 as one MUFU.EX2 (ex2.approx.ftz; exp2f's subnormal handling costs three more
-# instructions per element, and the per-sub-chunk reductions are issue-bound: session 9's clock
-# probe). Only results below 2^-126 of the row max change (to 0).
+# instructions per element, and the per-sub-chunk reductions are bound by the exp unit: session
+# 9's clock probe). Only results below 2^-126 of the row max change (to 0).
 @kernel("softmax", "softmax_tma", min_sm=90, pass_configs={tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True})
 def tma_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str, probe: str = ""):
     """probe="copy" (benchmarks/probe_softmax.py only; wrong results): the same loads, exchange and
