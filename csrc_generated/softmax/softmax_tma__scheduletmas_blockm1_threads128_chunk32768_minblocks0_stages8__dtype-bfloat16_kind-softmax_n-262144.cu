@@ -44,6 +44,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) fwd_kernel(__grid_constant_
   float rt[1];
   float alpha[1];
   float em_s[1];
+  float ml[1];
   float em_s_1[1];
   float em_s_2[1];
   float em_s_3[1];
@@ -75,112 +76,126 @@ extern "C" __global__ void __launch_bounds__(128, 1) fwd_kernel(__grid_constant_
   __syncthreads();
   tl::cluster_arrive_relaxed();
   if (tl::tl_shuffle_elect<128>()) {
-    for (int s = 0; s < 4; ++s) {
-      bars[s].expect_transaction(8192);
-      #pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        tl::tma_load(X_desc, bars[s], (&(((bfloat16_t*)a)[((s * 4096) + (i * 256))])), ((((((int)blockIdx.x) & 7) * 32768) + (s * 4096)) + (i * 256)), (((int)blockIdx.x) >> 3));
-      }
+    bars[0].expect_transaction(8192);
+    #pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      tl::tma_load(X_desc, bars[0], (&(((bfloat16_t*)a)[(i * 256)])), (((((int)blockIdx.x) & 7) * 32768) + (i * 256)), (((int)blockIdx.x) >> 3));
+    }
+    bars[1].expect_transaction(8192);
+    #pragma unroll
+    for (int i_1 = 0; i_1 < 16; ++i_1) {
+      tl::tma_load(X_desc, bars[1], (&(((bfloat16_t*)a)[((i_1 * 256) + 4096)])), ((((((int)blockIdx.x) & 7) * 32768) + (i_1 * 256)) + 4096), (((int)blockIdx.x) >> 3));
+    }
+    bars[2].expect_transaction(8192);
+    #pragma unroll
+    for (int i_2 = 0; i_2 < 16; ++i_2) {
+      tl::tma_load(X_desc, bars[2], (&(((bfloat16_t*)a)[((i_2 * 256) + 8192)])), ((((((int)blockIdx.x) & 7) * 32768) + (i_2 * 256)) + 8192), (((int)blockIdx.x) >> 3));
+    }
+    bars[3].expect_transaction(8192);
+    #pragma unroll
+    for (int i_3 = 0; i_3 < 16; ++i_3) {
+      tl::tma_load(X_desc, bars[3], (&(((bfloat16_t*)a)[((i_3 * 256) + 12288)])), ((((((int)blockIdx.x) & 7) * 32768) + (i_3 * 256)) + 12288), (((int)blockIdx.x) >> 3));
     }
   }
-  for (int s_1 = 0; s_1 < 4; ++s_1) {
-    bars[s_1].arrive();
-  }
+  bars[0].arrive();
+  bars[1].arrive();
+  bars[2].arrive();
+  bars[3].arrive();
   run[0] = -CUDART_INF_F;
   #pragma unroll
-  for (int i_1 = 0; i_1 < 2; ++i_1) {
+  for (int i_4 = 0; i_4 < 2; ++i_4) {
     float broadcast_var = 0x0p+0f/*0.000000e+00*/;
-    *(float4*)(ps + (i_1 * 4)) = make_float4(broadcast_var, broadcast_var, broadcast_var, broadcast_var);
+    *(float4*)(ps + (i_4 * 4)) = make_float4(broadcast_var, broadcast_var, broadcast_var, broadcast_var);
   }
   bars[0].wait(0);
   if (tl::tl_shuffle_elect<128>()) {
     bars[4].expect_transaction(8192);
     #pragma unroll
-    for (int i_2 = 0; i_2 < 16; ++i_2) {
-      tl::tma_load(X_desc, bars[4], (&(((bfloat16_t*)a)[((i_2 * 256) + 16384)])), ((((((int)blockIdx.x) & 7) * 32768) + (i_2 * 256)) + 16384), (((int)blockIdx.x) >> 3));
+    for (int i_5 = 0; i_5 < 16; ++i_5) {
+      tl::tma_load(X_desc, bars[4], (&(((bfloat16_t*)a)[((i_5 * 256) + 16384)])), ((((((int)blockIdx.x) & 7) * 32768) + (i_5 * 256)) + 16384), (((int)blockIdx.x) >> 3));
     }
   }
   bars[4].arrive();
   {
     bfloat16_t a_local_cast[8];
     *(uint4*)(a_local_cast + 0) = *(uint4*)(((bfloat16_t*)a) + (((int)threadIdx.x) * 8));
-    for (int i_3 = 0; i_3 < 2; ++i_3) {
+    for (int i_6 = 0; i_6 < 2; ++i_6) {
       float4 __1;
-      uint2 v_ = *(uint2*)(a_local_cast + (i_3 * 4));
+      uint2 v_ = *(uint2*)(a_local_cast + (i_6 * 4));
       ((float2*)(&__1))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v_))[0]);
       ((float2*)(&__1))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v_))[1]);
-      *(float4*)(xk + (i_3 * 4)) = __1;
+      *(float4*)(xk + (i_6 * 4)) = __1;
     }
   }
   {
     bfloat16_t a_local_cast_1[8];
     *(uint4*)(a_local_cast_1 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 1024));
-    for (int i_4 = 0; i_4 < 2; ++i_4) {
+    for (int i_7 = 0; i_7 < 2; ++i_7) {
       float4 __2;
-      uint2 v__1 = *(uint2*)(a_local_cast_1 + (i_4 * 4));
+      uint2 v__1 = *(uint2*)(a_local_cast_1 + (i_7 * 4));
       ((float2*)(&__2))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__1))[0]);
       ((float2*)(&__2))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__1))[1]);
-      *(float4*)(xk_1 + (i_4 * 4)) = __2;
+      *(float4*)(xk_1 + (i_7 * 4)) = __2;
     }
   }
   {
     bfloat16_t a_local_cast_2[8];
     *(uint4*)(a_local_cast_2 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 2048));
-    for (int i_5 = 0; i_5 < 2; ++i_5) {
+    for (int i_8 = 0; i_8 < 2; ++i_8) {
       float4 __3;
-      uint2 v__2 = *(uint2*)(a_local_cast_2 + (i_5 * 4));
+      uint2 v__2 = *(uint2*)(a_local_cast_2 + (i_8 * 4));
       ((float2*)(&__3))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__2))[0]);
       ((float2*)(&__3))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__2))[1]);
-      *(float4*)(xk_2 + (i_5 * 4)) = __3;
+      *(float4*)(xk_2 + (i_8 * 4)) = __3;
     }
   }
   {
     bfloat16_t a_local_cast_3[8];
     *(uint4*)(a_local_cast_3 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 3072));
-    for (int i_6 = 0; i_6 < 2; ++i_6) {
+    for (int i_9 = 0; i_9 < 2; ++i_9) {
       float4 __4;
-      uint2 v__3 = *(uint2*)(a_local_cast_3 + (i_6 * 4));
+      uint2 v__3 = *(uint2*)(a_local_cast_3 + (i_9 * 4));
       ((float2*)(&__4))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__3))[0]);
       ((float2*)(&__4))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__3))[1]);
-      *(float4*)(xk_3 + (i_6 * 4)) = __4;
+      *(float4*)(xk_3 + (i_9 * 4)) = __4;
     }
   }
   #pragma unroll
-  for (int i_7 = 0; i_7 < 2; ++i_7) {
-    *(float4*)(part + (i_7 * 4)) = *(float4*)(xk + (i_7 * 4));
+  for (int i_10 = 0; i_10 < 2; ++i_10) {
+    *(float4*)(part + (i_10 * 4)) = *(float4*)(xk + (i_10 * 4));
   }
   #pragma unroll
-  for (int i_8 = 0; i_8 < 2; ++i_8) {
+  for (int i_11 = 0; i_11 < 2; ++i_11) {
     float4 __5;
-      float4 v__4 = *(float4*)(part + (i_8 * 4));
-      float4 v__5 = *(float4*)(xk_1 + (i_8 * 4));
+      float4 v__4 = *(float4*)(part + (i_11 * 4));
+      float4 v__5 = *(float4*)(xk_1 + (i_11 * 4));
       __5.x = max(v__4.x, v__5.x);
       __5.y = max(v__4.y, v__5.y);
       __5.z = max(v__4.z, v__5.z);
       __5.w = max(v__4.w, v__5.w);
-    *(float4*)(part + (i_8 * 4)) = __5;
+    *(float4*)(part + (i_11 * 4)) = __5;
   }
   #pragma unroll
-  for (int i_9 = 0; i_9 < 2; ++i_9) {
+  for (int i_12 = 0; i_12 < 2; ++i_12) {
     float4 __6;
-      float4 v__6 = *(float4*)(part + (i_9 * 4));
-      float4 v__7 = *(float4*)(xk_2 + (i_9 * 4));
+      float4 v__6 = *(float4*)(part + (i_12 * 4));
+      float4 v__7 = *(float4*)(xk_2 + (i_12 * 4));
       __6.x = max(v__6.x, v__7.x);
       __6.y = max(v__6.y, v__7.y);
       __6.z = max(v__6.z, v__7.z);
       __6.w = max(v__6.w, v__7.w);
-    *(float4*)(part + (i_9 * 4)) = __6;
+    *(float4*)(part + (i_12 * 4)) = __6;
   }
   #pragma unroll
-  for (int i_10 = 0; i_10 < 2; ++i_10) {
+  for (int i_13 = 0; i_13 < 2; ++i_13) {
     float4 __7;
-      float4 v__8 = *(float4*)(part + (i_10 * 4));
-      float4 v__9 = *(float4*)(xk_3 + (i_10 * 4));
+      float4 v__8 = *(float4*)(part + (i_13 * 4));
+      float4 v__9 = *(float4*)(xk_3 + (i_13 * 4));
       __7.x = max(v__8.x, v__9.x);
       __7.y = max(v__8.y, v__9.y);
       __7.z = max(v__8.z, v__9.z);
       __7.w = max(v__8.w, v__9.w);
-    *(float4*)(part + (i_10 * 4)) = __7;
+    *(float4*)(part + (i_13 * 4)) = __7;
   }
   rt[0] = -CUDART_INF_F;
   #pragma unroll
@@ -196,206 +211,189 @@ extern "C" __global__ void __launch_bounds__(128, 1) fwd_kernel(__grid_constant_
   alpha[0] = condval;
   run[0] = max(run[0], rt[0]);
   em_s[0] = run[0];
+  float condval_1;
+  if ((run[0] == -CUDART_INF_F)) {
+    condval_1 = 0x0p+0f/*0.000000e+00*/;
+  } else {
+    condval_1 = run[0];
+  }
+  ml[0] = (condval_1 * 0x1.71547652b82fep+0f/*1.442695e+00*/);
   #pragma unroll
-  for (int i_11 = 0; i_11 < 2; ++i_11) {
+  for (int i_14 = 0; i_14 < 2; ++i_14) {
     float4 __8;
-      float4 v__10 = *(float4*)(ps + (i_11 * 4));
+      float4 v__10 = *(float4*)(ps + (i_14 * 4));
       float4 v__11 = make_float4(alpha[0], alpha[0], alpha[0], alpha[0]);
       __8.x = (v__10.x*v__11.x);
       __8.y = (v__10.y*v__11.y);
       __8.z = (v__10.z*v__11.z);
       __8.w = (v__10.w*v__11.w);
-    *(float4*)(ps + (i_11 * 4)) = __8;
+    *(float4*)(ps + (i_14 * 4)) = __8;
   }
   #pragma unroll
-  for (int i_12 = 0; i_12 < 2; ++i_12) {
+  for (int i_15 = 0; i_15 < 2; ++i_15) {
     float broadcast_var_1 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
     float4 __9;
     float4 __10;
       float4 __11;
-        float4 v__12 = *(float4*)(xk + (i_12 * 4));
-        float condval_1;
-        if ((run[0] == -CUDART_INF_F)) {
-          condval_1 = 0x0p+0f/*0.000000e+00*/;
-        } else {
-          condval_1 = run[0];
-        }
-        float4 v__13 = make_float4(condval_1, condval_1, condval_1, condval_1);
-        __11.x = (v__12.x-v__13.x);
-        __11.y = (v__12.y-v__13.y);
-        __11.z = (v__12.z-v__13.z);
-        __11.w = (v__12.w-v__13.w);
-      float4 v__14 = make_float4(broadcast_var_1, broadcast_var_1, broadcast_var_1, broadcast_var_1);
-      __10.x = (__11.x*v__14.x);
-      __10.y = (__11.y*v__14.y);
-      __10.z = (__11.z*v__14.z);
-      __10.w = (__11.w*v__14.w);
+        float4 v__12 = *(float4*)(xk + (i_15 * 4));
+        float4 v__13 = make_float4(broadcast_var_1, broadcast_var_1, broadcast_var_1, broadcast_var_1);
+        __11.x = (v__12.x*v__13.x);
+        __11.y = (v__12.y*v__13.y);
+        __11.z = (v__12.z*v__13.z);
+        __11.w = (v__12.w*v__13.w);
+      float4 v__14 = make_float4(ml[0], ml[0], ml[0], ml[0]);
+      __10.x = (__11.x-v__14.x);
+      __10.y = (__11.y-v__14.y);
+      __10.z = (__11.z-v__14.z);
+      __10.w = (__11.w-v__14.w);
     __9.x = exp2f(__10.x);
     __9.y = exp2f(__10.y);
     __9.z = exp2f(__10.z);
     __9.w = exp2f(__10.w);
-    *(float4*)(part + (i_12 * 4)) = __9;
+    *(float4*)(part + (i_15 * 4)) = __9;
     float4 __12;
-      float4 v__15 = *(float4*)(ps + (i_12 * 4));
-      float4 v__16 = *(float4*)(part + (i_12 * 4));
+      float4 v__15 = *(float4*)(ps + (i_15 * 4));
+      float4 v__16 = *(float4*)(part + (i_15 * 4));
       __12.x = (v__15.x+v__16.x);
       __12.y = (v__15.y+v__16.y);
       __12.z = (v__15.z+v__16.z);
       __12.w = (v__15.w+v__16.w);
-    *(float4*)(ps + (i_12 * 4)) = __12;
+    *(float4*)(ps + (i_15 * 4)) = __12;
   }
   {
     bfloat16_t a_local_cast_4[8];
-    for (int i_13 = 0; i_13 < 2; ++i_13) {
+    for (int i_16 = 0; i_16 < 2; ++i_16) {
       uint2 __13;
-      float4 v__17 = *(float4*)(part + (i_13 * 4));
+      float4 v__17 = *(float4*)(part + (i_16 * 4));
       (reinterpret_cast<__nv_bfloat162*>(&__13))[0] = __float22bfloat162_rn(((float2*)(&v__17))[0]);
       (reinterpret_cast<__nv_bfloat162*>(&__13))[1] = __float22bfloat162_rn(((float2*)(&v__17))[1]);
-      *(uint2*)(a_local_cast_4 + (i_13 * 4)) = __13;
+      *(uint2*)(a_local_cast_4 + (i_16 * 4)) = __13;
     }
     *(uint4*)(((bfloat16_t*)a) + (((int)threadIdx.x) * 8)) = *(uint4*)(a_local_cast_4 + 0);
   }
   #pragma unroll
-  for (int i_14 = 0; i_14 < 2; ++i_14) {
+  for (int i_17 = 0; i_17 < 2; ++i_17) {
     float broadcast_var_2 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
     float4 __14;
     float4 __15;
       float4 __16;
-        float4 v__18 = *(float4*)(xk_1 + (i_14 * 4));
-        float condval_2;
-        if ((run[0] == -CUDART_INF_F)) {
-          condval_2 = 0x0p+0f/*0.000000e+00*/;
-        } else {
-          condval_2 = run[0];
-        }
-        float4 v__19 = make_float4(condval_2, condval_2, condval_2, condval_2);
-        __16.x = (v__18.x-v__19.x);
-        __16.y = (v__18.y-v__19.y);
-        __16.z = (v__18.z-v__19.z);
-        __16.w = (v__18.w-v__19.w);
-      float4 v__20 = make_float4(broadcast_var_2, broadcast_var_2, broadcast_var_2, broadcast_var_2);
-      __15.x = (__16.x*v__20.x);
-      __15.y = (__16.y*v__20.y);
-      __15.z = (__16.z*v__20.z);
-      __15.w = (__16.w*v__20.w);
+        float4 v__18 = *(float4*)(xk_1 + (i_17 * 4));
+        float4 v__19 = make_float4(broadcast_var_2, broadcast_var_2, broadcast_var_2, broadcast_var_2);
+        __16.x = (v__18.x*v__19.x);
+        __16.y = (v__18.y*v__19.y);
+        __16.z = (v__18.z*v__19.z);
+        __16.w = (v__18.w*v__19.w);
+      float4 v__20 = make_float4(ml[0], ml[0], ml[0], ml[0]);
+      __15.x = (__16.x-v__20.x);
+      __15.y = (__16.y-v__20.y);
+      __15.z = (__16.z-v__20.z);
+      __15.w = (__16.w-v__20.w);
     __14.x = exp2f(__15.x);
     __14.y = exp2f(__15.y);
     __14.z = exp2f(__15.z);
     __14.w = exp2f(__15.w);
-    *(float4*)(part + (i_14 * 4)) = __14;
+    *(float4*)(part + (i_17 * 4)) = __14;
     float4 __17;
-      float4 v__21 = *(float4*)(ps + (i_14 * 4));
-      float4 v__22 = *(float4*)(part + (i_14 * 4));
+      float4 v__21 = *(float4*)(ps + (i_17 * 4));
+      float4 v__22 = *(float4*)(part + (i_17 * 4));
       __17.x = (v__21.x+v__22.x);
       __17.y = (v__21.y+v__22.y);
       __17.z = (v__21.z+v__22.z);
       __17.w = (v__21.w+v__22.w);
-    *(float4*)(ps + (i_14 * 4)) = __17;
+    *(float4*)(ps + (i_17 * 4)) = __17;
   }
   {
     bfloat16_t a_local_cast_5[8];
-    for (int i_15 = 0; i_15 < 2; ++i_15) {
+    for (int i_18 = 0; i_18 < 2; ++i_18) {
       uint2 __18;
-      float4 v__23 = *(float4*)(part + (i_15 * 4));
+      float4 v__23 = *(float4*)(part + (i_18 * 4));
       (reinterpret_cast<__nv_bfloat162*>(&__18))[0] = __float22bfloat162_rn(((float2*)(&v__23))[0]);
       (reinterpret_cast<__nv_bfloat162*>(&__18))[1] = __float22bfloat162_rn(((float2*)(&v__23))[1]);
-      *(uint2*)(a_local_cast_5 + (i_15 * 4)) = __18;
+      *(uint2*)(a_local_cast_5 + (i_18 * 4)) = __18;
     }
     *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 1024)) = *(uint4*)(a_local_cast_5 + 0);
   }
   #pragma unroll
-  for (int i_16 = 0; i_16 < 2; ++i_16) {
+  for (int i_19 = 0; i_19 < 2; ++i_19) {
     float broadcast_var_3 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
     float4 __19;
     float4 __20;
       float4 __21;
-        float4 v__24 = *(float4*)(xk_2 + (i_16 * 4));
-        float condval_3;
-        if ((run[0] == -CUDART_INF_F)) {
-          condval_3 = 0x0p+0f/*0.000000e+00*/;
-        } else {
-          condval_3 = run[0];
-        }
-        float4 v__25 = make_float4(condval_3, condval_3, condval_3, condval_3);
-        __21.x = (v__24.x-v__25.x);
-        __21.y = (v__24.y-v__25.y);
-        __21.z = (v__24.z-v__25.z);
-        __21.w = (v__24.w-v__25.w);
-      float4 v__26 = make_float4(broadcast_var_3, broadcast_var_3, broadcast_var_3, broadcast_var_3);
-      __20.x = (__21.x*v__26.x);
-      __20.y = (__21.y*v__26.y);
-      __20.z = (__21.z*v__26.z);
-      __20.w = (__21.w*v__26.w);
+        float4 v__24 = *(float4*)(xk_2 + (i_19 * 4));
+        float4 v__25 = make_float4(broadcast_var_3, broadcast_var_3, broadcast_var_3, broadcast_var_3);
+        __21.x = (v__24.x*v__25.x);
+        __21.y = (v__24.y*v__25.y);
+        __21.z = (v__24.z*v__25.z);
+        __21.w = (v__24.w*v__25.w);
+      float4 v__26 = make_float4(ml[0], ml[0], ml[0], ml[0]);
+      __20.x = (__21.x-v__26.x);
+      __20.y = (__21.y-v__26.y);
+      __20.z = (__21.z-v__26.z);
+      __20.w = (__21.w-v__26.w);
     __19.x = exp2f(__20.x);
     __19.y = exp2f(__20.y);
     __19.z = exp2f(__20.z);
     __19.w = exp2f(__20.w);
-    *(float4*)(part + (i_16 * 4)) = __19;
+    *(float4*)(part + (i_19 * 4)) = __19;
     float4 __22;
-      float4 v__27 = *(float4*)(ps + (i_16 * 4));
-      float4 v__28 = *(float4*)(part + (i_16 * 4));
+      float4 v__27 = *(float4*)(ps + (i_19 * 4));
+      float4 v__28 = *(float4*)(part + (i_19 * 4));
       __22.x = (v__27.x+v__28.x);
       __22.y = (v__27.y+v__28.y);
       __22.z = (v__27.z+v__28.z);
       __22.w = (v__27.w+v__28.w);
-    *(float4*)(ps + (i_16 * 4)) = __22;
+    *(float4*)(ps + (i_19 * 4)) = __22;
   }
   {
     bfloat16_t a_local_cast_6[8];
-    for (int i_17 = 0; i_17 < 2; ++i_17) {
+    for (int i_20 = 0; i_20 < 2; ++i_20) {
       uint2 __23;
-      float4 v__29 = *(float4*)(part + (i_17 * 4));
+      float4 v__29 = *(float4*)(part + (i_20 * 4));
       (reinterpret_cast<__nv_bfloat162*>(&__23))[0] = __float22bfloat162_rn(((float2*)(&v__29))[0]);
       (reinterpret_cast<__nv_bfloat162*>(&__23))[1] = __float22bfloat162_rn(((float2*)(&v__29))[1]);
-      *(uint2*)(a_local_cast_6 + (i_17 * 4)) = __23;
+      *(uint2*)(a_local_cast_6 + (i_20 * 4)) = __23;
     }
     *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 2048)) = *(uint4*)(a_local_cast_6 + 0);
   }
   #pragma unroll
-  for (int i_18 = 0; i_18 < 2; ++i_18) {
+  for (int i_21 = 0; i_21 < 2; ++i_21) {
     float broadcast_var_4 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
     float4 __24;
     float4 __25;
       float4 __26;
-        float4 v__30 = *(float4*)(xk_3 + (i_18 * 4));
-        float condval_4;
-        if ((run[0] == -CUDART_INF_F)) {
-          condval_4 = 0x0p+0f/*0.000000e+00*/;
-        } else {
-          condval_4 = run[0];
-        }
-        float4 v__31 = make_float4(condval_4, condval_4, condval_4, condval_4);
-        __26.x = (v__30.x-v__31.x);
-        __26.y = (v__30.y-v__31.y);
-        __26.z = (v__30.z-v__31.z);
-        __26.w = (v__30.w-v__31.w);
-      float4 v__32 = make_float4(broadcast_var_4, broadcast_var_4, broadcast_var_4, broadcast_var_4);
-      __25.x = (__26.x*v__32.x);
-      __25.y = (__26.y*v__32.y);
-      __25.z = (__26.z*v__32.z);
-      __25.w = (__26.w*v__32.w);
+        float4 v__30 = *(float4*)(xk_3 + (i_21 * 4));
+        float4 v__31 = make_float4(broadcast_var_4, broadcast_var_4, broadcast_var_4, broadcast_var_4);
+        __26.x = (v__30.x*v__31.x);
+        __26.y = (v__30.y*v__31.y);
+        __26.z = (v__30.z*v__31.z);
+        __26.w = (v__30.w*v__31.w);
+      float4 v__32 = make_float4(ml[0], ml[0], ml[0], ml[0]);
+      __25.x = (__26.x-v__32.x);
+      __25.y = (__26.y-v__32.y);
+      __25.z = (__26.z-v__32.z);
+      __25.w = (__26.w-v__32.w);
     __24.x = exp2f(__25.x);
     __24.y = exp2f(__25.y);
     __24.z = exp2f(__25.z);
     __24.w = exp2f(__25.w);
-    *(float4*)(part + (i_18 * 4)) = __24;
+    *(float4*)(part + (i_21 * 4)) = __24;
     float4 __27;
-      float4 v__33 = *(float4*)(ps + (i_18 * 4));
-      float4 v__34 = *(float4*)(part + (i_18 * 4));
+      float4 v__33 = *(float4*)(ps + (i_21 * 4));
+      float4 v__34 = *(float4*)(part + (i_21 * 4));
       __27.x = (v__33.x+v__34.x);
       __27.y = (v__33.y+v__34.y);
       __27.z = (v__33.z+v__34.z);
       __27.w = (v__33.w+v__34.w);
-    *(float4*)(ps + (i_18 * 4)) = __27;
+    *(float4*)(ps + (i_21 * 4)) = __27;
   }
   {
     bfloat16_t a_local_cast_7[8];
-    for (int i_19 = 0; i_19 < 2; ++i_19) {
+    for (int i_22 = 0; i_22 < 2; ++i_22) {
       uint2 __28;
-      float4 v__35 = *(float4*)(part + (i_19 * 4));
+      float4 v__35 = *(float4*)(part + (i_22 * 4));
       (reinterpret_cast<__nv_bfloat162*>(&__28))[0] = __float22bfloat162_rn(((float2*)(&v__35))[0]);
       (reinterpret_cast<__nv_bfloat162*>(&__28))[1] = __float22bfloat162_rn(((float2*)(&v__35))[1]);
-      *(uint2*)(a_local_cast_7 + (i_19 * 4)) = __28;
+      *(uint2*)(a_local_cast_7 + (i_22 * 4)) = __28;
     }
     *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 3072)) = *(uint4*)(a_local_cast_7 + 0);
   }
@@ -404,306 +402,289 @@ extern "C" __global__ void __launch_bounds__(128, 1) fwd_kernel(__grid_constant_
     bars[5].expect_transaction(8192);
     tl::fence_proxy_async();
     #pragma unroll
-    for (int i_20 = 0; i_20 < 16; ++i_20) {
-      tl::tma_load(X_desc, bars[5], (&(((bfloat16_t*)a)[((i_20 * 256) + 20480)])), ((((((int)blockIdx.x) & 7) * 32768) + (i_20 * 256)) + 20480), (((int)blockIdx.x) >> 3));
+    for (int i_23 = 0; i_23 < 16; ++i_23) {
+      tl::tma_load(X_desc, bars[5], (&(((bfloat16_t*)a)[((i_23 * 256) + 20480)])), ((((((int)blockIdx.x) & 7) * 32768) + (i_23 * 256)) + 20480), (((int)blockIdx.x) >> 3));
     }
   }
   bars[5].arrive();
   {
     bfloat16_t a_local_cast_8[8];
     *(uint4*)(a_local_cast_8 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 4096));
-    for (int i_21 = 0; i_21 < 2; ++i_21) {
+    for (int i_24 = 0; i_24 < 2; ++i_24) {
       float4 __29;
-      uint2 v__36 = *(uint2*)(a_local_cast_8 + (i_21 * 4));
+      uint2 v__36 = *(uint2*)(a_local_cast_8 + (i_24 * 4));
       ((float2*)(&__29))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__36))[0]);
       ((float2*)(&__29))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__36))[1]);
-      *(float4*)(xk + (i_21 * 4)) = __29;
+      *(float4*)(xk + (i_24 * 4)) = __29;
     }
   }
   {
     bfloat16_t a_local_cast_9[8];
     *(uint4*)(a_local_cast_9 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 5120));
-    for (int i_22 = 0; i_22 < 2; ++i_22) {
+    for (int i_25 = 0; i_25 < 2; ++i_25) {
       float4 __30;
-      uint2 v__37 = *(uint2*)(a_local_cast_9 + (i_22 * 4));
+      uint2 v__37 = *(uint2*)(a_local_cast_9 + (i_25 * 4));
       ((float2*)(&__30))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__37))[0]);
       ((float2*)(&__30))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__37))[1]);
-      *(float4*)(xk_1 + (i_22 * 4)) = __30;
+      *(float4*)(xk_1 + (i_25 * 4)) = __30;
     }
   }
   {
     bfloat16_t a_local_cast_10[8];
     *(uint4*)(a_local_cast_10 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 6144));
-    for (int i_23 = 0; i_23 < 2; ++i_23) {
+    for (int i_26 = 0; i_26 < 2; ++i_26) {
       float4 __31;
-      uint2 v__38 = *(uint2*)(a_local_cast_10 + (i_23 * 4));
+      uint2 v__38 = *(uint2*)(a_local_cast_10 + (i_26 * 4));
       ((float2*)(&__31))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__38))[0]);
       ((float2*)(&__31))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__38))[1]);
-      *(float4*)(xk_2 + (i_23 * 4)) = __31;
+      *(float4*)(xk_2 + (i_26 * 4)) = __31;
     }
   }
   {
     bfloat16_t a_local_cast_11[8];
     *(uint4*)(a_local_cast_11 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 7168));
-    for (int i_24 = 0; i_24 < 2; ++i_24) {
+    for (int i_27 = 0; i_27 < 2; ++i_27) {
       float4 __32;
-      uint2 v__39 = *(uint2*)(a_local_cast_11 + (i_24 * 4));
+      uint2 v__39 = *(uint2*)(a_local_cast_11 + (i_27 * 4));
       ((float2*)(&__32))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__39))[0]);
       ((float2*)(&__32))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__39))[1]);
-      *(float4*)(xk_3 + (i_24 * 4)) = __32;
+      *(float4*)(xk_3 + (i_27 * 4)) = __32;
     }
   }
   #pragma unroll
-  for (int i_25 = 0; i_25 < 2; ++i_25) {
-    *(float4*)(part + (i_25 * 4)) = *(float4*)(xk + (i_25 * 4));
+  for (int i_28 = 0; i_28 < 2; ++i_28) {
+    *(float4*)(part + (i_28 * 4)) = *(float4*)(xk + (i_28 * 4));
   }
   #pragma unroll
-  for (int i_26 = 0; i_26 < 2; ++i_26) {
+  for (int i_29 = 0; i_29 < 2; ++i_29) {
     float4 __33;
-      float4 v__40 = *(float4*)(part + (i_26 * 4));
-      float4 v__41 = *(float4*)(xk_1 + (i_26 * 4));
+      float4 v__40 = *(float4*)(part + (i_29 * 4));
+      float4 v__41 = *(float4*)(xk_1 + (i_29 * 4));
       __33.x = max(v__40.x, v__41.x);
       __33.y = max(v__40.y, v__41.y);
       __33.z = max(v__40.z, v__41.z);
       __33.w = max(v__40.w, v__41.w);
-    *(float4*)(part + (i_26 * 4)) = __33;
+    *(float4*)(part + (i_29 * 4)) = __33;
   }
   #pragma unroll
-  for (int i_27 = 0; i_27 < 2; ++i_27) {
+  for (int i_30 = 0; i_30 < 2; ++i_30) {
     float4 __34;
-      float4 v__42 = *(float4*)(part + (i_27 * 4));
-      float4 v__43 = *(float4*)(xk_2 + (i_27 * 4));
+      float4 v__42 = *(float4*)(part + (i_30 * 4));
+      float4 v__43 = *(float4*)(xk_2 + (i_30 * 4));
       __34.x = max(v__42.x, v__43.x);
       __34.y = max(v__42.y, v__43.y);
       __34.z = max(v__42.z, v__43.z);
       __34.w = max(v__42.w, v__43.w);
-    *(float4*)(part + (i_27 * 4)) = __34;
+    *(float4*)(part + (i_30 * 4)) = __34;
   }
   #pragma unroll
-  for (int i_28 = 0; i_28 < 2; ++i_28) {
+  for (int i_31 = 0; i_31 < 2; ++i_31) {
     float4 __35;
-      float4 v__44 = *(float4*)(part + (i_28 * 4));
-      float4 v__45 = *(float4*)(xk_3 + (i_28 * 4));
+      float4 v__44 = *(float4*)(part + (i_31 * 4));
+      float4 v__45 = *(float4*)(xk_3 + (i_31 * 4));
       __35.x = max(v__44.x, v__45.x);
       __35.y = max(v__44.y, v__45.y);
       __35.z = max(v__44.z, v__45.z);
       __35.w = max(v__44.w, v__45.w);
-    *(float4*)(part + (i_28 * 4)) = __35;
+    *(float4*)(part + (i_31 * 4)) = __35;
   }
   rt[0] = -CUDART_INF_F;
   #pragma unroll
   for (int rv_1 = 0; rv_1 < 8; ++rv_1) {
     rt[0] = max(rt[0], part[rv_1]);
   }
-  float condval_5;
+  float condval_2;
   if ((run[0] == -CUDART_INF_F)) {
-    condval_5 = 0x0p+0f/*0.000000e+00*/;
+    condval_2 = 0x0p+0f/*0.000000e+00*/;
   } else {
-    condval_5 = exp2f(((run[0] - max(run[0], rt[0])) * 0x1.71547652b82fep+0f/*1.442695e+00*/));
+    condval_2 = exp2f(((run[0] - max(run[0], rt[0])) * 0x1.71547652b82fep+0f/*1.442695e+00*/));
   }
-  alpha[0] = condval_5;
+  alpha[0] = condval_2;
   run[0] = max(run[0], rt[0]);
   em_s_1[0] = run[0];
+  float condval_3;
+  if ((run[0] == -CUDART_INF_F)) {
+    condval_3 = 0x0p+0f/*0.000000e+00*/;
+  } else {
+    condval_3 = run[0];
+  }
+  ml[0] = (condval_3 * 0x1.71547652b82fep+0f/*1.442695e+00*/);
   #pragma unroll
-  for (int i_29 = 0; i_29 < 2; ++i_29) {
+  for (int i_32 = 0; i_32 < 2; ++i_32) {
     float4 __36;
-      float4 v__46 = *(float4*)(ps + (i_29 * 4));
+      float4 v__46 = *(float4*)(ps + (i_32 * 4));
       float4 v__47 = make_float4(alpha[0], alpha[0], alpha[0], alpha[0]);
       __36.x = (v__46.x*v__47.x);
       __36.y = (v__46.y*v__47.y);
       __36.z = (v__46.z*v__47.z);
       __36.w = (v__46.w*v__47.w);
-    *(float4*)(ps + (i_29 * 4)) = __36;
+    *(float4*)(ps + (i_32 * 4)) = __36;
   }
   #pragma unroll
-  for (int i_30 = 0; i_30 < 2; ++i_30) {
+  for (int i_33 = 0; i_33 < 2; ++i_33) {
     float broadcast_var_5 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
     float4 __37;
     float4 __38;
       float4 __39;
-        float4 v__48 = *(float4*)(xk + (i_30 * 4));
-        float condval_6;
-        if ((run[0] == -CUDART_INF_F)) {
-          condval_6 = 0x0p+0f/*0.000000e+00*/;
-        } else {
-          condval_6 = run[0];
-        }
-        float4 v__49 = make_float4(condval_6, condval_6, condval_6, condval_6);
-        __39.x = (v__48.x-v__49.x);
-        __39.y = (v__48.y-v__49.y);
-        __39.z = (v__48.z-v__49.z);
-        __39.w = (v__48.w-v__49.w);
-      float4 v__50 = make_float4(broadcast_var_5, broadcast_var_5, broadcast_var_5, broadcast_var_5);
-      __38.x = (__39.x*v__50.x);
-      __38.y = (__39.y*v__50.y);
-      __38.z = (__39.z*v__50.z);
-      __38.w = (__39.w*v__50.w);
+        float4 v__48 = *(float4*)(xk + (i_33 * 4));
+        float4 v__49 = make_float4(broadcast_var_5, broadcast_var_5, broadcast_var_5, broadcast_var_5);
+        __39.x = (v__48.x*v__49.x);
+        __39.y = (v__48.y*v__49.y);
+        __39.z = (v__48.z*v__49.z);
+        __39.w = (v__48.w*v__49.w);
+      float4 v__50 = make_float4(ml[0], ml[0], ml[0], ml[0]);
+      __38.x = (__39.x-v__50.x);
+      __38.y = (__39.y-v__50.y);
+      __38.z = (__39.z-v__50.z);
+      __38.w = (__39.w-v__50.w);
     __37.x = exp2f(__38.x);
     __37.y = exp2f(__38.y);
     __37.z = exp2f(__38.z);
     __37.w = exp2f(__38.w);
-    *(float4*)(part + (i_30 * 4)) = __37;
+    *(float4*)(part + (i_33 * 4)) = __37;
     float4 __40;
-      float4 v__51 = *(float4*)(ps + (i_30 * 4));
-      float4 v__52 = *(float4*)(part + (i_30 * 4));
+      float4 v__51 = *(float4*)(ps + (i_33 * 4));
+      float4 v__52 = *(float4*)(part + (i_33 * 4));
       __40.x = (v__51.x+v__52.x);
       __40.y = (v__51.y+v__52.y);
       __40.z = (v__51.z+v__52.z);
       __40.w = (v__51.w+v__52.w);
-    *(float4*)(ps + (i_30 * 4)) = __40;
+    *(float4*)(ps + (i_33 * 4)) = __40;
   }
   {
     bfloat16_t a_local_cast_12[8];
-    for (int i_31 = 0; i_31 < 2; ++i_31) {
+    for (int i_34 = 0; i_34 < 2; ++i_34) {
       uint2 __41;
-      float4 v__53 = *(float4*)(part + (i_31 * 4));
+      float4 v__53 = *(float4*)(part + (i_34 * 4));
       (reinterpret_cast<__nv_bfloat162*>(&__41))[0] = __float22bfloat162_rn(((float2*)(&v__53))[0]);
       (reinterpret_cast<__nv_bfloat162*>(&__41))[1] = __float22bfloat162_rn(((float2*)(&v__53))[1]);
-      *(uint2*)(a_local_cast_12 + (i_31 * 4)) = __41;
+      *(uint2*)(a_local_cast_12 + (i_34 * 4)) = __41;
     }
     *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 4096)) = *(uint4*)(a_local_cast_12 + 0);
   }
   #pragma unroll
-  for (int i_32 = 0; i_32 < 2; ++i_32) {
+  for (int i_35 = 0; i_35 < 2; ++i_35) {
     float broadcast_var_6 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
     float4 __42;
     float4 __43;
       float4 __44;
-        float4 v__54 = *(float4*)(xk_1 + (i_32 * 4));
-        float condval_7;
-        if ((run[0] == -CUDART_INF_F)) {
-          condval_7 = 0x0p+0f/*0.000000e+00*/;
-        } else {
-          condval_7 = run[0];
-        }
-        float4 v__55 = make_float4(condval_7, condval_7, condval_7, condval_7);
-        __44.x = (v__54.x-v__55.x);
-        __44.y = (v__54.y-v__55.y);
-        __44.z = (v__54.z-v__55.z);
-        __44.w = (v__54.w-v__55.w);
-      float4 v__56 = make_float4(broadcast_var_6, broadcast_var_6, broadcast_var_6, broadcast_var_6);
-      __43.x = (__44.x*v__56.x);
-      __43.y = (__44.y*v__56.y);
-      __43.z = (__44.z*v__56.z);
-      __43.w = (__44.w*v__56.w);
+        float4 v__54 = *(float4*)(xk_1 + (i_35 * 4));
+        float4 v__55 = make_float4(broadcast_var_6, broadcast_var_6, broadcast_var_6, broadcast_var_6);
+        __44.x = (v__54.x*v__55.x);
+        __44.y = (v__54.y*v__55.y);
+        __44.z = (v__54.z*v__55.z);
+        __44.w = (v__54.w*v__55.w);
+      float4 v__56 = make_float4(ml[0], ml[0], ml[0], ml[0]);
+      __43.x = (__44.x-v__56.x);
+      __43.y = (__44.y-v__56.y);
+      __43.z = (__44.z-v__56.z);
+      __43.w = (__44.w-v__56.w);
     __42.x = exp2f(__43.x);
     __42.y = exp2f(__43.y);
     __42.z = exp2f(__43.z);
     __42.w = exp2f(__43.w);
-    *(float4*)(part + (i_32 * 4)) = __42;
+    *(float4*)(part + (i_35 * 4)) = __42;
     float4 __45;
-      float4 v__57 = *(float4*)(ps + (i_32 * 4));
-      float4 v__58 = *(float4*)(part + (i_32 * 4));
+      float4 v__57 = *(float4*)(ps + (i_35 * 4));
+      float4 v__58 = *(float4*)(part + (i_35 * 4));
       __45.x = (v__57.x+v__58.x);
       __45.y = (v__57.y+v__58.y);
       __45.z = (v__57.z+v__58.z);
       __45.w = (v__57.w+v__58.w);
-    *(float4*)(ps + (i_32 * 4)) = __45;
+    *(float4*)(ps + (i_35 * 4)) = __45;
   }
   {
     bfloat16_t a_local_cast_13[8];
-    for (int i_33 = 0; i_33 < 2; ++i_33) {
+    for (int i_36 = 0; i_36 < 2; ++i_36) {
       uint2 __46;
-      float4 v__59 = *(float4*)(part + (i_33 * 4));
+      float4 v__59 = *(float4*)(part + (i_36 * 4));
       (reinterpret_cast<__nv_bfloat162*>(&__46))[0] = __float22bfloat162_rn(((float2*)(&v__59))[0]);
       (reinterpret_cast<__nv_bfloat162*>(&__46))[1] = __float22bfloat162_rn(((float2*)(&v__59))[1]);
-      *(uint2*)(a_local_cast_13 + (i_33 * 4)) = __46;
+      *(uint2*)(a_local_cast_13 + (i_36 * 4)) = __46;
     }
     *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 5120)) = *(uint4*)(a_local_cast_13 + 0);
   }
   #pragma unroll
-  for (int i_34 = 0; i_34 < 2; ++i_34) {
+  for (int i_37 = 0; i_37 < 2; ++i_37) {
     float broadcast_var_7 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
     float4 __47;
     float4 __48;
       float4 __49;
-        float4 v__60 = *(float4*)(xk_2 + (i_34 * 4));
-        float condval_8;
-        if ((run[0] == -CUDART_INF_F)) {
-          condval_8 = 0x0p+0f/*0.000000e+00*/;
-        } else {
-          condval_8 = run[0];
-        }
-        float4 v__61 = make_float4(condval_8, condval_8, condval_8, condval_8);
-        __49.x = (v__60.x-v__61.x);
-        __49.y = (v__60.y-v__61.y);
-        __49.z = (v__60.z-v__61.z);
-        __49.w = (v__60.w-v__61.w);
-      float4 v__62 = make_float4(broadcast_var_7, broadcast_var_7, broadcast_var_7, broadcast_var_7);
-      __48.x = (__49.x*v__62.x);
-      __48.y = (__49.y*v__62.y);
-      __48.z = (__49.z*v__62.z);
-      __48.w = (__49.w*v__62.w);
+        float4 v__60 = *(float4*)(xk_2 + (i_37 * 4));
+        float4 v__61 = make_float4(broadcast_var_7, broadcast_var_7, broadcast_var_7, broadcast_var_7);
+        __49.x = (v__60.x*v__61.x);
+        __49.y = (v__60.y*v__61.y);
+        __49.z = (v__60.z*v__61.z);
+        __49.w = (v__60.w*v__61.w);
+      float4 v__62 = make_float4(ml[0], ml[0], ml[0], ml[0]);
+      __48.x = (__49.x-v__62.x);
+      __48.y = (__49.y-v__62.y);
+      __48.z = (__49.z-v__62.z);
+      __48.w = (__49.w-v__62.w);
     __47.x = exp2f(__48.x);
     __47.y = exp2f(__48.y);
     __47.z = exp2f(__48.z);
     __47.w = exp2f(__48.w);
-    *(float4*)(part + (i_34 * 4)) = __47;
+    *(float4*)(part + (i_37 * 4)) = __47;
     float4 __50;
-      float4 v__63 = *(float4*)(ps + (i_34 * 4));
-      float4 v__64 = *(float4*)(part + (i_34 * 4));
+      float4 v__63 = *(float4*)(ps + (i_37 * 4));
+      float4 v__64 = *(float4*)(part + (i_37 * 4));
       __50.x = (v__63.x+v__64.x);
       __50.y = (v__63.y+v__64.y);
       __50.z = (v__63.z+v__64.z);
       __50.w = (v__63.w+v__64.w);
-    *(float4*)(ps + (i_34 * 4)) = __50;
+    *(float4*)(ps + (i_37 * 4)) = __50;
   }
   {
     bfloat16_t a_local_cast_14[8];
-    for (int i_35 = 0; i_35 < 2; ++i_35) {
+    for (int i_38 = 0; i_38 < 2; ++i_38) {
       uint2 __51;
-      float4 v__65 = *(float4*)(part + (i_35 * 4));
+      float4 v__65 = *(float4*)(part + (i_38 * 4));
       (reinterpret_cast<__nv_bfloat162*>(&__51))[0] = __float22bfloat162_rn(((float2*)(&v__65))[0]);
       (reinterpret_cast<__nv_bfloat162*>(&__51))[1] = __float22bfloat162_rn(((float2*)(&v__65))[1]);
-      *(uint2*)(a_local_cast_14 + (i_35 * 4)) = __51;
+      *(uint2*)(a_local_cast_14 + (i_38 * 4)) = __51;
     }
     *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 6144)) = *(uint4*)(a_local_cast_14 + 0);
   }
   #pragma unroll
-  for (int i_36 = 0; i_36 < 2; ++i_36) {
+  for (int i_39 = 0; i_39 < 2; ++i_39) {
     float broadcast_var_8 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
     float4 __52;
     float4 __53;
       float4 __54;
-        float4 v__66 = *(float4*)(xk_3 + (i_36 * 4));
-        float condval_9;
-        if ((run[0] == -CUDART_INF_F)) {
-          condval_9 = 0x0p+0f/*0.000000e+00*/;
-        } else {
-          condval_9 = run[0];
-        }
-        float4 v__67 = make_float4(condval_9, condval_9, condval_9, condval_9);
-        __54.x = (v__66.x-v__67.x);
-        __54.y = (v__66.y-v__67.y);
-        __54.z = (v__66.z-v__67.z);
-        __54.w = (v__66.w-v__67.w);
-      float4 v__68 = make_float4(broadcast_var_8, broadcast_var_8, broadcast_var_8, broadcast_var_8);
-      __53.x = (__54.x*v__68.x);
-      __53.y = (__54.y*v__68.y);
-      __53.z = (__54.z*v__68.z);
-      __53.w = (__54.w*v__68.w);
+        float4 v__66 = *(float4*)(xk_3 + (i_39 * 4));
+        float4 v__67 = make_float4(broadcast_var_8, broadcast_var_8, broadcast_var_8, broadcast_var_8);
+        __54.x = (v__66.x*v__67.x);
+        __54.y = (v__66.y*v__67.y);
+        __54.z = (v__66.z*v__67.z);
+        __54.w = (v__66.w*v__67.w);
+      float4 v__68 = make_float4(ml[0], ml[0], ml[0], ml[0]);
+      __53.x = (__54.x-v__68.x);
+      __53.y = (__54.y-v__68.y);
+      __53.z = (__54.z-v__68.z);
+      __53.w = (__54.w-v__68.w);
     __52.x = exp2f(__53.x);
     __52.y = exp2f(__53.y);
     __52.z = exp2f(__53.z);
     __52.w = exp2f(__53.w);
-    *(float4*)(part + (i_36 * 4)) = __52;
+    *(float4*)(part + (i_39 * 4)) = __52;
     float4 __55;
-      float4 v__69 = *(float4*)(ps + (i_36 * 4));
-      float4 v__70 = *(float4*)(part + (i_36 * 4));
+      float4 v__69 = *(float4*)(ps + (i_39 * 4));
+      float4 v__70 = *(float4*)(part + (i_39 * 4));
       __55.x = (v__69.x+v__70.x);
       __55.y = (v__69.y+v__70.y);
       __55.z = (v__69.z+v__70.z);
       __55.w = (v__69.w+v__70.w);
-    *(float4*)(ps + (i_36 * 4)) = __55;
+    *(float4*)(ps + (i_39 * 4)) = __55;
   }
   {
     bfloat16_t a_local_cast_15[8];
-    for (int i_37 = 0; i_37 < 2; ++i_37) {
+    for (int i_40 = 0; i_40 < 2; ++i_40) {
       uint2 __56;
-      float4 v__71 = *(float4*)(part + (i_37 * 4));
+      float4 v__71 = *(float4*)(part + (i_40 * 4));
       (reinterpret_cast<__nv_bfloat162*>(&__56))[0] = __float22bfloat162_rn(((float2*)(&v__71))[0]);
       (reinterpret_cast<__nv_bfloat162*>(&__56))[1] = __float22bfloat162_rn(((float2*)(&v__71))[1]);
-      *(uint2*)(a_local_cast_15 + (i_37 * 4)) = __56;
+      *(uint2*)(a_local_cast_15 + (i_40 * 4)) = __56;
     }
     *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 7168)) = *(uint4*)(a_local_cast_15 + 0);
   }
@@ -712,96 +693,951 @@ extern "C" __global__ void __launch_bounds__(128, 1) fwd_kernel(__grid_constant_
     bars[6].expect_transaction(8192);
     tl::fence_proxy_async();
     #pragma unroll
-    for (int i_38 = 0; i_38 < 16; ++i_38) {
-      tl::tma_load(X_desc, bars[6], (&(((bfloat16_t*)a)[((i_38 * 256) + 24576)])), ((((((int)blockIdx.x) & 7) * 32768) + (i_38 * 256)) + 24576), (((int)blockIdx.x) >> 3));
+    for (int i_41 = 0; i_41 < 16; ++i_41) {
+      tl::tma_load(X_desc, bars[6], (&(((bfloat16_t*)a)[((i_41 * 256) + 24576)])), ((((((int)blockIdx.x) & 7) * 32768) + (i_41 * 256)) + 24576), (((int)blockIdx.x) >> 3));
     }
   }
   bars[6].arrive();
   {
     bfloat16_t a_local_cast_16[8];
     *(uint4*)(a_local_cast_16 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 8192));
-    for (int i_39 = 0; i_39 < 2; ++i_39) {
+    for (int i_42 = 0; i_42 < 2; ++i_42) {
       float4 __57;
-      uint2 v__72 = *(uint2*)(a_local_cast_16 + (i_39 * 4));
+      uint2 v__72 = *(uint2*)(a_local_cast_16 + (i_42 * 4));
       ((float2*)(&__57))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__72))[0]);
       ((float2*)(&__57))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__72))[1]);
-      *(float4*)(xk + (i_39 * 4)) = __57;
+      *(float4*)(xk + (i_42 * 4)) = __57;
     }
   }
   {
     bfloat16_t a_local_cast_17[8];
     *(uint4*)(a_local_cast_17 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 9216));
-    for (int i_40 = 0; i_40 < 2; ++i_40) {
+    for (int i_43 = 0; i_43 < 2; ++i_43) {
       float4 __58;
-      uint2 v__73 = *(uint2*)(a_local_cast_17 + (i_40 * 4));
+      uint2 v__73 = *(uint2*)(a_local_cast_17 + (i_43 * 4));
       ((float2*)(&__58))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__73))[0]);
       ((float2*)(&__58))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__73))[1]);
-      *(float4*)(xk_1 + (i_40 * 4)) = __58;
+      *(float4*)(xk_1 + (i_43 * 4)) = __58;
     }
   }
   {
     bfloat16_t a_local_cast_18[8];
     *(uint4*)(a_local_cast_18 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 10240));
-    for (int i_41 = 0; i_41 < 2; ++i_41) {
+    for (int i_44 = 0; i_44 < 2; ++i_44) {
       float4 __59;
-      uint2 v__74 = *(uint2*)(a_local_cast_18 + (i_41 * 4));
+      uint2 v__74 = *(uint2*)(a_local_cast_18 + (i_44 * 4));
       ((float2*)(&__59))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__74))[0]);
       ((float2*)(&__59))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__74))[1]);
-      *(float4*)(xk_2 + (i_41 * 4)) = __59;
+      *(float4*)(xk_2 + (i_44 * 4)) = __59;
     }
   }
   {
     bfloat16_t a_local_cast_19[8];
     *(uint4*)(a_local_cast_19 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 11264));
-    for (int i_42 = 0; i_42 < 2; ++i_42) {
+    for (int i_45 = 0; i_45 < 2; ++i_45) {
       float4 __60;
-      uint2 v__75 = *(uint2*)(a_local_cast_19 + (i_42 * 4));
+      uint2 v__75 = *(uint2*)(a_local_cast_19 + (i_45 * 4));
       ((float2*)(&__60))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__75))[0]);
       ((float2*)(&__60))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__75))[1]);
-      *(float4*)(xk_3 + (i_42 * 4)) = __60;
+      *(float4*)(xk_3 + (i_45 * 4)) = __60;
     }
   }
   #pragma unroll
-  for (int i_43 = 0; i_43 < 2; ++i_43) {
-    *(float4*)(part + (i_43 * 4)) = *(float4*)(xk + (i_43 * 4));
+  for (int i_46 = 0; i_46 < 2; ++i_46) {
+    *(float4*)(part + (i_46 * 4)) = *(float4*)(xk + (i_46 * 4));
   }
   #pragma unroll
-  for (int i_44 = 0; i_44 < 2; ++i_44) {
+  for (int i_47 = 0; i_47 < 2; ++i_47) {
     float4 __61;
-      float4 v__76 = *(float4*)(part + (i_44 * 4));
-      float4 v__77 = *(float4*)(xk_1 + (i_44 * 4));
+      float4 v__76 = *(float4*)(part + (i_47 * 4));
+      float4 v__77 = *(float4*)(xk_1 + (i_47 * 4));
       __61.x = max(v__76.x, v__77.x);
       __61.y = max(v__76.y, v__77.y);
       __61.z = max(v__76.z, v__77.z);
       __61.w = max(v__76.w, v__77.w);
-    *(float4*)(part + (i_44 * 4)) = __61;
+    *(float4*)(part + (i_47 * 4)) = __61;
   }
   #pragma unroll
-  for (int i_45 = 0; i_45 < 2; ++i_45) {
+  for (int i_48 = 0; i_48 < 2; ++i_48) {
     float4 __62;
-      float4 v__78 = *(float4*)(part + (i_45 * 4));
-      float4 v__79 = *(float4*)(xk_2 + (i_45 * 4));
+      float4 v__78 = *(float4*)(part + (i_48 * 4));
+      float4 v__79 = *(float4*)(xk_2 + (i_48 * 4));
       __62.x = max(v__78.x, v__79.x);
       __62.y = max(v__78.y, v__79.y);
       __62.z = max(v__78.z, v__79.z);
       __62.w = max(v__78.w, v__79.w);
-    *(float4*)(part + (i_45 * 4)) = __62;
+    *(float4*)(part + (i_48 * 4)) = __62;
   }
   #pragma unroll
-  for (int i_46 = 0; i_46 < 2; ++i_46) {
+  for (int i_49 = 0; i_49 < 2; ++i_49) {
     float4 __63;
-      float4 v__80 = *(float4*)(part + (i_46 * 4));
-      float4 v__81 = *(float4*)(xk_3 + (i_46 * 4));
+      float4 v__80 = *(float4*)(part + (i_49 * 4));
+      float4 v__81 = *(float4*)(xk_3 + (i_49 * 4));
       __63.x = max(v__80.x, v__81.x);
       __63.y = max(v__80.y, v__81.y);
       __63.z = max(v__80.z, v__81.z);
       __63.w = max(v__80.w, v__81.w);
-    *(float4*)(part + (i_46 * 4)) = __63;
+    *(float4*)(part + (i_49 * 4)) = __63;
   }
   rt[0] = -CUDART_INF_F;
   #pragma unroll
   for (int rv_2 = 0; rv_2 < 8; ++rv_2) {
     rt[0] = max(rt[0], part[rv_2]);
+  }
+  float condval_4;
+  if ((run[0] == -CUDART_INF_F)) {
+    condval_4 = 0x0p+0f/*0.000000e+00*/;
+  } else {
+    condval_4 = exp2f(((run[0] - max(run[0], rt[0])) * 0x1.71547652b82fep+0f/*1.442695e+00*/));
+  }
+  alpha[0] = condval_4;
+  run[0] = max(run[0], rt[0]);
+  em_s_2[0] = run[0];
+  float condval_5;
+  if ((run[0] == -CUDART_INF_F)) {
+    condval_5 = 0x0p+0f/*0.000000e+00*/;
+  } else {
+    condval_5 = run[0];
+  }
+  ml[0] = (condval_5 * 0x1.71547652b82fep+0f/*1.442695e+00*/);
+  #pragma unroll
+  for (int i_50 = 0; i_50 < 2; ++i_50) {
+    float4 __64;
+      float4 v__82 = *(float4*)(ps + (i_50 * 4));
+      float4 v__83 = make_float4(alpha[0], alpha[0], alpha[0], alpha[0]);
+      __64.x = (v__82.x*v__83.x);
+      __64.y = (v__82.y*v__83.y);
+      __64.z = (v__82.z*v__83.z);
+      __64.w = (v__82.w*v__83.w);
+    *(float4*)(ps + (i_50 * 4)) = __64;
+  }
+  #pragma unroll
+  for (int i_51 = 0; i_51 < 2; ++i_51) {
+    float broadcast_var_9 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
+    float4 __65;
+    float4 __66;
+      float4 __67;
+        float4 v__84 = *(float4*)(xk + (i_51 * 4));
+        float4 v__85 = make_float4(broadcast_var_9, broadcast_var_9, broadcast_var_9, broadcast_var_9);
+        __67.x = (v__84.x*v__85.x);
+        __67.y = (v__84.y*v__85.y);
+        __67.z = (v__84.z*v__85.z);
+        __67.w = (v__84.w*v__85.w);
+      float4 v__86 = make_float4(ml[0], ml[0], ml[0], ml[0]);
+      __66.x = (__67.x-v__86.x);
+      __66.y = (__67.y-v__86.y);
+      __66.z = (__67.z-v__86.z);
+      __66.w = (__67.w-v__86.w);
+    __65.x = exp2f(__66.x);
+    __65.y = exp2f(__66.y);
+    __65.z = exp2f(__66.z);
+    __65.w = exp2f(__66.w);
+    *(float4*)(part + (i_51 * 4)) = __65;
+    float4 __68;
+      float4 v__87 = *(float4*)(ps + (i_51 * 4));
+      float4 v__88 = *(float4*)(part + (i_51 * 4));
+      __68.x = (v__87.x+v__88.x);
+      __68.y = (v__87.y+v__88.y);
+      __68.z = (v__87.z+v__88.z);
+      __68.w = (v__87.w+v__88.w);
+    *(float4*)(ps + (i_51 * 4)) = __68;
+  }
+  {
+    bfloat16_t a_local_cast_20[8];
+    for (int i_52 = 0; i_52 < 2; ++i_52) {
+      uint2 __69;
+      float4 v__89 = *(float4*)(part + (i_52 * 4));
+      (reinterpret_cast<__nv_bfloat162*>(&__69))[0] = __float22bfloat162_rn(((float2*)(&v__89))[0]);
+      (reinterpret_cast<__nv_bfloat162*>(&__69))[1] = __float22bfloat162_rn(((float2*)(&v__89))[1]);
+      *(uint2*)(a_local_cast_20 + (i_52 * 4)) = __69;
+    }
+    *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 8192)) = *(uint4*)(a_local_cast_20 + 0);
+  }
+  #pragma unroll
+  for (int i_53 = 0; i_53 < 2; ++i_53) {
+    float broadcast_var_10 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
+    float4 __70;
+    float4 __71;
+      float4 __72;
+        float4 v__90 = *(float4*)(xk_1 + (i_53 * 4));
+        float4 v__91 = make_float4(broadcast_var_10, broadcast_var_10, broadcast_var_10, broadcast_var_10);
+        __72.x = (v__90.x*v__91.x);
+        __72.y = (v__90.y*v__91.y);
+        __72.z = (v__90.z*v__91.z);
+        __72.w = (v__90.w*v__91.w);
+      float4 v__92 = make_float4(ml[0], ml[0], ml[0], ml[0]);
+      __71.x = (__72.x-v__92.x);
+      __71.y = (__72.y-v__92.y);
+      __71.z = (__72.z-v__92.z);
+      __71.w = (__72.w-v__92.w);
+    __70.x = exp2f(__71.x);
+    __70.y = exp2f(__71.y);
+    __70.z = exp2f(__71.z);
+    __70.w = exp2f(__71.w);
+    *(float4*)(part + (i_53 * 4)) = __70;
+    float4 __73;
+      float4 v__93 = *(float4*)(ps + (i_53 * 4));
+      float4 v__94 = *(float4*)(part + (i_53 * 4));
+      __73.x = (v__93.x+v__94.x);
+      __73.y = (v__93.y+v__94.y);
+      __73.z = (v__93.z+v__94.z);
+      __73.w = (v__93.w+v__94.w);
+    *(float4*)(ps + (i_53 * 4)) = __73;
+  }
+  {
+    bfloat16_t a_local_cast_21[8];
+    for (int i_54 = 0; i_54 < 2; ++i_54) {
+      uint2 __74;
+      float4 v__95 = *(float4*)(part + (i_54 * 4));
+      (reinterpret_cast<__nv_bfloat162*>(&__74))[0] = __float22bfloat162_rn(((float2*)(&v__95))[0]);
+      (reinterpret_cast<__nv_bfloat162*>(&__74))[1] = __float22bfloat162_rn(((float2*)(&v__95))[1]);
+      *(uint2*)(a_local_cast_21 + (i_54 * 4)) = __74;
+    }
+    *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 9216)) = *(uint4*)(a_local_cast_21 + 0);
+  }
+  #pragma unroll
+  for (int i_55 = 0; i_55 < 2; ++i_55) {
+    float broadcast_var_11 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
+    float4 __75;
+    float4 __76;
+      float4 __77;
+        float4 v__96 = *(float4*)(xk_2 + (i_55 * 4));
+        float4 v__97 = make_float4(broadcast_var_11, broadcast_var_11, broadcast_var_11, broadcast_var_11);
+        __77.x = (v__96.x*v__97.x);
+        __77.y = (v__96.y*v__97.y);
+        __77.z = (v__96.z*v__97.z);
+        __77.w = (v__96.w*v__97.w);
+      float4 v__98 = make_float4(ml[0], ml[0], ml[0], ml[0]);
+      __76.x = (__77.x-v__98.x);
+      __76.y = (__77.y-v__98.y);
+      __76.z = (__77.z-v__98.z);
+      __76.w = (__77.w-v__98.w);
+    __75.x = exp2f(__76.x);
+    __75.y = exp2f(__76.y);
+    __75.z = exp2f(__76.z);
+    __75.w = exp2f(__76.w);
+    *(float4*)(part + (i_55 * 4)) = __75;
+    float4 __78;
+      float4 v__99 = *(float4*)(ps + (i_55 * 4));
+      float4 v__100 = *(float4*)(part + (i_55 * 4));
+      __78.x = (v__99.x+v__100.x);
+      __78.y = (v__99.y+v__100.y);
+      __78.z = (v__99.z+v__100.z);
+      __78.w = (v__99.w+v__100.w);
+    *(float4*)(ps + (i_55 * 4)) = __78;
+  }
+  {
+    bfloat16_t a_local_cast_22[8];
+    for (int i_56 = 0; i_56 < 2; ++i_56) {
+      uint2 __79;
+      float4 v__101 = *(float4*)(part + (i_56 * 4));
+      (reinterpret_cast<__nv_bfloat162*>(&__79))[0] = __float22bfloat162_rn(((float2*)(&v__101))[0]);
+      (reinterpret_cast<__nv_bfloat162*>(&__79))[1] = __float22bfloat162_rn(((float2*)(&v__101))[1]);
+      *(uint2*)(a_local_cast_22 + (i_56 * 4)) = __79;
+    }
+    *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 10240)) = *(uint4*)(a_local_cast_22 + 0);
+  }
+  #pragma unroll
+  for (int i_57 = 0; i_57 < 2; ++i_57) {
+    float broadcast_var_12 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
+    float4 __80;
+    float4 __81;
+      float4 __82;
+        float4 v__102 = *(float4*)(xk_3 + (i_57 * 4));
+        float4 v__103 = make_float4(broadcast_var_12, broadcast_var_12, broadcast_var_12, broadcast_var_12);
+        __82.x = (v__102.x*v__103.x);
+        __82.y = (v__102.y*v__103.y);
+        __82.z = (v__102.z*v__103.z);
+        __82.w = (v__102.w*v__103.w);
+      float4 v__104 = make_float4(ml[0], ml[0], ml[0], ml[0]);
+      __81.x = (__82.x-v__104.x);
+      __81.y = (__82.y-v__104.y);
+      __81.z = (__82.z-v__104.z);
+      __81.w = (__82.w-v__104.w);
+    __80.x = exp2f(__81.x);
+    __80.y = exp2f(__81.y);
+    __80.z = exp2f(__81.z);
+    __80.w = exp2f(__81.w);
+    *(float4*)(part + (i_57 * 4)) = __80;
+    float4 __83;
+      float4 v__105 = *(float4*)(ps + (i_57 * 4));
+      float4 v__106 = *(float4*)(part + (i_57 * 4));
+      __83.x = (v__105.x+v__106.x);
+      __83.y = (v__105.y+v__106.y);
+      __83.z = (v__105.z+v__106.z);
+      __83.w = (v__105.w+v__106.w);
+    *(float4*)(ps + (i_57 * 4)) = __83;
+  }
+  {
+    bfloat16_t a_local_cast_23[8];
+    for (int i_58 = 0; i_58 < 2; ++i_58) {
+      uint2 __84;
+      float4 v__107 = *(float4*)(part + (i_58 * 4));
+      (reinterpret_cast<__nv_bfloat162*>(&__84))[0] = __float22bfloat162_rn(((float2*)(&v__107))[0]);
+      (reinterpret_cast<__nv_bfloat162*>(&__84))[1] = __float22bfloat162_rn(((float2*)(&v__107))[1]);
+      *(uint2*)(a_local_cast_23 + (i_58 * 4)) = __84;
+    }
+    *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 11264)) = *(uint4*)(a_local_cast_23 + 0);
+  }
+  bars[3].wait(0);
+  if (tl::tl_shuffle_elect<128>()) {
+    bars[7].expect_transaction(8192);
+    tl::fence_proxy_async();
+    #pragma unroll
+    for (int i_59 = 0; i_59 < 16; ++i_59) {
+      tl::tma_load(X_desc, bars[7], (&(((bfloat16_t*)a)[((i_59 * 256) + 28672)])), ((((((int)blockIdx.x) & 7) * 32768) + (i_59 * 256)) + 28672), (((int)blockIdx.x) >> 3));
+    }
+  }
+  bars[7].arrive();
+  {
+    bfloat16_t a_local_cast_24[8];
+    *(uint4*)(a_local_cast_24 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 12288));
+    for (int i_60 = 0; i_60 < 2; ++i_60) {
+      float4 __85;
+      uint2 v__108 = *(uint2*)(a_local_cast_24 + (i_60 * 4));
+      ((float2*)(&__85))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__108))[0]);
+      ((float2*)(&__85))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__108))[1]);
+      *(float4*)(xk + (i_60 * 4)) = __85;
+    }
+  }
+  {
+    bfloat16_t a_local_cast_25[8];
+    *(uint4*)(a_local_cast_25 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 13312));
+    for (int i_61 = 0; i_61 < 2; ++i_61) {
+      float4 __86;
+      uint2 v__109 = *(uint2*)(a_local_cast_25 + (i_61 * 4));
+      ((float2*)(&__86))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__109))[0]);
+      ((float2*)(&__86))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__109))[1]);
+      *(float4*)(xk_1 + (i_61 * 4)) = __86;
+    }
+  }
+  {
+    bfloat16_t a_local_cast_26[8];
+    *(uint4*)(a_local_cast_26 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 14336));
+    for (int i_62 = 0; i_62 < 2; ++i_62) {
+      float4 __87;
+      uint2 v__110 = *(uint2*)(a_local_cast_26 + (i_62 * 4));
+      ((float2*)(&__87))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__110))[0]);
+      ((float2*)(&__87))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__110))[1]);
+      *(float4*)(xk_2 + (i_62 * 4)) = __87;
+    }
+  }
+  {
+    bfloat16_t a_local_cast_27[8];
+    *(uint4*)(a_local_cast_27 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 15360));
+    for (int i_63 = 0; i_63 < 2; ++i_63) {
+      float4 __88;
+      uint2 v__111 = *(uint2*)(a_local_cast_27 + (i_63 * 4));
+      ((float2*)(&__88))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__111))[0]);
+      ((float2*)(&__88))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__111))[1]);
+      *(float4*)(xk_3 + (i_63 * 4)) = __88;
+    }
+  }
+  #pragma unroll
+  for (int i_64 = 0; i_64 < 2; ++i_64) {
+    *(float4*)(part + (i_64 * 4)) = *(float4*)(xk + (i_64 * 4));
+  }
+  #pragma unroll
+  for (int i_65 = 0; i_65 < 2; ++i_65) {
+    float4 __89;
+      float4 v__112 = *(float4*)(part + (i_65 * 4));
+      float4 v__113 = *(float4*)(xk_1 + (i_65 * 4));
+      __89.x = max(v__112.x, v__113.x);
+      __89.y = max(v__112.y, v__113.y);
+      __89.z = max(v__112.z, v__113.z);
+      __89.w = max(v__112.w, v__113.w);
+    *(float4*)(part + (i_65 * 4)) = __89;
+  }
+  #pragma unroll
+  for (int i_66 = 0; i_66 < 2; ++i_66) {
+    float4 __90;
+      float4 v__114 = *(float4*)(part + (i_66 * 4));
+      float4 v__115 = *(float4*)(xk_2 + (i_66 * 4));
+      __90.x = max(v__114.x, v__115.x);
+      __90.y = max(v__114.y, v__115.y);
+      __90.z = max(v__114.z, v__115.z);
+      __90.w = max(v__114.w, v__115.w);
+    *(float4*)(part + (i_66 * 4)) = __90;
+  }
+  #pragma unroll
+  for (int i_67 = 0; i_67 < 2; ++i_67) {
+    float4 __91;
+      float4 v__116 = *(float4*)(part + (i_67 * 4));
+      float4 v__117 = *(float4*)(xk_3 + (i_67 * 4));
+      __91.x = max(v__116.x, v__117.x);
+      __91.y = max(v__116.y, v__117.y);
+      __91.z = max(v__116.z, v__117.z);
+      __91.w = max(v__116.w, v__117.w);
+    *(float4*)(part + (i_67 * 4)) = __91;
+  }
+  rt[0] = -CUDART_INF_F;
+  #pragma unroll
+  for (int rv_3 = 0; rv_3 < 8; ++rv_3) {
+    rt[0] = max(rt[0], part[rv_3]);
+  }
+  float condval_6;
+  if ((run[0] == -CUDART_INF_F)) {
+    condval_6 = 0x0p+0f/*0.000000e+00*/;
+  } else {
+    condval_6 = exp2f(((run[0] - max(run[0], rt[0])) * 0x1.71547652b82fep+0f/*1.442695e+00*/));
+  }
+  alpha[0] = condval_6;
+  run[0] = max(run[0], rt[0]);
+  em_s_3[0] = run[0];
+  float condval_7;
+  if ((run[0] == -CUDART_INF_F)) {
+    condval_7 = 0x0p+0f/*0.000000e+00*/;
+  } else {
+    condval_7 = run[0];
+  }
+  ml[0] = (condval_7 * 0x1.71547652b82fep+0f/*1.442695e+00*/);
+  #pragma unroll
+  for (int i_68 = 0; i_68 < 2; ++i_68) {
+    float4 __92;
+      float4 v__118 = *(float4*)(ps + (i_68 * 4));
+      float4 v__119 = make_float4(alpha[0], alpha[0], alpha[0], alpha[0]);
+      __92.x = (v__118.x*v__119.x);
+      __92.y = (v__118.y*v__119.y);
+      __92.z = (v__118.z*v__119.z);
+      __92.w = (v__118.w*v__119.w);
+    *(float4*)(ps + (i_68 * 4)) = __92;
+  }
+  #pragma unroll
+  for (int i_69 = 0; i_69 < 2; ++i_69) {
+    float broadcast_var_13 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
+    float4 __93;
+    float4 __94;
+      float4 __95;
+        float4 v__120 = *(float4*)(xk + (i_69 * 4));
+        float4 v__121 = make_float4(broadcast_var_13, broadcast_var_13, broadcast_var_13, broadcast_var_13);
+        __95.x = (v__120.x*v__121.x);
+        __95.y = (v__120.y*v__121.y);
+        __95.z = (v__120.z*v__121.z);
+        __95.w = (v__120.w*v__121.w);
+      float4 v__122 = make_float4(ml[0], ml[0], ml[0], ml[0]);
+      __94.x = (__95.x-v__122.x);
+      __94.y = (__95.y-v__122.y);
+      __94.z = (__95.z-v__122.z);
+      __94.w = (__95.w-v__122.w);
+    __93.x = exp2f(__94.x);
+    __93.y = exp2f(__94.y);
+    __93.z = exp2f(__94.z);
+    __93.w = exp2f(__94.w);
+    *(float4*)(part + (i_69 * 4)) = __93;
+    float4 __96;
+      float4 v__123 = *(float4*)(ps + (i_69 * 4));
+      float4 v__124 = *(float4*)(part + (i_69 * 4));
+      __96.x = (v__123.x+v__124.x);
+      __96.y = (v__123.y+v__124.y);
+      __96.z = (v__123.z+v__124.z);
+      __96.w = (v__123.w+v__124.w);
+    *(float4*)(ps + (i_69 * 4)) = __96;
+  }
+  {
+    bfloat16_t a_local_cast_28[8];
+    for (int i_70 = 0; i_70 < 2; ++i_70) {
+      uint2 __97;
+      float4 v__125 = *(float4*)(part + (i_70 * 4));
+      (reinterpret_cast<__nv_bfloat162*>(&__97))[0] = __float22bfloat162_rn(((float2*)(&v__125))[0]);
+      (reinterpret_cast<__nv_bfloat162*>(&__97))[1] = __float22bfloat162_rn(((float2*)(&v__125))[1]);
+      *(uint2*)(a_local_cast_28 + (i_70 * 4)) = __97;
+    }
+    *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 12288)) = *(uint4*)(a_local_cast_28 + 0);
+  }
+  #pragma unroll
+  for (int i_71 = 0; i_71 < 2; ++i_71) {
+    float broadcast_var_14 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
+    float4 __98;
+    float4 __99;
+      float4 __100;
+        float4 v__126 = *(float4*)(xk_1 + (i_71 * 4));
+        float4 v__127 = make_float4(broadcast_var_14, broadcast_var_14, broadcast_var_14, broadcast_var_14);
+        __100.x = (v__126.x*v__127.x);
+        __100.y = (v__126.y*v__127.y);
+        __100.z = (v__126.z*v__127.z);
+        __100.w = (v__126.w*v__127.w);
+      float4 v__128 = make_float4(ml[0], ml[0], ml[0], ml[0]);
+      __99.x = (__100.x-v__128.x);
+      __99.y = (__100.y-v__128.y);
+      __99.z = (__100.z-v__128.z);
+      __99.w = (__100.w-v__128.w);
+    __98.x = exp2f(__99.x);
+    __98.y = exp2f(__99.y);
+    __98.z = exp2f(__99.z);
+    __98.w = exp2f(__99.w);
+    *(float4*)(part + (i_71 * 4)) = __98;
+    float4 __101;
+      float4 v__129 = *(float4*)(ps + (i_71 * 4));
+      float4 v__130 = *(float4*)(part + (i_71 * 4));
+      __101.x = (v__129.x+v__130.x);
+      __101.y = (v__129.y+v__130.y);
+      __101.z = (v__129.z+v__130.z);
+      __101.w = (v__129.w+v__130.w);
+    *(float4*)(ps + (i_71 * 4)) = __101;
+  }
+  {
+    bfloat16_t a_local_cast_29[8];
+    for (int i_72 = 0; i_72 < 2; ++i_72) {
+      uint2 __102;
+      float4 v__131 = *(float4*)(part + (i_72 * 4));
+      (reinterpret_cast<__nv_bfloat162*>(&__102))[0] = __float22bfloat162_rn(((float2*)(&v__131))[0]);
+      (reinterpret_cast<__nv_bfloat162*>(&__102))[1] = __float22bfloat162_rn(((float2*)(&v__131))[1]);
+      *(uint2*)(a_local_cast_29 + (i_72 * 4)) = __102;
+    }
+    *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 13312)) = *(uint4*)(a_local_cast_29 + 0);
+  }
+  #pragma unroll
+  for (int i_73 = 0; i_73 < 2; ++i_73) {
+    float broadcast_var_15 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
+    float4 __103;
+    float4 __104;
+      float4 __105;
+        float4 v__132 = *(float4*)(xk_2 + (i_73 * 4));
+        float4 v__133 = make_float4(broadcast_var_15, broadcast_var_15, broadcast_var_15, broadcast_var_15);
+        __105.x = (v__132.x*v__133.x);
+        __105.y = (v__132.y*v__133.y);
+        __105.z = (v__132.z*v__133.z);
+        __105.w = (v__132.w*v__133.w);
+      float4 v__134 = make_float4(ml[0], ml[0], ml[0], ml[0]);
+      __104.x = (__105.x-v__134.x);
+      __104.y = (__105.y-v__134.y);
+      __104.z = (__105.z-v__134.z);
+      __104.w = (__105.w-v__134.w);
+    __103.x = exp2f(__104.x);
+    __103.y = exp2f(__104.y);
+    __103.z = exp2f(__104.z);
+    __103.w = exp2f(__104.w);
+    *(float4*)(part + (i_73 * 4)) = __103;
+    float4 __106;
+      float4 v__135 = *(float4*)(ps + (i_73 * 4));
+      float4 v__136 = *(float4*)(part + (i_73 * 4));
+      __106.x = (v__135.x+v__136.x);
+      __106.y = (v__135.y+v__136.y);
+      __106.z = (v__135.z+v__136.z);
+      __106.w = (v__135.w+v__136.w);
+    *(float4*)(ps + (i_73 * 4)) = __106;
+  }
+  {
+    bfloat16_t a_local_cast_30[8];
+    for (int i_74 = 0; i_74 < 2; ++i_74) {
+      uint2 __107;
+      float4 v__137 = *(float4*)(part + (i_74 * 4));
+      (reinterpret_cast<__nv_bfloat162*>(&__107))[0] = __float22bfloat162_rn(((float2*)(&v__137))[0]);
+      (reinterpret_cast<__nv_bfloat162*>(&__107))[1] = __float22bfloat162_rn(((float2*)(&v__137))[1]);
+      *(uint2*)(a_local_cast_30 + (i_74 * 4)) = __107;
+    }
+    *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 14336)) = *(uint4*)(a_local_cast_30 + 0);
+  }
+  #pragma unroll
+  for (int i_75 = 0; i_75 < 2; ++i_75) {
+    float broadcast_var_16 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
+    float4 __108;
+    float4 __109;
+      float4 __110;
+        float4 v__138 = *(float4*)(xk_3 + (i_75 * 4));
+        float4 v__139 = make_float4(broadcast_var_16, broadcast_var_16, broadcast_var_16, broadcast_var_16);
+        __110.x = (v__138.x*v__139.x);
+        __110.y = (v__138.y*v__139.y);
+        __110.z = (v__138.z*v__139.z);
+        __110.w = (v__138.w*v__139.w);
+      float4 v__140 = make_float4(ml[0], ml[0], ml[0], ml[0]);
+      __109.x = (__110.x-v__140.x);
+      __109.y = (__110.y-v__140.y);
+      __109.z = (__110.z-v__140.z);
+      __109.w = (__110.w-v__140.w);
+    __108.x = exp2f(__109.x);
+    __108.y = exp2f(__109.y);
+    __108.z = exp2f(__109.z);
+    __108.w = exp2f(__109.w);
+    *(float4*)(part + (i_75 * 4)) = __108;
+    float4 __111;
+      float4 v__141 = *(float4*)(ps + (i_75 * 4));
+      float4 v__142 = *(float4*)(part + (i_75 * 4));
+      __111.x = (v__141.x+v__142.x);
+      __111.y = (v__141.y+v__142.y);
+      __111.z = (v__141.z+v__142.z);
+      __111.w = (v__141.w+v__142.w);
+    *(float4*)(ps + (i_75 * 4)) = __111;
+  }
+  {
+    bfloat16_t a_local_cast_31[8];
+    for (int i_76 = 0; i_76 < 2; ++i_76) {
+      uint2 __112;
+      float4 v__143 = *(float4*)(part + (i_76 * 4));
+      (reinterpret_cast<__nv_bfloat162*>(&__112))[0] = __float22bfloat162_rn(((float2*)(&v__143))[0]);
+      (reinterpret_cast<__nv_bfloat162*>(&__112))[1] = __float22bfloat162_rn(((float2*)(&v__143))[1]);
+      *(uint2*)(a_local_cast_31 + (i_76 * 4)) = __112;
+    }
+    *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 15360)) = *(uint4*)(a_local_cast_31 + 0);
+  }
+  bars[4].wait(0);
+  {
+    bfloat16_t a_local_cast_32[8];
+    *(uint4*)(a_local_cast_32 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 16384));
+    for (int i_77 = 0; i_77 < 2; ++i_77) {
+      float4 __113;
+      uint2 v__144 = *(uint2*)(a_local_cast_32 + (i_77 * 4));
+      ((float2*)(&__113))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__144))[0]);
+      ((float2*)(&__113))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__144))[1]);
+      *(float4*)(xk + (i_77 * 4)) = __113;
+    }
+  }
+  {
+    bfloat16_t a_local_cast_33[8];
+    *(uint4*)(a_local_cast_33 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 17408));
+    for (int i_78 = 0; i_78 < 2; ++i_78) {
+      float4 __114;
+      uint2 v__145 = *(uint2*)(a_local_cast_33 + (i_78 * 4));
+      ((float2*)(&__114))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__145))[0]);
+      ((float2*)(&__114))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__145))[1]);
+      *(float4*)(xk_1 + (i_78 * 4)) = __114;
+    }
+  }
+  {
+    bfloat16_t a_local_cast_34[8];
+    *(uint4*)(a_local_cast_34 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 18432));
+    for (int i_79 = 0; i_79 < 2; ++i_79) {
+      float4 __115;
+      uint2 v__146 = *(uint2*)(a_local_cast_34 + (i_79 * 4));
+      ((float2*)(&__115))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__146))[0]);
+      ((float2*)(&__115))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__146))[1]);
+      *(float4*)(xk_2 + (i_79 * 4)) = __115;
+    }
+  }
+  {
+    bfloat16_t a_local_cast_35[8];
+    *(uint4*)(a_local_cast_35 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 19456));
+    for (int i_80 = 0; i_80 < 2; ++i_80) {
+      float4 __116;
+      uint2 v__147 = *(uint2*)(a_local_cast_35 + (i_80 * 4));
+      ((float2*)(&__116))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__147))[0]);
+      ((float2*)(&__116))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__147))[1]);
+      *(float4*)(xk_3 + (i_80 * 4)) = __116;
+    }
+  }
+  #pragma unroll
+  for (int i_81 = 0; i_81 < 2; ++i_81) {
+    *(float4*)(part + (i_81 * 4)) = *(float4*)(xk + (i_81 * 4));
+  }
+  #pragma unroll
+  for (int i_82 = 0; i_82 < 2; ++i_82) {
+    float4 __117;
+      float4 v__148 = *(float4*)(part + (i_82 * 4));
+      float4 v__149 = *(float4*)(xk_1 + (i_82 * 4));
+      __117.x = max(v__148.x, v__149.x);
+      __117.y = max(v__148.y, v__149.y);
+      __117.z = max(v__148.z, v__149.z);
+      __117.w = max(v__148.w, v__149.w);
+    *(float4*)(part + (i_82 * 4)) = __117;
+  }
+  #pragma unroll
+  for (int i_83 = 0; i_83 < 2; ++i_83) {
+    float4 __118;
+      float4 v__150 = *(float4*)(part + (i_83 * 4));
+      float4 v__151 = *(float4*)(xk_2 + (i_83 * 4));
+      __118.x = max(v__150.x, v__151.x);
+      __118.y = max(v__150.y, v__151.y);
+      __118.z = max(v__150.z, v__151.z);
+      __118.w = max(v__150.w, v__151.w);
+    *(float4*)(part + (i_83 * 4)) = __118;
+  }
+  #pragma unroll
+  for (int i_84 = 0; i_84 < 2; ++i_84) {
+    float4 __119;
+      float4 v__152 = *(float4*)(part + (i_84 * 4));
+      float4 v__153 = *(float4*)(xk_3 + (i_84 * 4));
+      __119.x = max(v__152.x, v__153.x);
+      __119.y = max(v__152.y, v__153.y);
+      __119.z = max(v__152.z, v__153.z);
+      __119.w = max(v__152.w, v__153.w);
+    *(float4*)(part + (i_84 * 4)) = __119;
+  }
+  rt[0] = -CUDART_INF_F;
+  #pragma unroll
+  for (int rv_4 = 0; rv_4 < 8; ++rv_4) {
+    rt[0] = max(rt[0], part[rv_4]);
+  }
+  float condval_8;
+  if ((run[0] == -CUDART_INF_F)) {
+    condval_8 = 0x0p+0f/*0.000000e+00*/;
+  } else {
+    condval_8 = exp2f(((run[0] - max(run[0], rt[0])) * 0x1.71547652b82fep+0f/*1.442695e+00*/));
+  }
+  alpha[0] = condval_8;
+  run[0] = max(run[0], rt[0]);
+  em_s_4[0] = run[0];
+  float condval_9;
+  if ((run[0] == -CUDART_INF_F)) {
+    condval_9 = 0x0p+0f/*0.000000e+00*/;
+  } else {
+    condval_9 = run[0];
+  }
+  ml[0] = (condval_9 * 0x1.71547652b82fep+0f/*1.442695e+00*/);
+  #pragma unroll
+  for (int i_85 = 0; i_85 < 2; ++i_85) {
+    float4 __120;
+      float4 v__154 = *(float4*)(ps + (i_85 * 4));
+      float4 v__155 = make_float4(alpha[0], alpha[0], alpha[0], alpha[0]);
+      __120.x = (v__154.x*v__155.x);
+      __120.y = (v__154.y*v__155.y);
+      __120.z = (v__154.z*v__155.z);
+      __120.w = (v__154.w*v__155.w);
+    *(float4*)(ps + (i_85 * 4)) = __120;
+  }
+  #pragma unroll
+  for (int i_86 = 0; i_86 < 2; ++i_86) {
+    float broadcast_var_17 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
+    float4 __121;
+    float4 __122;
+      float4 __123;
+        float4 v__156 = *(float4*)(xk + (i_86 * 4));
+        float4 v__157 = make_float4(broadcast_var_17, broadcast_var_17, broadcast_var_17, broadcast_var_17);
+        __123.x = (v__156.x*v__157.x);
+        __123.y = (v__156.y*v__157.y);
+        __123.z = (v__156.z*v__157.z);
+        __123.w = (v__156.w*v__157.w);
+      float4 v__158 = make_float4(ml[0], ml[0], ml[0], ml[0]);
+      __122.x = (__123.x-v__158.x);
+      __122.y = (__123.y-v__158.y);
+      __122.z = (__123.z-v__158.z);
+      __122.w = (__123.w-v__158.w);
+    __121.x = exp2f(__122.x);
+    __121.y = exp2f(__122.y);
+    __121.z = exp2f(__122.z);
+    __121.w = exp2f(__122.w);
+    *(float4*)(part + (i_86 * 4)) = __121;
+    float4 __124;
+      float4 v__159 = *(float4*)(ps + (i_86 * 4));
+      float4 v__160 = *(float4*)(part + (i_86 * 4));
+      __124.x = (v__159.x+v__160.x);
+      __124.y = (v__159.y+v__160.y);
+      __124.z = (v__159.z+v__160.z);
+      __124.w = (v__159.w+v__160.w);
+    *(float4*)(ps + (i_86 * 4)) = __124;
+  }
+  {
+    bfloat16_t a_local_cast_36[8];
+    for (int i_87 = 0; i_87 < 2; ++i_87) {
+      uint2 __125;
+      float4 v__161 = *(float4*)(part + (i_87 * 4));
+      (reinterpret_cast<__nv_bfloat162*>(&__125))[0] = __float22bfloat162_rn(((float2*)(&v__161))[0]);
+      (reinterpret_cast<__nv_bfloat162*>(&__125))[1] = __float22bfloat162_rn(((float2*)(&v__161))[1]);
+      *(uint2*)(a_local_cast_36 + (i_87 * 4)) = __125;
+    }
+    *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 16384)) = *(uint4*)(a_local_cast_36 + 0);
+  }
+  #pragma unroll
+  for (int i_88 = 0; i_88 < 2; ++i_88) {
+    float broadcast_var_18 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
+    float4 __126;
+    float4 __127;
+      float4 __128;
+        float4 v__162 = *(float4*)(xk_1 + (i_88 * 4));
+        float4 v__163 = make_float4(broadcast_var_18, broadcast_var_18, broadcast_var_18, broadcast_var_18);
+        __128.x = (v__162.x*v__163.x);
+        __128.y = (v__162.y*v__163.y);
+        __128.z = (v__162.z*v__163.z);
+        __128.w = (v__162.w*v__163.w);
+      float4 v__164 = make_float4(ml[0], ml[0], ml[0], ml[0]);
+      __127.x = (__128.x-v__164.x);
+      __127.y = (__128.y-v__164.y);
+      __127.z = (__128.z-v__164.z);
+      __127.w = (__128.w-v__164.w);
+    __126.x = exp2f(__127.x);
+    __126.y = exp2f(__127.y);
+    __126.z = exp2f(__127.z);
+    __126.w = exp2f(__127.w);
+    *(float4*)(part + (i_88 * 4)) = __126;
+    float4 __129;
+      float4 v__165 = *(float4*)(ps + (i_88 * 4));
+      float4 v__166 = *(float4*)(part + (i_88 * 4));
+      __129.x = (v__165.x+v__166.x);
+      __129.y = (v__165.y+v__166.y);
+      __129.z = (v__165.z+v__166.z);
+      __129.w = (v__165.w+v__166.w);
+    *(float4*)(ps + (i_88 * 4)) = __129;
+  }
+  {
+    bfloat16_t a_local_cast_37[8];
+    for (int i_89 = 0; i_89 < 2; ++i_89) {
+      uint2 __130;
+      float4 v__167 = *(float4*)(part + (i_89 * 4));
+      (reinterpret_cast<__nv_bfloat162*>(&__130))[0] = __float22bfloat162_rn(((float2*)(&v__167))[0]);
+      (reinterpret_cast<__nv_bfloat162*>(&__130))[1] = __float22bfloat162_rn(((float2*)(&v__167))[1]);
+      *(uint2*)(a_local_cast_37 + (i_89 * 4)) = __130;
+    }
+    *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 17408)) = *(uint4*)(a_local_cast_37 + 0);
+  }
+  #pragma unroll
+  for (int i_90 = 0; i_90 < 2; ++i_90) {
+    float broadcast_var_19 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
+    float4 __131;
+    float4 __132;
+      float4 __133;
+        float4 v__168 = *(float4*)(xk_2 + (i_90 * 4));
+        float4 v__169 = make_float4(broadcast_var_19, broadcast_var_19, broadcast_var_19, broadcast_var_19);
+        __133.x = (v__168.x*v__169.x);
+        __133.y = (v__168.y*v__169.y);
+        __133.z = (v__168.z*v__169.z);
+        __133.w = (v__168.w*v__169.w);
+      float4 v__170 = make_float4(ml[0], ml[0], ml[0], ml[0]);
+      __132.x = (__133.x-v__170.x);
+      __132.y = (__133.y-v__170.y);
+      __132.z = (__133.z-v__170.z);
+      __132.w = (__133.w-v__170.w);
+    __131.x = exp2f(__132.x);
+    __131.y = exp2f(__132.y);
+    __131.z = exp2f(__132.z);
+    __131.w = exp2f(__132.w);
+    *(float4*)(part + (i_90 * 4)) = __131;
+    float4 __134;
+      float4 v__171 = *(float4*)(ps + (i_90 * 4));
+      float4 v__172 = *(float4*)(part + (i_90 * 4));
+      __134.x = (v__171.x+v__172.x);
+      __134.y = (v__171.y+v__172.y);
+      __134.z = (v__171.z+v__172.z);
+      __134.w = (v__171.w+v__172.w);
+    *(float4*)(ps + (i_90 * 4)) = __134;
+  }
+  {
+    bfloat16_t a_local_cast_38[8];
+    for (int i_91 = 0; i_91 < 2; ++i_91) {
+      uint2 __135;
+      float4 v__173 = *(float4*)(part + (i_91 * 4));
+      (reinterpret_cast<__nv_bfloat162*>(&__135))[0] = __float22bfloat162_rn(((float2*)(&v__173))[0]);
+      (reinterpret_cast<__nv_bfloat162*>(&__135))[1] = __float22bfloat162_rn(((float2*)(&v__173))[1]);
+      *(uint2*)(a_local_cast_38 + (i_91 * 4)) = __135;
+    }
+    *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 18432)) = *(uint4*)(a_local_cast_38 + 0);
+  }
+  #pragma unroll
+  for (int i_92 = 0; i_92 < 2; ++i_92) {
+    float broadcast_var_20 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
+    float4 __136;
+    float4 __137;
+      float4 __138;
+        float4 v__174 = *(float4*)(xk_3 + (i_92 * 4));
+        float4 v__175 = make_float4(broadcast_var_20, broadcast_var_20, broadcast_var_20, broadcast_var_20);
+        __138.x = (v__174.x*v__175.x);
+        __138.y = (v__174.y*v__175.y);
+        __138.z = (v__174.z*v__175.z);
+        __138.w = (v__174.w*v__175.w);
+      float4 v__176 = make_float4(ml[0], ml[0], ml[0], ml[0]);
+      __137.x = (__138.x-v__176.x);
+      __137.y = (__138.y-v__176.y);
+      __137.z = (__138.z-v__176.z);
+      __137.w = (__138.w-v__176.w);
+    __136.x = exp2f(__137.x);
+    __136.y = exp2f(__137.y);
+    __136.z = exp2f(__137.z);
+    __136.w = exp2f(__137.w);
+    *(float4*)(part + (i_92 * 4)) = __136;
+    float4 __139;
+      float4 v__177 = *(float4*)(ps + (i_92 * 4));
+      float4 v__178 = *(float4*)(part + (i_92 * 4));
+      __139.x = (v__177.x+v__178.x);
+      __139.y = (v__177.y+v__178.y);
+      __139.z = (v__177.z+v__178.z);
+      __139.w = (v__177.w+v__178.w);
+    *(float4*)(ps + (i_92 * 4)) = __139;
+  }
+  {
+    bfloat16_t a_local_cast_39[8];
+    for (int i_93 = 0; i_93 < 2; ++i_93) {
+      uint2 __140;
+      float4 v__179 = *(float4*)(part + (i_93 * 4));
+      (reinterpret_cast<__nv_bfloat162*>(&__140))[0] = __float22bfloat162_rn(((float2*)(&v__179))[0]);
+      (reinterpret_cast<__nv_bfloat162*>(&__140))[1] = __float22bfloat162_rn(((float2*)(&v__179))[1]);
+      *(uint2*)(a_local_cast_39 + (i_93 * 4)) = __140;
+    }
+    *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 19456)) = *(uint4*)(a_local_cast_39 + 0);
+  }
+  bars[5].wait(0);
+  {
+    bfloat16_t a_local_cast_40[8];
+    *(uint4*)(a_local_cast_40 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 20480));
+    for (int i_94 = 0; i_94 < 2; ++i_94) {
+      float4 __141;
+      uint2 v__180 = *(uint2*)(a_local_cast_40 + (i_94 * 4));
+      ((float2*)(&__141))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__180))[0]);
+      ((float2*)(&__141))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__180))[1]);
+      *(float4*)(xk + (i_94 * 4)) = __141;
+    }
+  }
+  {
+    bfloat16_t a_local_cast_41[8];
+    *(uint4*)(a_local_cast_41 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 21504));
+    for (int i_95 = 0; i_95 < 2; ++i_95) {
+      float4 __142;
+      uint2 v__181 = *(uint2*)(a_local_cast_41 + (i_95 * 4));
+      ((float2*)(&__142))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__181))[0]);
+      ((float2*)(&__142))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__181))[1]);
+      *(float4*)(xk_1 + (i_95 * 4)) = __142;
+    }
+  }
+  {
+    bfloat16_t a_local_cast_42[8];
+    *(uint4*)(a_local_cast_42 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 22528));
+    for (int i_96 = 0; i_96 < 2; ++i_96) {
+      float4 __143;
+      uint2 v__182 = *(uint2*)(a_local_cast_42 + (i_96 * 4));
+      ((float2*)(&__143))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__182))[0]);
+      ((float2*)(&__143))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__182))[1]);
+      *(float4*)(xk_2 + (i_96 * 4)) = __143;
+    }
+  }
+  {
+    bfloat16_t a_local_cast_43[8];
+    *(uint4*)(a_local_cast_43 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 23552));
+    for (int i_97 = 0; i_97 < 2; ++i_97) {
+      float4 __144;
+      uint2 v__183 = *(uint2*)(a_local_cast_43 + (i_97 * 4));
+      ((float2*)(&__144))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__183))[0]);
+      ((float2*)(&__144))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__183))[1]);
+      *(float4*)(xk_3 + (i_97 * 4)) = __144;
+    }
+  }
+  #pragma unroll
+  for (int i_98 = 0; i_98 < 2; ++i_98) {
+    *(float4*)(part + (i_98 * 4)) = *(float4*)(xk + (i_98 * 4));
+  }
+  #pragma unroll
+  for (int i_99 = 0; i_99 < 2; ++i_99) {
+    float4 __145;
+      float4 v__184 = *(float4*)(part + (i_99 * 4));
+      float4 v__185 = *(float4*)(xk_1 + (i_99 * 4));
+      __145.x = max(v__184.x, v__185.x);
+      __145.y = max(v__184.y, v__185.y);
+      __145.z = max(v__184.z, v__185.z);
+      __145.w = max(v__184.w, v__185.w);
+    *(float4*)(part + (i_99 * 4)) = __145;
+  }
+  #pragma unroll
+  for (int i_100 = 0; i_100 < 2; ++i_100) {
+    float4 __146;
+      float4 v__186 = *(float4*)(part + (i_100 * 4));
+      float4 v__187 = *(float4*)(xk_2 + (i_100 * 4));
+      __146.x = max(v__186.x, v__187.x);
+      __146.y = max(v__186.y, v__187.y);
+      __146.z = max(v__186.z, v__187.z);
+      __146.w = max(v__186.w, v__187.w);
+    *(float4*)(part + (i_100 * 4)) = __146;
+  }
+  #pragma unroll
+  for (int i_101 = 0; i_101 < 2; ++i_101) {
+    float4 __147;
+      float4 v__188 = *(float4*)(part + (i_101 * 4));
+      float4 v__189 = *(float4*)(xk_3 + (i_101 * 4));
+      __147.x = max(v__188.x, v__189.x);
+      __147.y = max(v__188.y, v__189.y);
+      __147.z = max(v__188.z, v__189.z);
+      __147.w = max(v__188.w, v__189.w);
+    *(float4*)(part + (i_101 * 4)) = __147;
+  }
+  rt[0] = -CUDART_INF_F;
+  #pragma unroll
+  for (int rv_5 = 0; rv_5 < 8; ++rv_5) {
+    rt[0] = max(rt[0], part[rv_5]);
   }
   float condval_10;
   if ((run[0] == -CUDART_INF_F)) {
@@ -811,1113 +1647,190 @@ extern "C" __global__ void __launch_bounds__(128, 1) fwd_kernel(__grid_constant_
   }
   alpha[0] = condval_10;
   run[0] = max(run[0], rt[0]);
-  em_s_2[0] = run[0];
-  #pragma unroll
-  for (int i_47 = 0; i_47 < 2; ++i_47) {
-    float4 __64;
-      float4 v__82 = *(float4*)(ps + (i_47 * 4));
-      float4 v__83 = make_float4(alpha[0], alpha[0], alpha[0], alpha[0]);
-      __64.x = (v__82.x*v__83.x);
-      __64.y = (v__82.y*v__83.y);
-      __64.z = (v__82.z*v__83.z);
-      __64.w = (v__82.w*v__83.w);
-    *(float4*)(ps + (i_47 * 4)) = __64;
-  }
-  #pragma unroll
-  for (int i_48 = 0; i_48 < 2; ++i_48) {
-    float broadcast_var_9 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
-    float4 __65;
-    float4 __66;
-      float4 __67;
-        float4 v__84 = *(float4*)(xk + (i_48 * 4));
-        float condval_11;
-        if ((run[0] == -CUDART_INF_F)) {
-          condval_11 = 0x0p+0f/*0.000000e+00*/;
-        } else {
-          condval_11 = run[0];
-        }
-        float4 v__85 = make_float4(condval_11, condval_11, condval_11, condval_11);
-        __67.x = (v__84.x-v__85.x);
-        __67.y = (v__84.y-v__85.y);
-        __67.z = (v__84.z-v__85.z);
-        __67.w = (v__84.w-v__85.w);
-      float4 v__86 = make_float4(broadcast_var_9, broadcast_var_9, broadcast_var_9, broadcast_var_9);
-      __66.x = (__67.x*v__86.x);
-      __66.y = (__67.y*v__86.y);
-      __66.z = (__67.z*v__86.z);
-      __66.w = (__67.w*v__86.w);
-    __65.x = exp2f(__66.x);
-    __65.y = exp2f(__66.y);
-    __65.z = exp2f(__66.z);
-    __65.w = exp2f(__66.w);
-    *(float4*)(part + (i_48 * 4)) = __65;
-    float4 __68;
-      float4 v__87 = *(float4*)(ps + (i_48 * 4));
-      float4 v__88 = *(float4*)(part + (i_48 * 4));
-      __68.x = (v__87.x+v__88.x);
-      __68.y = (v__87.y+v__88.y);
-      __68.z = (v__87.z+v__88.z);
-      __68.w = (v__87.w+v__88.w);
-    *(float4*)(ps + (i_48 * 4)) = __68;
-  }
-  {
-    bfloat16_t a_local_cast_20[8];
-    for (int i_49 = 0; i_49 < 2; ++i_49) {
-      uint2 __69;
-      float4 v__89 = *(float4*)(part + (i_49 * 4));
-      (reinterpret_cast<__nv_bfloat162*>(&__69))[0] = __float22bfloat162_rn(((float2*)(&v__89))[0]);
-      (reinterpret_cast<__nv_bfloat162*>(&__69))[1] = __float22bfloat162_rn(((float2*)(&v__89))[1]);
-      *(uint2*)(a_local_cast_20 + (i_49 * 4)) = __69;
-    }
-    *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 8192)) = *(uint4*)(a_local_cast_20 + 0);
-  }
-  #pragma unroll
-  for (int i_50 = 0; i_50 < 2; ++i_50) {
-    float broadcast_var_10 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
-    float4 __70;
-    float4 __71;
-      float4 __72;
-        float4 v__90 = *(float4*)(xk_1 + (i_50 * 4));
-        float condval_12;
-        if ((run[0] == -CUDART_INF_F)) {
-          condval_12 = 0x0p+0f/*0.000000e+00*/;
-        } else {
-          condval_12 = run[0];
-        }
-        float4 v__91 = make_float4(condval_12, condval_12, condval_12, condval_12);
-        __72.x = (v__90.x-v__91.x);
-        __72.y = (v__90.y-v__91.y);
-        __72.z = (v__90.z-v__91.z);
-        __72.w = (v__90.w-v__91.w);
-      float4 v__92 = make_float4(broadcast_var_10, broadcast_var_10, broadcast_var_10, broadcast_var_10);
-      __71.x = (__72.x*v__92.x);
-      __71.y = (__72.y*v__92.y);
-      __71.z = (__72.z*v__92.z);
-      __71.w = (__72.w*v__92.w);
-    __70.x = exp2f(__71.x);
-    __70.y = exp2f(__71.y);
-    __70.z = exp2f(__71.z);
-    __70.w = exp2f(__71.w);
-    *(float4*)(part + (i_50 * 4)) = __70;
-    float4 __73;
-      float4 v__93 = *(float4*)(ps + (i_50 * 4));
-      float4 v__94 = *(float4*)(part + (i_50 * 4));
-      __73.x = (v__93.x+v__94.x);
-      __73.y = (v__93.y+v__94.y);
-      __73.z = (v__93.z+v__94.z);
-      __73.w = (v__93.w+v__94.w);
-    *(float4*)(ps + (i_50 * 4)) = __73;
-  }
-  {
-    bfloat16_t a_local_cast_21[8];
-    for (int i_51 = 0; i_51 < 2; ++i_51) {
-      uint2 __74;
-      float4 v__95 = *(float4*)(part + (i_51 * 4));
-      (reinterpret_cast<__nv_bfloat162*>(&__74))[0] = __float22bfloat162_rn(((float2*)(&v__95))[0]);
-      (reinterpret_cast<__nv_bfloat162*>(&__74))[1] = __float22bfloat162_rn(((float2*)(&v__95))[1]);
-      *(uint2*)(a_local_cast_21 + (i_51 * 4)) = __74;
-    }
-    *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 9216)) = *(uint4*)(a_local_cast_21 + 0);
-  }
-  #pragma unroll
-  for (int i_52 = 0; i_52 < 2; ++i_52) {
-    float broadcast_var_11 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
-    float4 __75;
-    float4 __76;
-      float4 __77;
-        float4 v__96 = *(float4*)(xk_2 + (i_52 * 4));
-        float condval_13;
-        if ((run[0] == -CUDART_INF_F)) {
-          condval_13 = 0x0p+0f/*0.000000e+00*/;
-        } else {
-          condval_13 = run[0];
-        }
-        float4 v__97 = make_float4(condval_13, condval_13, condval_13, condval_13);
-        __77.x = (v__96.x-v__97.x);
-        __77.y = (v__96.y-v__97.y);
-        __77.z = (v__96.z-v__97.z);
-        __77.w = (v__96.w-v__97.w);
-      float4 v__98 = make_float4(broadcast_var_11, broadcast_var_11, broadcast_var_11, broadcast_var_11);
-      __76.x = (__77.x*v__98.x);
-      __76.y = (__77.y*v__98.y);
-      __76.z = (__77.z*v__98.z);
-      __76.w = (__77.w*v__98.w);
-    __75.x = exp2f(__76.x);
-    __75.y = exp2f(__76.y);
-    __75.z = exp2f(__76.z);
-    __75.w = exp2f(__76.w);
-    *(float4*)(part + (i_52 * 4)) = __75;
-    float4 __78;
-      float4 v__99 = *(float4*)(ps + (i_52 * 4));
-      float4 v__100 = *(float4*)(part + (i_52 * 4));
-      __78.x = (v__99.x+v__100.x);
-      __78.y = (v__99.y+v__100.y);
-      __78.z = (v__99.z+v__100.z);
-      __78.w = (v__99.w+v__100.w);
-    *(float4*)(ps + (i_52 * 4)) = __78;
-  }
-  {
-    bfloat16_t a_local_cast_22[8];
-    for (int i_53 = 0; i_53 < 2; ++i_53) {
-      uint2 __79;
-      float4 v__101 = *(float4*)(part + (i_53 * 4));
-      (reinterpret_cast<__nv_bfloat162*>(&__79))[0] = __float22bfloat162_rn(((float2*)(&v__101))[0]);
-      (reinterpret_cast<__nv_bfloat162*>(&__79))[1] = __float22bfloat162_rn(((float2*)(&v__101))[1]);
-      *(uint2*)(a_local_cast_22 + (i_53 * 4)) = __79;
-    }
-    *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 10240)) = *(uint4*)(a_local_cast_22 + 0);
-  }
-  #pragma unroll
-  for (int i_54 = 0; i_54 < 2; ++i_54) {
-    float broadcast_var_12 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
-    float4 __80;
-    float4 __81;
-      float4 __82;
-        float4 v__102 = *(float4*)(xk_3 + (i_54 * 4));
-        float condval_14;
-        if ((run[0] == -CUDART_INF_F)) {
-          condval_14 = 0x0p+0f/*0.000000e+00*/;
-        } else {
-          condval_14 = run[0];
-        }
-        float4 v__103 = make_float4(condval_14, condval_14, condval_14, condval_14);
-        __82.x = (v__102.x-v__103.x);
-        __82.y = (v__102.y-v__103.y);
-        __82.z = (v__102.z-v__103.z);
-        __82.w = (v__102.w-v__103.w);
-      float4 v__104 = make_float4(broadcast_var_12, broadcast_var_12, broadcast_var_12, broadcast_var_12);
-      __81.x = (__82.x*v__104.x);
-      __81.y = (__82.y*v__104.y);
-      __81.z = (__82.z*v__104.z);
-      __81.w = (__82.w*v__104.w);
-    __80.x = exp2f(__81.x);
-    __80.y = exp2f(__81.y);
-    __80.z = exp2f(__81.z);
-    __80.w = exp2f(__81.w);
-    *(float4*)(part + (i_54 * 4)) = __80;
-    float4 __83;
-      float4 v__105 = *(float4*)(ps + (i_54 * 4));
-      float4 v__106 = *(float4*)(part + (i_54 * 4));
-      __83.x = (v__105.x+v__106.x);
-      __83.y = (v__105.y+v__106.y);
-      __83.z = (v__105.z+v__106.z);
-      __83.w = (v__105.w+v__106.w);
-    *(float4*)(ps + (i_54 * 4)) = __83;
-  }
-  {
-    bfloat16_t a_local_cast_23[8];
-    for (int i_55 = 0; i_55 < 2; ++i_55) {
-      uint2 __84;
-      float4 v__107 = *(float4*)(part + (i_55 * 4));
-      (reinterpret_cast<__nv_bfloat162*>(&__84))[0] = __float22bfloat162_rn(((float2*)(&v__107))[0]);
-      (reinterpret_cast<__nv_bfloat162*>(&__84))[1] = __float22bfloat162_rn(((float2*)(&v__107))[1]);
-      *(uint2*)(a_local_cast_23 + (i_55 * 4)) = __84;
-    }
-    *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 11264)) = *(uint4*)(a_local_cast_23 + 0);
-  }
-  bars[3].wait(0);
-  if (tl::tl_shuffle_elect<128>()) {
-    bars[7].expect_transaction(8192);
-    tl::fence_proxy_async();
-    #pragma unroll
-    for (int i_56 = 0; i_56 < 16; ++i_56) {
-      tl::tma_load(X_desc, bars[7], (&(((bfloat16_t*)a)[((i_56 * 256) + 28672)])), ((((((int)blockIdx.x) & 7) * 32768) + (i_56 * 256)) + 28672), (((int)blockIdx.x) >> 3));
-    }
-  }
-  bars[7].arrive();
-  {
-    bfloat16_t a_local_cast_24[8];
-    *(uint4*)(a_local_cast_24 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 12288));
-    for (int i_57 = 0; i_57 < 2; ++i_57) {
-      float4 __85;
-      uint2 v__108 = *(uint2*)(a_local_cast_24 + (i_57 * 4));
-      ((float2*)(&__85))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__108))[0]);
-      ((float2*)(&__85))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__108))[1]);
-      *(float4*)(xk + (i_57 * 4)) = __85;
-    }
-  }
-  {
-    bfloat16_t a_local_cast_25[8];
-    *(uint4*)(a_local_cast_25 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 13312));
-    for (int i_58 = 0; i_58 < 2; ++i_58) {
-      float4 __86;
-      uint2 v__109 = *(uint2*)(a_local_cast_25 + (i_58 * 4));
-      ((float2*)(&__86))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__109))[0]);
-      ((float2*)(&__86))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__109))[1]);
-      *(float4*)(xk_1 + (i_58 * 4)) = __86;
-    }
-  }
-  {
-    bfloat16_t a_local_cast_26[8];
-    *(uint4*)(a_local_cast_26 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 14336));
-    for (int i_59 = 0; i_59 < 2; ++i_59) {
-      float4 __87;
-      uint2 v__110 = *(uint2*)(a_local_cast_26 + (i_59 * 4));
-      ((float2*)(&__87))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__110))[0]);
-      ((float2*)(&__87))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__110))[1]);
-      *(float4*)(xk_2 + (i_59 * 4)) = __87;
-    }
-  }
-  {
-    bfloat16_t a_local_cast_27[8];
-    *(uint4*)(a_local_cast_27 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 15360));
-    for (int i_60 = 0; i_60 < 2; ++i_60) {
-      float4 __88;
-      uint2 v__111 = *(uint2*)(a_local_cast_27 + (i_60 * 4));
-      ((float2*)(&__88))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__111))[0]);
-      ((float2*)(&__88))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__111))[1]);
-      *(float4*)(xk_3 + (i_60 * 4)) = __88;
-    }
-  }
-  #pragma unroll
-  for (int i_61 = 0; i_61 < 2; ++i_61) {
-    *(float4*)(part + (i_61 * 4)) = *(float4*)(xk + (i_61 * 4));
-  }
-  #pragma unroll
-  for (int i_62 = 0; i_62 < 2; ++i_62) {
-    float4 __89;
-      float4 v__112 = *(float4*)(part + (i_62 * 4));
-      float4 v__113 = *(float4*)(xk_1 + (i_62 * 4));
-      __89.x = max(v__112.x, v__113.x);
-      __89.y = max(v__112.y, v__113.y);
-      __89.z = max(v__112.z, v__113.z);
-      __89.w = max(v__112.w, v__113.w);
-    *(float4*)(part + (i_62 * 4)) = __89;
-  }
-  #pragma unroll
-  for (int i_63 = 0; i_63 < 2; ++i_63) {
-    float4 __90;
-      float4 v__114 = *(float4*)(part + (i_63 * 4));
-      float4 v__115 = *(float4*)(xk_2 + (i_63 * 4));
-      __90.x = max(v__114.x, v__115.x);
-      __90.y = max(v__114.y, v__115.y);
-      __90.z = max(v__114.z, v__115.z);
-      __90.w = max(v__114.w, v__115.w);
-    *(float4*)(part + (i_63 * 4)) = __90;
-  }
-  #pragma unroll
-  for (int i_64 = 0; i_64 < 2; ++i_64) {
-    float4 __91;
-      float4 v__116 = *(float4*)(part + (i_64 * 4));
-      float4 v__117 = *(float4*)(xk_3 + (i_64 * 4));
-      __91.x = max(v__116.x, v__117.x);
-      __91.y = max(v__116.y, v__117.y);
-      __91.z = max(v__116.z, v__117.z);
-      __91.w = max(v__116.w, v__117.w);
-    *(float4*)(part + (i_64 * 4)) = __91;
-  }
-  rt[0] = -CUDART_INF_F;
-  #pragma unroll
-  for (int rv_3 = 0; rv_3 < 8; ++rv_3) {
-    rt[0] = max(rt[0], part[rv_3]);
-  }
-  float condval_15;
-  if ((run[0] == -CUDART_INF_F)) {
-    condval_15 = 0x0p+0f/*0.000000e+00*/;
-  } else {
-    condval_15 = exp2f(((run[0] - max(run[0], rt[0])) * 0x1.71547652b82fep+0f/*1.442695e+00*/));
-  }
-  alpha[0] = condval_15;
-  run[0] = max(run[0], rt[0]);
-  em_s_3[0] = run[0];
-  #pragma unroll
-  for (int i_65 = 0; i_65 < 2; ++i_65) {
-    float4 __92;
-      float4 v__118 = *(float4*)(ps + (i_65 * 4));
-      float4 v__119 = make_float4(alpha[0], alpha[0], alpha[0], alpha[0]);
-      __92.x = (v__118.x*v__119.x);
-      __92.y = (v__118.y*v__119.y);
-      __92.z = (v__118.z*v__119.z);
-      __92.w = (v__118.w*v__119.w);
-    *(float4*)(ps + (i_65 * 4)) = __92;
-  }
-  #pragma unroll
-  for (int i_66 = 0; i_66 < 2; ++i_66) {
-    float broadcast_var_13 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
-    float4 __93;
-    float4 __94;
-      float4 __95;
-        float4 v__120 = *(float4*)(xk + (i_66 * 4));
-        float condval_16;
-        if ((run[0] == -CUDART_INF_F)) {
-          condval_16 = 0x0p+0f/*0.000000e+00*/;
-        } else {
-          condval_16 = run[0];
-        }
-        float4 v__121 = make_float4(condval_16, condval_16, condval_16, condval_16);
-        __95.x = (v__120.x-v__121.x);
-        __95.y = (v__120.y-v__121.y);
-        __95.z = (v__120.z-v__121.z);
-        __95.w = (v__120.w-v__121.w);
-      float4 v__122 = make_float4(broadcast_var_13, broadcast_var_13, broadcast_var_13, broadcast_var_13);
-      __94.x = (__95.x*v__122.x);
-      __94.y = (__95.y*v__122.y);
-      __94.z = (__95.z*v__122.z);
-      __94.w = (__95.w*v__122.w);
-    __93.x = exp2f(__94.x);
-    __93.y = exp2f(__94.y);
-    __93.z = exp2f(__94.z);
-    __93.w = exp2f(__94.w);
-    *(float4*)(part + (i_66 * 4)) = __93;
-    float4 __96;
-      float4 v__123 = *(float4*)(ps + (i_66 * 4));
-      float4 v__124 = *(float4*)(part + (i_66 * 4));
-      __96.x = (v__123.x+v__124.x);
-      __96.y = (v__123.y+v__124.y);
-      __96.z = (v__123.z+v__124.z);
-      __96.w = (v__123.w+v__124.w);
-    *(float4*)(ps + (i_66 * 4)) = __96;
-  }
-  {
-    bfloat16_t a_local_cast_28[8];
-    for (int i_67 = 0; i_67 < 2; ++i_67) {
-      uint2 __97;
-      float4 v__125 = *(float4*)(part + (i_67 * 4));
-      (reinterpret_cast<__nv_bfloat162*>(&__97))[0] = __float22bfloat162_rn(((float2*)(&v__125))[0]);
-      (reinterpret_cast<__nv_bfloat162*>(&__97))[1] = __float22bfloat162_rn(((float2*)(&v__125))[1]);
-      *(uint2*)(a_local_cast_28 + (i_67 * 4)) = __97;
-    }
-    *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 12288)) = *(uint4*)(a_local_cast_28 + 0);
-  }
-  #pragma unroll
-  for (int i_68 = 0; i_68 < 2; ++i_68) {
-    float broadcast_var_14 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
-    float4 __98;
-    float4 __99;
-      float4 __100;
-        float4 v__126 = *(float4*)(xk_1 + (i_68 * 4));
-        float condval_17;
-        if ((run[0] == -CUDART_INF_F)) {
-          condval_17 = 0x0p+0f/*0.000000e+00*/;
-        } else {
-          condval_17 = run[0];
-        }
-        float4 v__127 = make_float4(condval_17, condval_17, condval_17, condval_17);
-        __100.x = (v__126.x-v__127.x);
-        __100.y = (v__126.y-v__127.y);
-        __100.z = (v__126.z-v__127.z);
-        __100.w = (v__126.w-v__127.w);
-      float4 v__128 = make_float4(broadcast_var_14, broadcast_var_14, broadcast_var_14, broadcast_var_14);
-      __99.x = (__100.x*v__128.x);
-      __99.y = (__100.y*v__128.y);
-      __99.z = (__100.z*v__128.z);
-      __99.w = (__100.w*v__128.w);
-    __98.x = exp2f(__99.x);
-    __98.y = exp2f(__99.y);
-    __98.z = exp2f(__99.z);
-    __98.w = exp2f(__99.w);
-    *(float4*)(part + (i_68 * 4)) = __98;
-    float4 __101;
-      float4 v__129 = *(float4*)(ps + (i_68 * 4));
-      float4 v__130 = *(float4*)(part + (i_68 * 4));
-      __101.x = (v__129.x+v__130.x);
-      __101.y = (v__129.y+v__130.y);
-      __101.z = (v__129.z+v__130.z);
-      __101.w = (v__129.w+v__130.w);
-    *(float4*)(ps + (i_68 * 4)) = __101;
-  }
-  {
-    bfloat16_t a_local_cast_29[8];
-    for (int i_69 = 0; i_69 < 2; ++i_69) {
-      uint2 __102;
-      float4 v__131 = *(float4*)(part + (i_69 * 4));
-      (reinterpret_cast<__nv_bfloat162*>(&__102))[0] = __float22bfloat162_rn(((float2*)(&v__131))[0]);
-      (reinterpret_cast<__nv_bfloat162*>(&__102))[1] = __float22bfloat162_rn(((float2*)(&v__131))[1]);
-      *(uint2*)(a_local_cast_29 + (i_69 * 4)) = __102;
-    }
-    *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 13312)) = *(uint4*)(a_local_cast_29 + 0);
-  }
-  #pragma unroll
-  for (int i_70 = 0; i_70 < 2; ++i_70) {
-    float broadcast_var_15 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
-    float4 __103;
-    float4 __104;
-      float4 __105;
-        float4 v__132 = *(float4*)(xk_2 + (i_70 * 4));
-        float condval_18;
-        if ((run[0] == -CUDART_INF_F)) {
-          condval_18 = 0x0p+0f/*0.000000e+00*/;
-        } else {
-          condval_18 = run[0];
-        }
-        float4 v__133 = make_float4(condval_18, condval_18, condval_18, condval_18);
-        __105.x = (v__132.x-v__133.x);
-        __105.y = (v__132.y-v__133.y);
-        __105.z = (v__132.z-v__133.z);
-        __105.w = (v__132.w-v__133.w);
-      float4 v__134 = make_float4(broadcast_var_15, broadcast_var_15, broadcast_var_15, broadcast_var_15);
-      __104.x = (__105.x*v__134.x);
-      __104.y = (__105.y*v__134.y);
-      __104.z = (__105.z*v__134.z);
-      __104.w = (__105.w*v__134.w);
-    __103.x = exp2f(__104.x);
-    __103.y = exp2f(__104.y);
-    __103.z = exp2f(__104.z);
-    __103.w = exp2f(__104.w);
-    *(float4*)(part + (i_70 * 4)) = __103;
-    float4 __106;
-      float4 v__135 = *(float4*)(ps + (i_70 * 4));
-      float4 v__136 = *(float4*)(part + (i_70 * 4));
-      __106.x = (v__135.x+v__136.x);
-      __106.y = (v__135.y+v__136.y);
-      __106.z = (v__135.z+v__136.z);
-      __106.w = (v__135.w+v__136.w);
-    *(float4*)(ps + (i_70 * 4)) = __106;
-  }
-  {
-    bfloat16_t a_local_cast_30[8];
-    for (int i_71 = 0; i_71 < 2; ++i_71) {
-      uint2 __107;
-      float4 v__137 = *(float4*)(part + (i_71 * 4));
-      (reinterpret_cast<__nv_bfloat162*>(&__107))[0] = __float22bfloat162_rn(((float2*)(&v__137))[0]);
-      (reinterpret_cast<__nv_bfloat162*>(&__107))[1] = __float22bfloat162_rn(((float2*)(&v__137))[1]);
-      *(uint2*)(a_local_cast_30 + (i_71 * 4)) = __107;
-    }
-    *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 14336)) = *(uint4*)(a_local_cast_30 + 0);
-  }
-  #pragma unroll
-  for (int i_72 = 0; i_72 < 2; ++i_72) {
-    float broadcast_var_16 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
-    float4 __108;
-    float4 __109;
-      float4 __110;
-        float4 v__138 = *(float4*)(xk_3 + (i_72 * 4));
-        float condval_19;
-        if ((run[0] == -CUDART_INF_F)) {
-          condval_19 = 0x0p+0f/*0.000000e+00*/;
-        } else {
-          condval_19 = run[0];
-        }
-        float4 v__139 = make_float4(condval_19, condval_19, condval_19, condval_19);
-        __110.x = (v__138.x-v__139.x);
-        __110.y = (v__138.y-v__139.y);
-        __110.z = (v__138.z-v__139.z);
-        __110.w = (v__138.w-v__139.w);
-      float4 v__140 = make_float4(broadcast_var_16, broadcast_var_16, broadcast_var_16, broadcast_var_16);
-      __109.x = (__110.x*v__140.x);
-      __109.y = (__110.y*v__140.y);
-      __109.z = (__110.z*v__140.z);
-      __109.w = (__110.w*v__140.w);
-    __108.x = exp2f(__109.x);
-    __108.y = exp2f(__109.y);
-    __108.z = exp2f(__109.z);
-    __108.w = exp2f(__109.w);
-    *(float4*)(part + (i_72 * 4)) = __108;
-    float4 __111;
-      float4 v__141 = *(float4*)(ps + (i_72 * 4));
-      float4 v__142 = *(float4*)(part + (i_72 * 4));
-      __111.x = (v__141.x+v__142.x);
-      __111.y = (v__141.y+v__142.y);
-      __111.z = (v__141.z+v__142.z);
-      __111.w = (v__141.w+v__142.w);
-    *(float4*)(ps + (i_72 * 4)) = __111;
-  }
-  {
-    bfloat16_t a_local_cast_31[8];
-    for (int i_73 = 0; i_73 < 2; ++i_73) {
-      uint2 __112;
-      float4 v__143 = *(float4*)(part + (i_73 * 4));
-      (reinterpret_cast<__nv_bfloat162*>(&__112))[0] = __float22bfloat162_rn(((float2*)(&v__143))[0]);
-      (reinterpret_cast<__nv_bfloat162*>(&__112))[1] = __float22bfloat162_rn(((float2*)(&v__143))[1]);
-      *(uint2*)(a_local_cast_31 + (i_73 * 4)) = __112;
-    }
-    *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 15360)) = *(uint4*)(a_local_cast_31 + 0);
-  }
-  bars[4].wait(0);
-  {
-    bfloat16_t a_local_cast_32[8];
-    *(uint4*)(a_local_cast_32 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 16384));
-    for (int i_74 = 0; i_74 < 2; ++i_74) {
-      float4 __113;
-      uint2 v__144 = *(uint2*)(a_local_cast_32 + (i_74 * 4));
-      ((float2*)(&__113))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__144))[0]);
-      ((float2*)(&__113))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__144))[1]);
-      *(float4*)(xk + (i_74 * 4)) = __113;
-    }
-  }
-  {
-    bfloat16_t a_local_cast_33[8];
-    *(uint4*)(a_local_cast_33 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 17408));
-    for (int i_75 = 0; i_75 < 2; ++i_75) {
-      float4 __114;
-      uint2 v__145 = *(uint2*)(a_local_cast_33 + (i_75 * 4));
-      ((float2*)(&__114))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__145))[0]);
-      ((float2*)(&__114))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__145))[1]);
-      *(float4*)(xk_1 + (i_75 * 4)) = __114;
-    }
-  }
-  {
-    bfloat16_t a_local_cast_34[8];
-    *(uint4*)(a_local_cast_34 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 18432));
-    for (int i_76 = 0; i_76 < 2; ++i_76) {
-      float4 __115;
-      uint2 v__146 = *(uint2*)(a_local_cast_34 + (i_76 * 4));
-      ((float2*)(&__115))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__146))[0]);
-      ((float2*)(&__115))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__146))[1]);
-      *(float4*)(xk_2 + (i_76 * 4)) = __115;
-    }
-  }
-  {
-    bfloat16_t a_local_cast_35[8];
-    *(uint4*)(a_local_cast_35 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 19456));
-    for (int i_77 = 0; i_77 < 2; ++i_77) {
-      float4 __116;
-      uint2 v__147 = *(uint2*)(a_local_cast_35 + (i_77 * 4));
-      ((float2*)(&__116))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__147))[0]);
-      ((float2*)(&__116))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__147))[1]);
-      *(float4*)(xk_3 + (i_77 * 4)) = __116;
-    }
-  }
-  #pragma unroll
-  for (int i_78 = 0; i_78 < 2; ++i_78) {
-    *(float4*)(part + (i_78 * 4)) = *(float4*)(xk + (i_78 * 4));
-  }
-  #pragma unroll
-  for (int i_79 = 0; i_79 < 2; ++i_79) {
-    float4 __117;
-      float4 v__148 = *(float4*)(part + (i_79 * 4));
-      float4 v__149 = *(float4*)(xk_1 + (i_79 * 4));
-      __117.x = max(v__148.x, v__149.x);
-      __117.y = max(v__148.y, v__149.y);
-      __117.z = max(v__148.z, v__149.z);
-      __117.w = max(v__148.w, v__149.w);
-    *(float4*)(part + (i_79 * 4)) = __117;
-  }
-  #pragma unroll
-  for (int i_80 = 0; i_80 < 2; ++i_80) {
-    float4 __118;
-      float4 v__150 = *(float4*)(part + (i_80 * 4));
-      float4 v__151 = *(float4*)(xk_2 + (i_80 * 4));
-      __118.x = max(v__150.x, v__151.x);
-      __118.y = max(v__150.y, v__151.y);
-      __118.z = max(v__150.z, v__151.z);
-      __118.w = max(v__150.w, v__151.w);
-    *(float4*)(part + (i_80 * 4)) = __118;
-  }
-  #pragma unroll
-  for (int i_81 = 0; i_81 < 2; ++i_81) {
-    float4 __119;
-      float4 v__152 = *(float4*)(part + (i_81 * 4));
-      float4 v__153 = *(float4*)(xk_3 + (i_81 * 4));
-      __119.x = max(v__152.x, v__153.x);
-      __119.y = max(v__152.y, v__153.y);
-      __119.z = max(v__152.z, v__153.z);
-      __119.w = max(v__152.w, v__153.w);
-    *(float4*)(part + (i_81 * 4)) = __119;
-  }
-  rt[0] = -CUDART_INF_F;
-  #pragma unroll
-  for (int rv_4 = 0; rv_4 < 8; ++rv_4) {
-    rt[0] = max(rt[0], part[rv_4]);
-  }
-  float condval_20;
-  if ((run[0] == -CUDART_INF_F)) {
-    condval_20 = 0x0p+0f/*0.000000e+00*/;
-  } else {
-    condval_20 = exp2f(((run[0] - max(run[0], rt[0])) * 0x1.71547652b82fep+0f/*1.442695e+00*/));
-  }
-  alpha[0] = condval_20;
-  run[0] = max(run[0], rt[0]);
-  em_s_4[0] = run[0];
-  #pragma unroll
-  for (int i_82 = 0; i_82 < 2; ++i_82) {
-    float4 __120;
-      float4 v__154 = *(float4*)(ps + (i_82 * 4));
-      float4 v__155 = make_float4(alpha[0], alpha[0], alpha[0], alpha[0]);
-      __120.x = (v__154.x*v__155.x);
-      __120.y = (v__154.y*v__155.y);
-      __120.z = (v__154.z*v__155.z);
-      __120.w = (v__154.w*v__155.w);
-    *(float4*)(ps + (i_82 * 4)) = __120;
-  }
-  #pragma unroll
-  for (int i_83 = 0; i_83 < 2; ++i_83) {
-    float broadcast_var_17 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
-    float4 __121;
-    float4 __122;
-      float4 __123;
-        float4 v__156 = *(float4*)(xk + (i_83 * 4));
-        float condval_21;
-        if ((run[0] == -CUDART_INF_F)) {
-          condval_21 = 0x0p+0f/*0.000000e+00*/;
-        } else {
-          condval_21 = run[0];
-        }
-        float4 v__157 = make_float4(condval_21, condval_21, condval_21, condval_21);
-        __123.x = (v__156.x-v__157.x);
-        __123.y = (v__156.y-v__157.y);
-        __123.z = (v__156.z-v__157.z);
-        __123.w = (v__156.w-v__157.w);
-      float4 v__158 = make_float4(broadcast_var_17, broadcast_var_17, broadcast_var_17, broadcast_var_17);
-      __122.x = (__123.x*v__158.x);
-      __122.y = (__123.y*v__158.y);
-      __122.z = (__123.z*v__158.z);
-      __122.w = (__123.w*v__158.w);
-    __121.x = exp2f(__122.x);
-    __121.y = exp2f(__122.y);
-    __121.z = exp2f(__122.z);
-    __121.w = exp2f(__122.w);
-    *(float4*)(part + (i_83 * 4)) = __121;
-    float4 __124;
-      float4 v__159 = *(float4*)(ps + (i_83 * 4));
-      float4 v__160 = *(float4*)(part + (i_83 * 4));
-      __124.x = (v__159.x+v__160.x);
-      __124.y = (v__159.y+v__160.y);
-      __124.z = (v__159.z+v__160.z);
-      __124.w = (v__159.w+v__160.w);
-    *(float4*)(ps + (i_83 * 4)) = __124;
-  }
-  {
-    bfloat16_t a_local_cast_36[8];
-    for (int i_84 = 0; i_84 < 2; ++i_84) {
-      uint2 __125;
-      float4 v__161 = *(float4*)(part + (i_84 * 4));
-      (reinterpret_cast<__nv_bfloat162*>(&__125))[0] = __float22bfloat162_rn(((float2*)(&v__161))[0]);
-      (reinterpret_cast<__nv_bfloat162*>(&__125))[1] = __float22bfloat162_rn(((float2*)(&v__161))[1]);
-      *(uint2*)(a_local_cast_36 + (i_84 * 4)) = __125;
-    }
-    *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 16384)) = *(uint4*)(a_local_cast_36 + 0);
-  }
-  #pragma unroll
-  for (int i_85 = 0; i_85 < 2; ++i_85) {
-    float broadcast_var_18 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
-    float4 __126;
-    float4 __127;
-      float4 __128;
-        float4 v__162 = *(float4*)(xk_1 + (i_85 * 4));
-        float condval_22;
-        if ((run[0] == -CUDART_INF_F)) {
-          condval_22 = 0x0p+0f/*0.000000e+00*/;
-        } else {
-          condval_22 = run[0];
-        }
-        float4 v__163 = make_float4(condval_22, condval_22, condval_22, condval_22);
-        __128.x = (v__162.x-v__163.x);
-        __128.y = (v__162.y-v__163.y);
-        __128.z = (v__162.z-v__163.z);
-        __128.w = (v__162.w-v__163.w);
-      float4 v__164 = make_float4(broadcast_var_18, broadcast_var_18, broadcast_var_18, broadcast_var_18);
-      __127.x = (__128.x*v__164.x);
-      __127.y = (__128.y*v__164.y);
-      __127.z = (__128.z*v__164.z);
-      __127.w = (__128.w*v__164.w);
-    __126.x = exp2f(__127.x);
-    __126.y = exp2f(__127.y);
-    __126.z = exp2f(__127.z);
-    __126.w = exp2f(__127.w);
-    *(float4*)(part + (i_85 * 4)) = __126;
-    float4 __129;
-      float4 v__165 = *(float4*)(ps + (i_85 * 4));
-      float4 v__166 = *(float4*)(part + (i_85 * 4));
-      __129.x = (v__165.x+v__166.x);
-      __129.y = (v__165.y+v__166.y);
-      __129.z = (v__165.z+v__166.z);
-      __129.w = (v__165.w+v__166.w);
-    *(float4*)(ps + (i_85 * 4)) = __129;
-  }
-  {
-    bfloat16_t a_local_cast_37[8];
-    for (int i_86 = 0; i_86 < 2; ++i_86) {
-      uint2 __130;
-      float4 v__167 = *(float4*)(part + (i_86 * 4));
-      (reinterpret_cast<__nv_bfloat162*>(&__130))[0] = __float22bfloat162_rn(((float2*)(&v__167))[0]);
-      (reinterpret_cast<__nv_bfloat162*>(&__130))[1] = __float22bfloat162_rn(((float2*)(&v__167))[1]);
-      *(uint2*)(a_local_cast_37 + (i_86 * 4)) = __130;
-    }
-    *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 17408)) = *(uint4*)(a_local_cast_37 + 0);
-  }
-  #pragma unroll
-  for (int i_87 = 0; i_87 < 2; ++i_87) {
-    float broadcast_var_19 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
-    float4 __131;
-    float4 __132;
-      float4 __133;
-        float4 v__168 = *(float4*)(xk_2 + (i_87 * 4));
-        float condval_23;
-        if ((run[0] == -CUDART_INF_F)) {
-          condval_23 = 0x0p+0f/*0.000000e+00*/;
-        } else {
-          condval_23 = run[0];
-        }
-        float4 v__169 = make_float4(condval_23, condval_23, condval_23, condval_23);
-        __133.x = (v__168.x-v__169.x);
-        __133.y = (v__168.y-v__169.y);
-        __133.z = (v__168.z-v__169.z);
-        __133.w = (v__168.w-v__169.w);
-      float4 v__170 = make_float4(broadcast_var_19, broadcast_var_19, broadcast_var_19, broadcast_var_19);
-      __132.x = (__133.x*v__170.x);
-      __132.y = (__133.y*v__170.y);
-      __132.z = (__133.z*v__170.z);
-      __132.w = (__133.w*v__170.w);
-    __131.x = exp2f(__132.x);
-    __131.y = exp2f(__132.y);
-    __131.z = exp2f(__132.z);
-    __131.w = exp2f(__132.w);
-    *(float4*)(part + (i_87 * 4)) = __131;
-    float4 __134;
-      float4 v__171 = *(float4*)(ps + (i_87 * 4));
-      float4 v__172 = *(float4*)(part + (i_87 * 4));
-      __134.x = (v__171.x+v__172.x);
-      __134.y = (v__171.y+v__172.y);
-      __134.z = (v__171.z+v__172.z);
-      __134.w = (v__171.w+v__172.w);
-    *(float4*)(ps + (i_87 * 4)) = __134;
-  }
-  {
-    bfloat16_t a_local_cast_38[8];
-    for (int i_88 = 0; i_88 < 2; ++i_88) {
-      uint2 __135;
-      float4 v__173 = *(float4*)(part + (i_88 * 4));
-      (reinterpret_cast<__nv_bfloat162*>(&__135))[0] = __float22bfloat162_rn(((float2*)(&v__173))[0]);
-      (reinterpret_cast<__nv_bfloat162*>(&__135))[1] = __float22bfloat162_rn(((float2*)(&v__173))[1]);
-      *(uint2*)(a_local_cast_38 + (i_88 * 4)) = __135;
-    }
-    *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 18432)) = *(uint4*)(a_local_cast_38 + 0);
-  }
-  #pragma unroll
-  for (int i_89 = 0; i_89 < 2; ++i_89) {
-    float broadcast_var_20 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
-    float4 __136;
-    float4 __137;
-      float4 __138;
-        float4 v__174 = *(float4*)(xk_3 + (i_89 * 4));
-        float condval_24;
-        if ((run[0] == -CUDART_INF_F)) {
-          condval_24 = 0x0p+0f/*0.000000e+00*/;
-        } else {
-          condval_24 = run[0];
-        }
-        float4 v__175 = make_float4(condval_24, condval_24, condval_24, condval_24);
-        __138.x = (v__174.x-v__175.x);
-        __138.y = (v__174.y-v__175.y);
-        __138.z = (v__174.z-v__175.z);
-        __138.w = (v__174.w-v__175.w);
-      float4 v__176 = make_float4(broadcast_var_20, broadcast_var_20, broadcast_var_20, broadcast_var_20);
-      __137.x = (__138.x*v__176.x);
-      __137.y = (__138.y*v__176.y);
-      __137.z = (__138.z*v__176.z);
-      __137.w = (__138.w*v__176.w);
-    __136.x = exp2f(__137.x);
-    __136.y = exp2f(__137.y);
-    __136.z = exp2f(__137.z);
-    __136.w = exp2f(__137.w);
-    *(float4*)(part + (i_89 * 4)) = __136;
-    float4 __139;
-      float4 v__177 = *(float4*)(ps + (i_89 * 4));
-      float4 v__178 = *(float4*)(part + (i_89 * 4));
-      __139.x = (v__177.x+v__178.x);
-      __139.y = (v__177.y+v__178.y);
-      __139.z = (v__177.z+v__178.z);
-      __139.w = (v__177.w+v__178.w);
-    *(float4*)(ps + (i_89 * 4)) = __139;
-  }
-  {
-    bfloat16_t a_local_cast_39[8];
-    for (int i_90 = 0; i_90 < 2; ++i_90) {
-      uint2 __140;
-      float4 v__179 = *(float4*)(part + (i_90 * 4));
-      (reinterpret_cast<__nv_bfloat162*>(&__140))[0] = __float22bfloat162_rn(((float2*)(&v__179))[0]);
-      (reinterpret_cast<__nv_bfloat162*>(&__140))[1] = __float22bfloat162_rn(((float2*)(&v__179))[1]);
-      *(uint2*)(a_local_cast_39 + (i_90 * 4)) = __140;
-    }
-    *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 19456)) = *(uint4*)(a_local_cast_39 + 0);
-  }
-  bars[5].wait(0);
-  {
-    bfloat16_t a_local_cast_40[8];
-    *(uint4*)(a_local_cast_40 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 20480));
-    for (int i_91 = 0; i_91 < 2; ++i_91) {
-      float4 __141;
-      uint2 v__180 = *(uint2*)(a_local_cast_40 + (i_91 * 4));
-      ((float2*)(&__141))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__180))[0]);
-      ((float2*)(&__141))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__180))[1]);
-      *(float4*)(xk + (i_91 * 4)) = __141;
-    }
-  }
-  {
-    bfloat16_t a_local_cast_41[8];
-    *(uint4*)(a_local_cast_41 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 21504));
-    for (int i_92 = 0; i_92 < 2; ++i_92) {
-      float4 __142;
-      uint2 v__181 = *(uint2*)(a_local_cast_41 + (i_92 * 4));
-      ((float2*)(&__142))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__181))[0]);
-      ((float2*)(&__142))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__181))[1]);
-      *(float4*)(xk_1 + (i_92 * 4)) = __142;
-    }
-  }
-  {
-    bfloat16_t a_local_cast_42[8];
-    *(uint4*)(a_local_cast_42 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 22528));
-    for (int i_93 = 0; i_93 < 2; ++i_93) {
-      float4 __143;
-      uint2 v__182 = *(uint2*)(a_local_cast_42 + (i_93 * 4));
-      ((float2*)(&__143))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__182))[0]);
-      ((float2*)(&__143))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__182))[1]);
-      *(float4*)(xk_2 + (i_93 * 4)) = __143;
-    }
-  }
-  {
-    bfloat16_t a_local_cast_43[8];
-    *(uint4*)(a_local_cast_43 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 23552));
-    for (int i_94 = 0; i_94 < 2; ++i_94) {
-      float4 __144;
-      uint2 v__183 = *(uint2*)(a_local_cast_43 + (i_94 * 4));
-      ((float2*)(&__144))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__183))[0]);
-      ((float2*)(&__144))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__183))[1]);
-      *(float4*)(xk_3 + (i_94 * 4)) = __144;
-    }
-  }
-  #pragma unroll
-  for (int i_95 = 0; i_95 < 2; ++i_95) {
-    *(float4*)(part + (i_95 * 4)) = *(float4*)(xk + (i_95 * 4));
-  }
-  #pragma unroll
-  for (int i_96 = 0; i_96 < 2; ++i_96) {
-    float4 __145;
-      float4 v__184 = *(float4*)(part + (i_96 * 4));
-      float4 v__185 = *(float4*)(xk_1 + (i_96 * 4));
-      __145.x = max(v__184.x, v__185.x);
-      __145.y = max(v__184.y, v__185.y);
-      __145.z = max(v__184.z, v__185.z);
-      __145.w = max(v__184.w, v__185.w);
-    *(float4*)(part + (i_96 * 4)) = __145;
-  }
-  #pragma unroll
-  for (int i_97 = 0; i_97 < 2; ++i_97) {
-    float4 __146;
-      float4 v__186 = *(float4*)(part + (i_97 * 4));
-      float4 v__187 = *(float4*)(xk_2 + (i_97 * 4));
-      __146.x = max(v__186.x, v__187.x);
-      __146.y = max(v__186.y, v__187.y);
-      __146.z = max(v__186.z, v__187.z);
-      __146.w = max(v__186.w, v__187.w);
-    *(float4*)(part + (i_97 * 4)) = __146;
-  }
-  #pragma unroll
-  for (int i_98 = 0; i_98 < 2; ++i_98) {
-    float4 __147;
-      float4 v__188 = *(float4*)(part + (i_98 * 4));
-      float4 v__189 = *(float4*)(xk_3 + (i_98 * 4));
-      __147.x = max(v__188.x, v__189.x);
-      __147.y = max(v__188.y, v__189.y);
-      __147.z = max(v__188.z, v__189.z);
-      __147.w = max(v__188.w, v__189.w);
-    *(float4*)(part + (i_98 * 4)) = __147;
-  }
-  rt[0] = -CUDART_INF_F;
-  #pragma unroll
-  for (int rv_5 = 0; rv_5 < 8; ++rv_5) {
-    rt[0] = max(rt[0], part[rv_5]);
-  }
-  float condval_25;
-  if ((run[0] == -CUDART_INF_F)) {
-    condval_25 = 0x0p+0f/*0.000000e+00*/;
-  } else {
-    condval_25 = exp2f(((run[0] - max(run[0], rt[0])) * 0x1.71547652b82fep+0f/*1.442695e+00*/));
-  }
-  alpha[0] = condval_25;
-  run[0] = max(run[0], rt[0]);
   em_s_5[0] = run[0];
+  float condval_11;
+  if ((run[0] == -CUDART_INF_F)) {
+    condval_11 = 0x0p+0f/*0.000000e+00*/;
+  } else {
+    condval_11 = run[0];
+  }
+  ml[0] = (condval_11 * 0x1.71547652b82fep+0f/*1.442695e+00*/);
   #pragma unroll
-  for (int i_99 = 0; i_99 < 2; ++i_99) {
+  for (int i_102 = 0; i_102 < 2; ++i_102) {
     float4 __148;
-      float4 v__190 = *(float4*)(ps + (i_99 * 4));
+      float4 v__190 = *(float4*)(ps + (i_102 * 4));
       float4 v__191 = make_float4(alpha[0], alpha[0], alpha[0], alpha[0]);
       __148.x = (v__190.x*v__191.x);
       __148.y = (v__190.y*v__191.y);
       __148.z = (v__190.z*v__191.z);
       __148.w = (v__190.w*v__191.w);
-    *(float4*)(ps + (i_99 * 4)) = __148;
+    *(float4*)(ps + (i_102 * 4)) = __148;
   }
   #pragma unroll
-  for (int i_100 = 0; i_100 < 2; ++i_100) {
+  for (int i_103 = 0; i_103 < 2; ++i_103) {
     float broadcast_var_21 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
     float4 __149;
     float4 __150;
       float4 __151;
-        float4 v__192 = *(float4*)(xk + (i_100 * 4));
-        float condval_26;
-        if ((run[0] == -CUDART_INF_F)) {
-          condval_26 = 0x0p+0f/*0.000000e+00*/;
-        } else {
-          condval_26 = run[0];
-        }
-        float4 v__193 = make_float4(condval_26, condval_26, condval_26, condval_26);
-        __151.x = (v__192.x-v__193.x);
-        __151.y = (v__192.y-v__193.y);
-        __151.z = (v__192.z-v__193.z);
-        __151.w = (v__192.w-v__193.w);
-      float4 v__194 = make_float4(broadcast_var_21, broadcast_var_21, broadcast_var_21, broadcast_var_21);
-      __150.x = (__151.x*v__194.x);
-      __150.y = (__151.y*v__194.y);
-      __150.z = (__151.z*v__194.z);
-      __150.w = (__151.w*v__194.w);
+        float4 v__192 = *(float4*)(xk + (i_103 * 4));
+        float4 v__193 = make_float4(broadcast_var_21, broadcast_var_21, broadcast_var_21, broadcast_var_21);
+        __151.x = (v__192.x*v__193.x);
+        __151.y = (v__192.y*v__193.y);
+        __151.z = (v__192.z*v__193.z);
+        __151.w = (v__192.w*v__193.w);
+      float4 v__194 = make_float4(ml[0], ml[0], ml[0], ml[0]);
+      __150.x = (__151.x-v__194.x);
+      __150.y = (__151.y-v__194.y);
+      __150.z = (__151.z-v__194.z);
+      __150.w = (__151.w-v__194.w);
     __149.x = exp2f(__150.x);
     __149.y = exp2f(__150.y);
     __149.z = exp2f(__150.z);
     __149.w = exp2f(__150.w);
-    *(float4*)(part + (i_100 * 4)) = __149;
+    *(float4*)(part + (i_103 * 4)) = __149;
     float4 __152;
-      float4 v__195 = *(float4*)(ps + (i_100 * 4));
-      float4 v__196 = *(float4*)(part + (i_100 * 4));
+      float4 v__195 = *(float4*)(ps + (i_103 * 4));
+      float4 v__196 = *(float4*)(part + (i_103 * 4));
       __152.x = (v__195.x+v__196.x);
       __152.y = (v__195.y+v__196.y);
       __152.z = (v__195.z+v__196.z);
       __152.w = (v__195.w+v__196.w);
-    *(float4*)(ps + (i_100 * 4)) = __152;
+    *(float4*)(ps + (i_103 * 4)) = __152;
   }
   {
     bfloat16_t a_local_cast_44[8];
-    for (int i_101 = 0; i_101 < 2; ++i_101) {
+    for (int i_104 = 0; i_104 < 2; ++i_104) {
       uint2 __153;
-      float4 v__197 = *(float4*)(part + (i_101 * 4));
+      float4 v__197 = *(float4*)(part + (i_104 * 4));
       (reinterpret_cast<__nv_bfloat162*>(&__153))[0] = __float22bfloat162_rn(((float2*)(&v__197))[0]);
       (reinterpret_cast<__nv_bfloat162*>(&__153))[1] = __float22bfloat162_rn(((float2*)(&v__197))[1]);
-      *(uint2*)(a_local_cast_44 + (i_101 * 4)) = __153;
+      *(uint2*)(a_local_cast_44 + (i_104 * 4)) = __153;
     }
     *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 20480)) = *(uint4*)(a_local_cast_44 + 0);
   }
   #pragma unroll
-  for (int i_102 = 0; i_102 < 2; ++i_102) {
+  for (int i_105 = 0; i_105 < 2; ++i_105) {
     float broadcast_var_22 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
     float4 __154;
     float4 __155;
       float4 __156;
-        float4 v__198 = *(float4*)(xk_1 + (i_102 * 4));
-        float condval_27;
-        if ((run[0] == -CUDART_INF_F)) {
-          condval_27 = 0x0p+0f/*0.000000e+00*/;
-        } else {
-          condval_27 = run[0];
-        }
-        float4 v__199 = make_float4(condval_27, condval_27, condval_27, condval_27);
-        __156.x = (v__198.x-v__199.x);
-        __156.y = (v__198.y-v__199.y);
-        __156.z = (v__198.z-v__199.z);
-        __156.w = (v__198.w-v__199.w);
-      float4 v__200 = make_float4(broadcast_var_22, broadcast_var_22, broadcast_var_22, broadcast_var_22);
-      __155.x = (__156.x*v__200.x);
-      __155.y = (__156.y*v__200.y);
-      __155.z = (__156.z*v__200.z);
-      __155.w = (__156.w*v__200.w);
+        float4 v__198 = *(float4*)(xk_1 + (i_105 * 4));
+        float4 v__199 = make_float4(broadcast_var_22, broadcast_var_22, broadcast_var_22, broadcast_var_22);
+        __156.x = (v__198.x*v__199.x);
+        __156.y = (v__198.y*v__199.y);
+        __156.z = (v__198.z*v__199.z);
+        __156.w = (v__198.w*v__199.w);
+      float4 v__200 = make_float4(ml[0], ml[0], ml[0], ml[0]);
+      __155.x = (__156.x-v__200.x);
+      __155.y = (__156.y-v__200.y);
+      __155.z = (__156.z-v__200.z);
+      __155.w = (__156.w-v__200.w);
     __154.x = exp2f(__155.x);
     __154.y = exp2f(__155.y);
     __154.z = exp2f(__155.z);
     __154.w = exp2f(__155.w);
-    *(float4*)(part + (i_102 * 4)) = __154;
+    *(float4*)(part + (i_105 * 4)) = __154;
     float4 __157;
-      float4 v__201 = *(float4*)(ps + (i_102 * 4));
-      float4 v__202 = *(float4*)(part + (i_102 * 4));
+      float4 v__201 = *(float4*)(ps + (i_105 * 4));
+      float4 v__202 = *(float4*)(part + (i_105 * 4));
       __157.x = (v__201.x+v__202.x);
       __157.y = (v__201.y+v__202.y);
       __157.z = (v__201.z+v__202.z);
       __157.w = (v__201.w+v__202.w);
-    *(float4*)(ps + (i_102 * 4)) = __157;
+    *(float4*)(ps + (i_105 * 4)) = __157;
   }
   {
     bfloat16_t a_local_cast_45[8];
-    for (int i_103 = 0; i_103 < 2; ++i_103) {
+    for (int i_106 = 0; i_106 < 2; ++i_106) {
       uint2 __158;
-      float4 v__203 = *(float4*)(part + (i_103 * 4));
+      float4 v__203 = *(float4*)(part + (i_106 * 4));
       (reinterpret_cast<__nv_bfloat162*>(&__158))[0] = __float22bfloat162_rn(((float2*)(&v__203))[0]);
       (reinterpret_cast<__nv_bfloat162*>(&__158))[1] = __float22bfloat162_rn(((float2*)(&v__203))[1]);
-      *(uint2*)(a_local_cast_45 + (i_103 * 4)) = __158;
+      *(uint2*)(a_local_cast_45 + (i_106 * 4)) = __158;
     }
     *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 21504)) = *(uint4*)(a_local_cast_45 + 0);
   }
   #pragma unroll
-  for (int i_104 = 0; i_104 < 2; ++i_104) {
+  for (int i_107 = 0; i_107 < 2; ++i_107) {
     float broadcast_var_23 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
     float4 __159;
     float4 __160;
       float4 __161;
-        float4 v__204 = *(float4*)(xk_2 + (i_104 * 4));
-        float condval_28;
-        if ((run[0] == -CUDART_INF_F)) {
-          condval_28 = 0x0p+0f/*0.000000e+00*/;
-        } else {
-          condval_28 = run[0];
-        }
-        float4 v__205 = make_float4(condval_28, condval_28, condval_28, condval_28);
-        __161.x = (v__204.x-v__205.x);
-        __161.y = (v__204.y-v__205.y);
-        __161.z = (v__204.z-v__205.z);
-        __161.w = (v__204.w-v__205.w);
-      float4 v__206 = make_float4(broadcast_var_23, broadcast_var_23, broadcast_var_23, broadcast_var_23);
-      __160.x = (__161.x*v__206.x);
-      __160.y = (__161.y*v__206.y);
-      __160.z = (__161.z*v__206.z);
-      __160.w = (__161.w*v__206.w);
+        float4 v__204 = *(float4*)(xk_2 + (i_107 * 4));
+        float4 v__205 = make_float4(broadcast_var_23, broadcast_var_23, broadcast_var_23, broadcast_var_23);
+        __161.x = (v__204.x*v__205.x);
+        __161.y = (v__204.y*v__205.y);
+        __161.z = (v__204.z*v__205.z);
+        __161.w = (v__204.w*v__205.w);
+      float4 v__206 = make_float4(ml[0], ml[0], ml[0], ml[0]);
+      __160.x = (__161.x-v__206.x);
+      __160.y = (__161.y-v__206.y);
+      __160.z = (__161.z-v__206.z);
+      __160.w = (__161.w-v__206.w);
     __159.x = exp2f(__160.x);
     __159.y = exp2f(__160.y);
     __159.z = exp2f(__160.z);
     __159.w = exp2f(__160.w);
-    *(float4*)(part + (i_104 * 4)) = __159;
+    *(float4*)(part + (i_107 * 4)) = __159;
     float4 __162;
-      float4 v__207 = *(float4*)(ps + (i_104 * 4));
-      float4 v__208 = *(float4*)(part + (i_104 * 4));
+      float4 v__207 = *(float4*)(ps + (i_107 * 4));
+      float4 v__208 = *(float4*)(part + (i_107 * 4));
       __162.x = (v__207.x+v__208.x);
       __162.y = (v__207.y+v__208.y);
       __162.z = (v__207.z+v__208.z);
       __162.w = (v__207.w+v__208.w);
-    *(float4*)(ps + (i_104 * 4)) = __162;
+    *(float4*)(ps + (i_107 * 4)) = __162;
   }
   {
     bfloat16_t a_local_cast_46[8];
-    for (int i_105 = 0; i_105 < 2; ++i_105) {
+    for (int i_108 = 0; i_108 < 2; ++i_108) {
       uint2 __163;
-      float4 v__209 = *(float4*)(part + (i_105 * 4));
+      float4 v__209 = *(float4*)(part + (i_108 * 4));
       (reinterpret_cast<__nv_bfloat162*>(&__163))[0] = __float22bfloat162_rn(((float2*)(&v__209))[0]);
       (reinterpret_cast<__nv_bfloat162*>(&__163))[1] = __float22bfloat162_rn(((float2*)(&v__209))[1]);
-      *(uint2*)(a_local_cast_46 + (i_105 * 4)) = __163;
+      *(uint2*)(a_local_cast_46 + (i_108 * 4)) = __163;
     }
     *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 22528)) = *(uint4*)(a_local_cast_46 + 0);
   }
   #pragma unroll
-  for (int i_106 = 0; i_106 < 2; ++i_106) {
+  for (int i_109 = 0; i_109 < 2; ++i_109) {
     float broadcast_var_24 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
     float4 __164;
     float4 __165;
       float4 __166;
-        float4 v__210 = *(float4*)(xk_3 + (i_106 * 4));
-        float condval_29;
-        if ((run[0] == -CUDART_INF_F)) {
-          condval_29 = 0x0p+0f/*0.000000e+00*/;
-        } else {
-          condval_29 = run[0];
-        }
-        float4 v__211 = make_float4(condval_29, condval_29, condval_29, condval_29);
-        __166.x = (v__210.x-v__211.x);
-        __166.y = (v__210.y-v__211.y);
-        __166.z = (v__210.z-v__211.z);
-        __166.w = (v__210.w-v__211.w);
-      float4 v__212 = make_float4(broadcast_var_24, broadcast_var_24, broadcast_var_24, broadcast_var_24);
-      __165.x = (__166.x*v__212.x);
-      __165.y = (__166.y*v__212.y);
-      __165.z = (__166.z*v__212.z);
-      __165.w = (__166.w*v__212.w);
+        float4 v__210 = *(float4*)(xk_3 + (i_109 * 4));
+        float4 v__211 = make_float4(broadcast_var_24, broadcast_var_24, broadcast_var_24, broadcast_var_24);
+        __166.x = (v__210.x*v__211.x);
+        __166.y = (v__210.y*v__211.y);
+        __166.z = (v__210.z*v__211.z);
+        __166.w = (v__210.w*v__211.w);
+      float4 v__212 = make_float4(ml[0], ml[0], ml[0], ml[0]);
+      __165.x = (__166.x-v__212.x);
+      __165.y = (__166.y-v__212.y);
+      __165.z = (__166.z-v__212.z);
+      __165.w = (__166.w-v__212.w);
     __164.x = exp2f(__165.x);
     __164.y = exp2f(__165.y);
     __164.z = exp2f(__165.z);
     __164.w = exp2f(__165.w);
-    *(float4*)(part + (i_106 * 4)) = __164;
+    *(float4*)(part + (i_109 * 4)) = __164;
     float4 __167;
-      float4 v__213 = *(float4*)(ps + (i_106 * 4));
-      float4 v__214 = *(float4*)(part + (i_106 * 4));
+      float4 v__213 = *(float4*)(ps + (i_109 * 4));
+      float4 v__214 = *(float4*)(part + (i_109 * 4));
       __167.x = (v__213.x+v__214.x);
       __167.y = (v__213.y+v__214.y);
       __167.z = (v__213.z+v__214.z);
       __167.w = (v__213.w+v__214.w);
-    *(float4*)(ps + (i_106 * 4)) = __167;
+    *(float4*)(ps + (i_109 * 4)) = __167;
   }
   {
     bfloat16_t a_local_cast_47[8];
-    for (int i_107 = 0; i_107 < 2; ++i_107) {
+    for (int i_110 = 0; i_110 < 2; ++i_110) {
       uint2 __168;
-      float4 v__215 = *(float4*)(part + (i_107 * 4));
+      float4 v__215 = *(float4*)(part + (i_110 * 4));
       (reinterpret_cast<__nv_bfloat162*>(&__168))[0] = __float22bfloat162_rn(((float2*)(&v__215))[0]);
       (reinterpret_cast<__nv_bfloat162*>(&__168))[1] = __float22bfloat162_rn(((float2*)(&v__215))[1]);
-      *(uint2*)(a_local_cast_47 + (i_107 * 4)) = __168;
+      *(uint2*)(a_local_cast_47 + (i_110 * 4)) = __168;
     }
     *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 23552)) = *(uint4*)(a_local_cast_47 + 0);
   }
@@ -1925,298 +1838,281 @@ extern "C" __global__ void __launch_bounds__(128, 1) fwd_kernel(__grid_constant_
   {
     bfloat16_t a_local_cast_48[8];
     *(uint4*)(a_local_cast_48 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 24576));
-    for (int i_108 = 0; i_108 < 2; ++i_108) {
+    for (int i_111 = 0; i_111 < 2; ++i_111) {
       float4 __169;
-      uint2 v__216 = *(uint2*)(a_local_cast_48 + (i_108 * 4));
+      uint2 v__216 = *(uint2*)(a_local_cast_48 + (i_111 * 4));
       ((float2*)(&__169))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__216))[0]);
       ((float2*)(&__169))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__216))[1]);
-      *(float4*)(xk + (i_108 * 4)) = __169;
+      *(float4*)(xk + (i_111 * 4)) = __169;
     }
   }
   {
     bfloat16_t a_local_cast_49[8];
     *(uint4*)(a_local_cast_49 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 25600));
-    for (int i_109 = 0; i_109 < 2; ++i_109) {
+    for (int i_112 = 0; i_112 < 2; ++i_112) {
       float4 __170;
-      uint2 v__217 = *(uint2*)(a_local_cast_49 + (i_109 * 4));
+      uint2 v__217 = *(uint2*)(a_local_cast_49 + (i_112 * 4));
       ((float2*)(&__170))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__217))[0]);
       ((float2*)(&__170))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__217))[1]);
-      *(float4*)(xk_1 + (i_109 * 4)) = __170;
+      *(float4*)(xk_1 + (i_112 * 4)) = __170;
     }
   }
   {
     bfloat16_t a_local_cast_50[8];
     *(uint4*)(a_local_cast_50 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 26624));
-    for (int i_110 = 0; i_110 < 2; ++i_110) {
+    for (int i_113 = 0; i_113 < 2; ++i_113) {
       float4 __171;
-      uint2 v__218 = *(uint2*)(a_local_cast_50 + (i_110 * 4));
+      uint2 v__218 = *(uint2*)(a_local_cast_50 + (i_113 * 4));
       ((float2*)(&__171))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__218))[0]);
       ((float2*)(&__171))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__218))[1]);
-      *(float4*)(xk_2 + (i_110 * 4)) = __171;
+      *(float4*)(xk_2 + (i_113 * 4)) = __171;
     }
   }
   {
     bfloat16_t a_local_cast_51[8];
     *(uint4*)(a_local_cast_51 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 27648));
-    for (int i_111 = 0; i_111 < 2; ++i_111) {
+    for (int i_114 = 0; i_114 < 2; ++i_114) {
       float4 __172;
-      uint2 v__219 = *(uint2*)(a_local_cast_51 + (i_111 * 4));
+      uint2 v__219 = *(uint2*)(a_local_cast_51 + (i_114 * 4));
       ((float2*)(&__172))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__219))[0]);
       ((float2*)(&__172))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__219))[1]);
-      *(float4*)(xk_3 + (i_111 * 4)) = __172;
+      *(float4*)(xk_3 + (i_114 * 4)) = __172;
     }
   }
   #pragma unroll
-  for (int i_112 = 0; i_112 < 2; ++i_112) {
-    *(float4*)(part + (i_112 * 4)) = *(float4*)(xk + (i_112 * 4));
+  for (int i_115 = 0; i_115 < 2; ++i_115) {
+    *(float4*)(part + (i_115 * 4)) = *(float4*)(xk + (i_115 * 4));
   }
   #pragma unroll
-  for (int i_113 = 0; i_113 < 2; ++i_113) {
+  for (int i_116 = 0; i_116 < 2; ++i_116) {
     float4 __173;
-      float4 v__220 = *(float4*)(part + (i_113 * 4));
-      float4 v__221 = *(float4*)(xk_1 + (i_113 * 4));
+      float4 v__220 = *(float4*)(part + (i_116 * 4));
+      float4 v__221 = *(float4*)(xk_1 + (i_116 * 4));
       __173.x = max(v__220.x, v__221.x);
       __173.y = max(v__220.y, v__221.y);
       __173.z = max(v__220.z, v__221.z);
       __173.w = max(v__220.w, v__221.w);
-    *(float4*)(part + (i_113 * 4)) = __173;
+    *(float4*)(part + (i_116 * 4)) = __173;
   }
   #pragma unroll
-  for (int i_114 = 0; i_114 < 2; ++i_114) {
+  for (int i_117 = 0; i_117 < 2; ++i_117) {
     float4 __174;
-      float4 v__222 = *(float4*)(part + (i_114 * 4));
-      float4 v__223 = *(float4*)(xk_2 + (i_114 * 4));
+      float4 v__222 = *(float4*)(part + (i_117 * 4));
+      float4 v__223 = *(float4*)(xk_2 + (i_117 * 4));
       __174.x = max(v__222.x, v__223.x);
       __174.y = max(v__222.y, v__223.y);
       __174.z = max(v__222.z, v__223.z);
       __174.w = max(v__222.w, v__223.w);
-    *(float4*)(part + (i_114 * 4)) = __174;
+    *(float4*)(part + (i_117 * 4)) = __174;
   }
   #pragma unroll
-  for (int i_115 = 0; i_115 < 2; ++i_115) {
+  for (int i_118 = 0; i_118 < 2; ++i_118) {
     float4 __175;
-      float4 v__224 = *(float4*)(part + (i_115 * 4));
-      float4 v__225 = *(float4*)(xk_3 + (i_115 * 4));
+      float4 v__224 = *(float4*)(part + (i_118 * 4));
+      float4 v__225 = *(float4*)(xk_3 + (i_118 * 4));
       __175.x = max(v__224.x, v__225.x);
       __175.y = max(v__224.y, v__225.y);
       __175.z = max(v__224.z, v__225.z);
       __175.w = max(v__224.w, v__225.w);
-    *(float4*)(part + (i_115 * 4)) = __175;
+    *(float4*)(part + (i_118 * 4)) = __175;
   }
   rt[0] = -CUDART_INF_F;
   #pragma unroll
   for (int rv_6 = 0; rv_6 < 8; ++rv_6) {
     rt[0] = max(rt[0], part[rv_6]);
   }
-  float condval_30;
+  float condval_12;
   if ((run[0] == -CUDART_INF_F)) {
-    condval_30 = 0x0p+0f/*0.000000e+00*/;
+    condval_12 = 0x0p+0f/*0.000000e+00*/;
   } else {
-    condval_30 = exp2f(((run[0] - max(run[0], rt[0])) * 0x1.71547652b82fep+0f/*1.442695e+00*/));
+    condval_12 = exp2f(((run[0] - max(run[0], rt[0])) * 0x1.71547652b82fep+0f/*1.442695e+00*/));
   }
-  alpha[0] = condval_30;
+  alpha[0] = condval_12;
   run[0] = max(run[0], rt[0]);
   em_s_6[0] = run[0];
+  float condval_13;
+  if ((run[0] == -CUDART_INF_F)) {
+    condval_13 = 0x0p+0f/*0.000000e+00*/;
+  } else {
+    condval_13 = run[0];
+  }
+  ml[0] = (condval_13 * 0x1.71547652b82fep+0f/*1.442695e+00*/);
   #pragma unroll
-  for (int i_116 = 0; i_116 < 2; ++i_116) {
+  for (int i_119 = 0; i_119 < 2; ++i_119) {
     float4 __176;
-      float4 v__226 = *(float4*)(ps + (i_116 * 4));
+      float4 v__226 = *(float4*)(ps + (i_119 * 4));
       float4 v__227 = make_float4(alpha[0], alpha[0], alpha[0], alpha[0]);
       __176.x = (v__226.x*v__227.x);
       __176.y = (v__226.y*v__227.y);
       __176.z = (v__226.z*v__227.z);
       __176.w = (v__226.w*v__227.w);
-    *(float4*)(ps + (i_116 * 4)) = __176;
+    *(float4*)(ps + (i_119 * 4)) = __176;
   }
   #pragma unroll
-  for (int i_117 = 0; i_117 < 2; ++i_117) {
+  for (int i_120 = 0; i_120 < 2; ++i_120) {
     float broadcast_var_25 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
     float4 __177;
     float4 __178;
       float4 __179;
-        float4 v__228 = *(float4*)(xk + (i_117 * 4));
-        float condval_31;
-        if ((run[0] == -CUDART_INF_F)) {
-          condval_31 = 0x0p+0f/*0.000000e+00*/;
-        } else {
-          condval_31 = run[0];
-        }
-        float4 v__229 = make_float4(condval_31, condval_31, condval_31, condval_31);
-        __179.x = (v__228.x-v__229.x);
-        __179.y = (v__228.y-v__229.y);
-        __179.z = (v__228.z-v__229.z);
-        __179.w = (v__228.w-v__229.w);
-      float4 v__230 = make_float4(broadcast_var_25, broadcast_var_25, broadcast_var_25, broadcast_var_25);
-      __178.x = (__179.x*v__230.x);
-      __178.y = (__179.y*v__230.y);
-      __178.z = (__179.z*v__230.z);
-      __178.w = (__179.w*v__230.w);
+        float4 v__228 = *(float4*)(xk + (i_120 * 4));
+        float4 v__229 = make_float4(broadcast_var_25, broadcast_var_25, broadcast_var_25, broadcast_var_25);
+        __179.x = (v__228.x*v__229.x);
+        __179.y = (v__228.y*v__229.y);
+        __179.z = (v__228.z*v__229.z);
+        __179.w = (v__228.w*v__229.w);
+      float4 v__230 = make_float4(ml[0], ml[0], ml[0], ml[0]);
+      __178.x = (__179.x-v__230.x);
+      __178.y = (__179.y-v__230.y);
+      __178.z = (__179.z-v__230.z);
+      __178.w = (__179.w-v__230.w);
     __177.x = exp2f(__178.x);
     __177.y = exp2f(__178.y);
     __177.z = exp2f(__178.z);
     __177.w = exp2f(__178.w);
-    *(float4*)(part + (i_117 * 4)) = __177;
+    *(float4*)(part + (i_120 * 4)) = __177;
     float4 __180;
-      float4 v__231 = *(float4*)(ps + (i_117 * 4));
-      float4 v__232 = *(float4*)(part + (i_117 * 4));
+      float4 v__231 = *(float4*)(ps + (i_120 * 4));
+      float4 v__232 = *(float4*)(part + (i_120 * 4));
       __180.x = (v__231.x+v__232.x);
       __180.y = (v__231.y+v__232.y);
       __180.z = (v__231.z+v__232.z);
       __180.w = (v__231.w+v__232.w);
-    *(float4*)(ps + (i_117 * 4)) = __180;
+    *(float4*)(ps + (i_120 * 4)) = __180;
   }
   {
     bfloat16_t a_local_cast_52[8];
-    for (int i_118 = 0; i_118 < 2; ++i_118) {
+    for (int i_121 = 0; i_121 < 2; ++i_121) {
       uint2 __181;
-      float4 v__233 = *(float4*)(part + (i_118 * 4));
+      float4 v__233 = *(float4*)(part + (i_121 * 4));
       (reinterpret_cast<__nv_bfloat162*>(&__181))[0] = __float22bfloat162_rn(((float2*)(&v__233))[0]);
       (reinterpret_cast<__nv_bfloat162*>(&__181))[1] = __float22bfloat162_rn(((float2*)(&v__233))[1]);
-      *(uint2*)(a_local_cast_52 + (i_118 * 4)) = __181;
+      *(uint2*)(a_local_cast_52 + (i_121 * 4)) = __181;
     }
     *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 24576)) = *(uint4*)(a_local_cast_52 + 0);
   }
   #pragma unroll
-  for (int i_119 = 0; i_119 < 2; ++i_119) {
+  for (int i_122 = 0; i_122 < 2; ++i_122) {
     float broadcast_var_26 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
     float4 __182;
     float4 __183;
       float4 __184;
-        float4 v__234 = *(float4*)(xk_1 + (i_119 * 4));
-        float condval_32;
-        if ((run[0] == -CUDART_INF_F)) {
-          condval_32 = 0x0p+0f/*0.000000e+00*/;
-        } else {
-          condval_32 = run[0];
-        }
-        float4 v__235 = make_float4(condval_32, condval_32, condval_32, condval_32);
-        __184.x = (v__234.x-v__235.x);
-        __184.y = (v__234.y-v__235.y);
-        __184.z = (v__234.z-v__235.z);
-        __184.w = (v__234.w-v__235.w);
-      float4 v__236 = make_float4(broadcast_var_26, broadcast_var_26, broadcast_var_26, broadcast_var_26);
-      __183.x = (__184.x*v__236.x);
-      __183.y = (__184.y*v__236.y);
-      __183.z = (__184.z*v__236.z);
-      __183.w = (__184.w*v__236.w);
+        float4 v__234 = *(float4*)(xk_1 + (i_122 * 4));
+        float4 v__235 = make_float4(broadcast_var_26, broadcast_var_26, broadcast_var_26, broadcast_var_26);
+        __184.x = (v__234.x*v__235.x);
+        __184.y = (v__234.y*v__235.y);
+        __184.z = (v__234.z*v__235.z);
+        __184.w = (v__234.w*v__235.w);
+      float4 v__236 = make_float4(ml[0], ml[0], ml[0], ml[0]);
+      __183.x = (__184.x-v__236.x);
+      __183.y = (__184.y-v__236.y);
+      __183.z = (__184.z-v__236.z);
+      __183.w = (__184.w-v__236.w);
     __182.x = exp2f(__183.x);
     __182.y = exp2f(__183.y);
     __182.z = exp2f(__183.z);
     __182.w = exp2f(__183.w);
-    *(float4*)(part + (i_119 * 4)) = __182;
+    *(float4*)(part + (i_122 * 4)) = __182;
     float4 __185;
-      float4 v__237 = *(float4*)(ps + (i_119 * 4));
-      float4 v__238 = *(float4*)(part + (i_119 * 4));
+      float4 v__237 = *(float4*)(ps + (i_122 * 4));
+      float4 v__238 = *(float4*)(part + (i_122 * 4));
       __185.x = (v__237.x+v__238.x);
       __185.y = (v__237.y+v__238.y);
       __185.z = (v__237.z+v__238.z);
       __185.w = (v__237.w+v__238.w);
-    *(float4*)(ps + (i_119 * 4)) = __185;
+    *(float4*)(ps + (i_122 * 4)) = __185;
   }
   {
     bfloat16_t a_local_cast_53[8];
-    for (int i_120 = 0; i_120 < 2; ++i_120) {
+    for (int i_123 = 0; i_123 < 2; ++i_123) {
       uint2 __186;
-      float4 v__239 = *(float4*)(part + (i_120 * 4));
+      float4 v__239 = *(float4*)(part + (i_123 * 4));
       (reinterpret_cast<__nv_bfloat162*>(&__186))[0] = __float22bfloat162_rn(((float2*)(&v__239))[0]);
       (reinterpret_cast<__nv_bfloat162*>(&__186))[1] = __float22bfloat162_rn(((float2*)(&v__239))[1]);
-      *(uint2*)(a_local_cast_53 + (i_120 * 4)) = __186;
+      *(uint2*)(a_local_cast_53 + (i_123 * 4)) = __186;
     }
     *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 25600)) = *(uint4*)(a_local_cast_53 + 0);
   }
   #pragma unroll
-  for (int i_121 = 0; i_121 < 2; ++i_121) {
+  for (int i_124 = 0; i_124 < 2; ++i_124) {
     float broadcast_var_27 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
     float4 __187;
     float4 __188;
       float4 __189;
-        float4 v__240 = *(float4*)(xk_2 + (i_121 * 4));
-        float condval_33;
-        if ((run[0] == -CUDART_INF_F)) {
-          condval_33 = 0x0p+0f/*0.000000e+00*/;
-        } else {
-          condval_33 = run[0];
-        }
-        float4 v__241 = make_float4(condval_33, condval_33, condval_33, condval_33);
-        __189.x = (v__240.x-v__241.x);
-        __189.y = (v__240.y-v__241.y);
-        __189.z = (v__240.z-v__241.z);
-        __189.w = (v__240.w-v__241.w);
-      float4 v__242 = make_float4(broadcast_var_27, broadcast_var_27, broadcast_var_27, broadcast_var_27);
-      __188.x = (__189.x*v__242.x);
-      __188.y = (__189.y*v__242.y);
-      __188.z = (__189.z*v__242.z);
-      __188.w = (__189.w*v__242.w);
+        float4 v__240 = *(float4*)(xk_2 + (i_124 * 4));
+        float4 v__241 = make_float4(broadcast_var_27, broadcast_var_27, broadcast_var_27, broadcast_var_27);
+        __189.x = (v__240.x*v__241.x);
+        __189.y = (v__240.y*v__241.y);
+        __189.z = (v__240.z*v__241.z);
+        __189.w = (v__240.w*v__241.w);
+      float4 v__242 = make_float4(ml[0], ml[0], ml[0], ml[0]);
+      __188.x = (__189.x-v__242.x);
+      __188.y = (__189.y-v__242.y);
+      __188.z = (__189.z-v__242.z);
+      __188.w = (__189.w-v__242.w);
     __187.x = exp2f(__188.x);
     __187.y = exp2f(__188.y);
     __187.z = exp2f(__188.z);
     __187.w = exp2f(__188.w);
-    *(float4*)(part + (i_121 * 4)) = __187;
+    *(float4*)(part + (i_124 * 4)) = __187;
     float4 __190;
-      float4 v__243 = *(float4*)(ps + (i_121 * 4));
-      float4 v__244 = *(float4*)(part + (i_121 * 4));
+      float4 v__243 = *(float4*)(ps + (i_124 * 4));
+      float4 v__244 = *(float4*)(part + (i_124 * 4));
       __190.x = (v__243.x+v__244.x);
       __190.y = (v__243.y+v__244.y);
       __190.z = (v__243.z+v__244.z);
       __190.w = (v__243.w+v__244.w);
-    *(float4*)(ps + (i_121 * 4)) = __190;
+    *(float4*)(ps + (i_124 * 4)) = __190;
   }
   {
     bfloat16_t a_local_cast_54[8];
-    for (int i_122 = 0; i_122 < 2; ++i_122) {
+    for (int i_125 = 0; i_125 < 2; ++i_125) {
       uint2 __191;
-      float4 v__245 = *(float4*)(part + (i_122 * 4));
+      float4 v__245 = *(float4*)(part + (i_125 * 4));
       (reinterpret_cast<__nv_bfloat162*>(&__191))[0] = __float22bfloat162_rn(((float2*)(&v__245))[0]);
       (reinterpret_cast<__nv_bfloat162*>(&__191))[1] = __float22bfloat162_rn(((float2*)(&v__245))[1]);
-      *(uint2*)(a_local_cast_54 + (i_122 * 4)) = __191;
+      *(uint2*)(a_local_cast_54 + (i_125 * 4)) = __191;
     }
     *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 26624)) = *(uint4*)(a_local_cast_54 + 0);
   }
   #pragma unroll
-  for (int i_123 = 0; i_123 < 2; ++i_123) {
+  for (int i_126 = 0; i_126 < 2; ++i_126) {
     float broadcast_var_28 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
     float4 __192;
     float4 __193;
       float4 __194;
-        float4 v__246 = *(float4*)(xk_3 + (i_123 * 4));
-        float condval_34;
-        if ((run[0] == -CUDART_INF_F)) {
-          condval_34 = 0x0p+0f/*0.000000e+00*/;
-        } else {
-          condval_34 = run[0];
-        }
-        float4 v__247 = make_float4(condval_34, condval_34, condval_34, condval_34);
-        __194.x = (v__246.x-v__247.x);
-        __194.y = (v__246.y-v__247.y);
-        __194.z = (v__246.z-v__247.z);
-        __194.w = (v__246.w-v__247.w);
-      float4 v__248 = make_float4(broadcast_var_28, broadcast_var_28, broadcast_var_28, broadcast_var_28);
-      __193.x = (__194.x*v__248.x);
-      __193.y = (__194.y*v__248.y);
-      __193.z = (__194.z*v__248.z);
-      __193.w = (__194.w*v__248.w);
+        float4 v__246 = *(float4*)(xk_3 + (i_126 * 4));
+        float4 v__247 = make_float4(broadcast_var_28, broadcast_var_28, broadcast_var_28, broadcast_var_28);
+        __194.x = (v__246.x*v__247.x);
+        __194.y = (v__246.y*v__247.y);
+        __194.z = (v__246.z*v__247.z);
+        __194.w = (v__246.w*v__247.w);
+      float4 v__248 = make_float4(ml[0], ml[0], ml[0], ml[0]);
+      __193.x = (__194.x-v__248.x);
+      __193.y = (__194.y-v__248.y);
+      __193.z = (__194.z-v__248.z);
+      __193.w = (__194.w-v__248.w);
     __192.x = exp2f(__193.x);
     __192.y = exp2f(__193.y);
     __192.z = exp2f(__193.z);
     __192.w = exp2f(__193.w);
-    *(float4*)(part + (i_123 * 4)) = __192;
+    *(float4*)(part + (i_126 * 4)) = __192;
     float4 __195;
-      float4 v__249 = *(float4*)(ps + (i_123 * 4));
-      float4 v__250 = *(float4*)(part + (i_123 * 4));
+      float4 v__249 = *(float4*)(ps + (i_126 * 4));
+      float4 v__250 = *(float4*)(part + (i_126 * 4));
       __195.x = (v__249.x+v__250.x);
       __195.y = (v__249.y+v__250.y);
       __195.z = (v__249.z+v__250.z);
       __195.w = (v__249.w+v__250.w);
-    *(float4*)(ps + (i_123 * 4)) = __195;
+    *(float4*)(ps + (i_126 * 4)) = __195;
   }
   {
     bfloat16_t a_local_cast_55[8];
-    for (int i_124 = 0; i_124 < 2; ++i_124) {
+    for (int i_127 = 0; i_127 < 2; ++i_127) {
       uint2 __196;
-      float4 v__251 = *(float4*)(part + (i_124 * 4));
+      float4 v__251 = *(float4*)(part + (i_127 * 4));
       (reinterpret_cast<__nv_bfloat162*>(&__196))[0] = __float22bfloat162_rn(((float2*)(&v__251))[0]);
       (reinterpret_cast<__nv_bfloat162*>(&__196))[1] = __float22bfloat162_rn(((float2*)(&v__251))[1]);
-      *(uint2*)(a_local_cast_55 + (i_124 * 4)) = __196;
+      *(uint2*)(a_local_cast_55 + (i_127 * 4)) = __196;
     }
     *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 27648)) = *(uint4*)(a_local_cast_55 + 0);
   }
@@ -2224,298 +2120,281 @@ extern "C" __global__ void __launch_bounds__(128, 1) fwd_kernel(__grid_constant_
   {
     bfloat16_t a_local_cast_56[8];
     *(uint4*)(a_local_cast_56 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 28672));
-    for (int i_125 = 0; i_125 < 2; ++i_125) {
+    for (int i_128 = 0; i_128 < 2; ++i_128) {
       float4 __197;
-      uint2 v__252 = *(uint2*)(a_local_cast_56 + (i_125 * 4));
+      uint2 v__252 = *(uint2*)(a_local_cast_56 + (i_128 * 4));
       ((float2*)(&__197))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__252))[0]);
       ((float2*)(&__197))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__252))[1]);
-      *(float4*)(xk + (i_125 * 4)) = __197;
+      *(float4*)(xk + (i_128 * 4)) = __197;
     }
   }
   {
     bfloat16_t a_local_cast_57[8];
     *(uint4*)(a_local_cast_57 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 29696));
-    for (int i_126 = 0; i_126 < 2; ++i_126) {
+    for (int i_129 = 0; i_129 < 2; ++i_129) {
       float4 __198;
-      uint2 v__253 = *(uint2*)(a_local_cast_57 + (i_126 * 4));
+      uint2 v__253 = *(uint2*)(a_local_cast_57 + (i_129 * 4));
       ((float2*)(&__198))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__253))[0]);
       ((float2*)(&__198))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__253))[1]);
-      *(float4*)(xk_1 + (i_126 * 4)) = __198;
+      *(float4*)(xk_1 + (i_129 * 4)) = __198;
     }
   }
   {
     bfloat16_t a_local_cast_58[8];
     *(uint4*)(a_local_cast_58 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 30720));
-    for (int i_127 = 0; i_127 < 2; ++i_127) {
+    for (int i_130 = 0; i_130 < 2; ++i_130) {
       float4 __199;
-      uint2 v__254 = *(uint2*)(a_local_cast_58 + (i_127 * 4));
+      uint2 v__254 = *(uint2*)(a_local_cast_58 + (i_130 * 4));
       ((float2*)(&__199))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__254))[0]);
       ((float2*)(&__199))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__254))[1]);
-      *(float4*)(xk_2 + (i_127 * 4)) = __199;
+      *(float4*)(xk_2 + (i_130 * 4)) = __199;
     }
   }
   {
     bfloat16_t a_local_cast_59[8];
     *(uint4*)(a_local_cast_59 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 31744));
-    for (int i_128 = 0; i_128 < 2; ++i_128) {
+    for (int i_131 = 0; i_131 < 2; ++i_131) {
       float4 __200;
-      uint2 v__255 = *(uint2*)(a_local_cast_59 + (i_128 * 4));
+      uint2 v__255 = *(uint2*)(a_local_cast_59 + (i_131 * 4));
       ((float2*)(&__200))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__255))[0]);
       ((float2*)(&__200))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__255))[1]);
-      *(float4*)(xk_3 + (i_128 * 4)) = __200;
+      *(float4*)(xk_3 + (i_131 * 4)) = __200;
     }
   }
   #pragma unroll
-  for (int i_129 = 0; i_129 < 2; ++i_129) {
-    *(float4*)(part + (i_129 * 4)) = *(float4*)(xk + (i_129 * 4));
+  for (int i_132 = 0; i_132 < 2; ++i_132) {
+    *(float4*)(part + (i_132 * 4)) = *(float4*)(xk + (i_132 * 4));
   }
   #pragma unroll
-  for (int i_130 = 0; i_130 < 2; ++i_130) {
+  for (int i_133 = 0; i_133 < 2; ++i_133) {
     float4 __201;
-      float4 v__256 = *(float4*)(part + (i_130 * 4));
-      float4 v__257 = *(float4*)(xk_1 + (i_130 * 4));
+      float4 v__256 = *(float4*)(part + (i_133 * 4));
+      float4 v__257 = *(float4*)(xk_1 + (i_133 * 4));
       __201.x = max(v__256.x, v__257.x);
       __201.y = max(v__256.y, v__257.y);
       __201.z = max(v__256.z, v__257.z);
       __201.w = max(v__256.w, v__257.w);
-    *(float4*)(part + (i_130 * 4)) = __201;
+    *(float4*)(part + (i_133 * 4)) = __201;
   }
   #pragma unroll
-  for (int i_131 = 0; i_131 < 2; ++i_131) {
+  for (int i_134 = 0; i_134 < 2; ++i_134) {
     float4 __202;
-      float4 v__258 = *(float4*)(part + (i_131 * 4));
-      float4 v__259 = *(float4*)(xk_2 + (i_131 * 4));
+      float4 v__258 = *(float4*)(part + (i_134 * 4));
+      float4 v__259 = *(float4*)(xk_2 + (i_134 * 4));
       __202.x = max(v__258.x, v__259.x);
       __202.y = max(v__258.y, v__259.y);
       __202.z = max(v__258.z, v__259.z);
       __202.w = max(v__258.w, v__259.w);
-    *(float4*)(part + (i_131 * 4)) = __202;
+    *(float4*)(part + (i_134 * 4)) = __202;
   }
   #pragma unroll
-  for (int i_132 = 0; i_132 < 2; ++i_132) {
+  for (int i_135 = 0; i_135 < 2; ++i_135) {
     float4 __203;
-      float4 v__260 = *(float4*)(part + (i_132 * 4));
-      float4 v__261 = *(float4*)(xk_3 + (i_132 * 4));
+      float4 v__260 = *(float4*)(part + (i_135 * 4));
+      float4 v__261 = *(float4*)(xk_3 + (i_135 * 4));
       __203.x = max(v__260.x, v__261.x);
       __203.y = max(v__260.y, v__261.y);
       __203.z = max(v__260.z, v__261.z);
       __203.w = max(v__260.w, v__261.w);
-    *(float4*)(part + (i_132 * 4)) = __203;
+    *(float4*)(part + (i_135 * 4)) = __203;
   }
   rt[0] = -CUDART_INF_F;
   #pragma unroll
   for (int rv_7 = 0; rv_7 < 8; ++rv_7) {
     rt[0] = max(rt[0], part[rv_7]);
   }
-  float condval_35;
+  float condval_14;
   if ((run[0] == -CUDART_INF_F)) {
-    condval_35 = 0x0p+0f/*0.000000e+00*/;
+    condval_14 = 0x0p+0f/*0.000000e+00*/;
   } else {
-    condval_35 = exp2f(((run[0] - max(run[0], rt[0])) * 0x1.71547652b82fep+0f/*1.442695e+00*/));
+    condval_14 = exp2f(((run[0] - max(run[0], rt[0])) * 0x1.71547652b82fep+0f/*1.442695e+00*/));
   }
-  alpha[0] = condval_35;
+  alpha[0] = condval_14;
   run[0] = max(run[0], rt[0]);
   em_s_7[0] = run[0];
+  float condval_15;
+  if ((run[0] == -CUDART_INF_F)) {
+    condval_15 = 0x0p+0f/*0.000000e+00*/;
+  } else {
+    condval_15 = run[0];
+  }
+  ml[0] = (condval_15 * 0x1.71547652b82fep+0f/*1.442695e+00*/);
   #pragma unroll
-  for (int i_133 = 0; i_133 < 2; ++i_133) {
+  for (int i_136 = 0; i_136 < 2; ++i_136) {
     float4 __204;
-      float4 v__262 = *(float4*)(ps + (i_133 * 4));
+      float4 v__262 = *(float4*)(ps + (i_136 * 4));
       float4 v__263 = make_float4(alpha[0], alpha[0], alpha[0], alpha[0]);
       __204.x = (v__262.x*v__263.x);
       __204.y = (v__262.y*v__263.y);
       __204.z = (v__262.z*v__263.z);
       __204.w = (v__262.w*v__263.w);
-    *(float4*)(ps + (i_133 * 4)) = __204;
+    *(float4*)(ps + (i_136 * 4)) = __204;
   }
   #pragma unroll
-  for (int i_134 = 0; i_134 < 2; ++i_134) {
+  for (int i_137 = 0; i_137 < 2; ++i_137) {
     float broadcast_var_29 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
     float4 __205;
     float4 __206;
       float4 __207;
-        float4 v__264 = *(float4*)(xk + (i_134 * 4));
-        float condval_36;
-        if ((run[0] == -CUDART_INF_F)) {
-          condval_36 = 0x0p+0f/*0.000000e+00*/;
-        } else {
-          condval_36 = run[0];
-        }
-        float4 v__265 = make_float4(condval_36, condval_36, condval_36, condval_36);
-        __207.x = (v__264.x-v__265.x);
-        __207.y = (v__264.y-v__265.y);
-        __207.z = (v__264.z-v__265.z);
-        __207.w = (v__264.w-v__265.w);
-      float4 v__266 = make_float4(broadcast_var_29, broadcast_var_29, broadcast_var_29, broadcast_var_29);
-      __206.x = (__207.x*v__266.x);
-      __206.y = (__207.y*v__266.y);
-      __206.z = (__207.z*v__266.z);
-      __206.w = (__207.w*v__266.w);
+        float4 v__264 = *(float4*)(xk + (i_137 * 4));
+        float4 v__265 = make_float4(broadcast_var_29, broadcast_var_29, broadcast_var_29, broadcast_var_29);
+        __207.x = (v__264.x*v__265.x);
+        __207.y = (v__264.y*v__265.y);
+        __207.z = (v__264.z*v__265.z);
+        __207.w = (v__264.w*v__265.w);
+      float4 v__266 = make_float4(ml[0], ml[0], ml[0], ml[0]);
+      __206.x = (__207.x-v__266.x);
+      __206.y = (__207.y-v__266.y);
+      __206.z = (__207.z-v__266.z);
+      __206.w = (__207.w-v__266.w);
     __205.x = exp2f(__206.x);
     __205.y = exp2f(__206.y);
     __205.z = exp2f(__206.z);
     __205.w = exp2f(__206.w);
-    *(float4*)(part + (i_134 * 4)) = __205;
+    *(float4*)(part + (i_137 * 4)) = __205;
     float4 __208;
-      float4 v__267 = *(float4*)(ps + (i_134 * 4));
-      float4 v__268 = *(float4*)(part + (i_134 * 4));
+      float4 v__267 = *(float4*)(ps + (i_137 * 4));
+      float4 v__268 = *(float4*)(part + (i_137 * 4));
       __208.x = (v__267.x+v__268.x);
       __208.y = (v__267.y+v__268.y);
       __208.z = (v__267.z+v__268.z);
       __208.w = (v__267.w+v__268.w);
-    *(float4*)(ps + (i_134 * 4)) = __208;
+    *(float4*)(ps + (i_137 * 4)) = __208;
   }
   {
     bfloat16_t a_local_cast_60[8];
-    for (int i_135 = 0; i_135 < 2; ++i_135) {
+    for (int i_138 = 0; i_138 < 2; ++i_138) {
       uint2 __209;
-      float4 v__269 = *(float4*)(part + (i_135 * 4));
+      float4 v__269 = *(float4*)(part + (i_138 * 4));
       (reinterpret_cast<__nv_bfloat162*>(&__209))[0] = __float22bfloat162_rn(((float2*)(&v__269))[0]);
       (reinterpret_cast<__nv_bfloat162*>(&__209))[1] = __float22bfloat162_rn(((float2*)(&v__269))[1]);
-      *(uint2*)(a_local_cast_60 + (i_135 * 4)) = __209;
+      *(uint2*)(a_local_cast_60 + (i_138 * 4)) = __209;
     }
     *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 28672)) = *(uint4*)(a_local_cast_60 + 0);
   }
   #pragma unroll
-  for (int i_136 = 0; i_136 < 2; ++i_136) {
+  for (int i_139 = 0; i_139 < 2; ++i_139) {
     float broadcast_var_30 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
     float4 __210;
     float4 __211;
       float4 __212;
-        float4 v__270 = *(float4*)(xk_1 + (i_136 * 4));
-        float condval_37;
-        if ((run[0] == -CUDART_INF_F)) {
-          condval_37 = 0x0p+0f/*0.000000e+00*/;
-        } else {
-          condval_37 = run[0];
-        }
-        float4 v__271 = make_float4(condval_37, condval_37, condval_37, condval_37);
-        __212.x = (v__270.x-v__271.x);
-        __212.y = (v__270.y-v__271.y);
-        __212.z = (v__270.z-v__271.z);
-        __212.w = (v__270.w-v__271.w);
-      float4 v__272 = make_float4(broadcast_var_30, broadcast_var_30, broadcast_var_30, broadcast_var_30);
-      __211.x = (__212.x*v__272.x);
-      __211.y = (__212.y*v__272.y);
-      __211.z = (__212.z*v__272.z);
-      __211.w = (__212.w*v__272.w);
+        float4 v__270 = *(float4*)(xk_1 + (i_139 * 4));
+        float4 v__271 = make_float4(broadcast_var_30, broadcast_var_30, broadcast_var_30, broadcast_var_30);
+        __212.x = (v__270.x*v__271.x);
+        __212.y = (v__270.y*v__271.y);
+        __212.z = (v__270.z*v__271.z);
+        __212.w = (v__270.w*v__271.w);
+      float4 v__272 = make_float4(ml[0], ml[0], ml[0], ml[0]);
+      __211.x = (__212.x-v__272.x);
+      __211.y = (__212.y-v__272.y);
+      __211.z = (__212.z-v__272.z);
+      __211.w = (__212.w-v__272.w);
     __210.x = exp2f(__211.x);
     __210.y = exp2f(__211.y);
     __210.z = exp2f(__211.z);
     __210.w = exp2f(__211.w);
-    *(float4*)(part + (i_136 * 4)) = __210;
+    *(float4*)(part + (i_139 * 4)) = __210;
     float4 __213;
-      float4 v__273 = *(float4*)(ps + (i_136 * 4));
-      float4 v__274 = *(float4*)(part + (i_136 * 4));
+      float4 v__273 = *(float4*)(ps + (i_139 * 4));
+      float4 v__274 = *(float4*)(part + (i_139 * 4));
       __213.x = (v__273.x+v__274.x);
       __213.y = (v__273.y+v__274.y);
       __213.z = (v__273.z+v__274.z);
       __213.w = (v__273.w+v__274.w);
-    *(float4*)(ps + (i_136 * 4)) = __213;
+    *(float4*)(ps + (i_139 * 4)) = __213;
   }
   {
     bfloat16_t a_local_cast_61[8];
-    for (int i_137 = 0; i_137 < 2; ++i_137) {
+    for (int i_140 = 0; i_140 < 2; ++i_140) {
       uint2 __214;
-      float4 v__275 = *(float4*)(part + (i_137 * 4));
+      float4 v__275 = *(float4*)(part + (i_140 * 4));
       (reinterpret_cast<__nv_bfloat162*>(&__214))[0] = __float22bfloat162_rn(((float2*)(&v__275))[0]);
       (reinterpret_cast<__nv_bfloat162*>(&__214))[1] = __float22bfloat162_rn(((float2*)(&v__275))[1]);
-      *(uint2*)(a_local_cast_61 + (i_137 * 4)) = __214;
+      *(uint2*)(a_local_cast_61 + (i_140 * 4)) = __214;
     }
     *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 29696)) = *(uint4*)(a_local_cast_61 + 0);
   }
   #pragma unroll
-  for (int i_138 = 0; i_138 < 2; ++i_138) {
+  for (int i_141 = 0; i_141 < 2; ++i_141) {
     float broadcast_var_31 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
     float4 __215;
     float4 __216;
       float4 __217;
-        float4 v__276 = *(float4*)(xk_2 + (i_138 * 4));
-        float condval_38;
-        if ((run[0] == -CUDART_INF_F)) {
-          condval_38 = 0x0p+0f/*0.000000e+00*/;
-        } else {
-          condval_38 = run[0];
-        }
-        float4 v__277 = make_float4(condval_38, condval_38, condval_38, condval_38);
-        __217.x = (v__276.x-v__277.x);
-        __217.y = (v__276.y-v__277.y);
-        __217.z = (v__276.z-v__277.z);
-        __217.w = (v__276.w-v__277.w);
-      float4 v__278 = make_float4(broadcast_var_31, broadcast_var_31, broadcast_var_31, broadcast_var_31);
-      __216.x = (__217.x*v__278.x);
-      __216.y = (__217.y*v__278.y);
-      __216.z = (__217.z*v__278.z);
-      __216.w = (__217.w*v__278.w);
+        float4 v__276 = *(float4*)(xk_2 + (i_141 * 4));
+        float4 v__277 = make_float4(broadcast_var_31, broadcast_var_31, broadcast_var_31, broadcast_var_31);
+        __217.x = (v__276.x*v__277.x);
+        __217.y = (v__276.y*v__277.y);
+        __217.z = (v__276.z*v__277.z);
+        __217.w = (v__276.w*v__277.w);
+      float4 v__278 = make_float4(ml[0], ml[0], ml[0], ml[0]);
+      __216.x = (__217.x-v__278.x);
+      __216.y = (__217.y-v__278.y);
+      __216.z = (__217.z-v__278.z);
+      __216.w = (__217.w-v__278.w);
     __215.x = exp2f(__216.x);
     __215.y = exp2f(__216.y);
     __215.z = exp2f(__216.z);
     __215.w = exp2f(__216.w);
-    *(float4*)(part + (i_138 * 4)) = __215;
+    *(float4*)(part + (i_141 * 4)) = __215;
     float4 __218;
-      float4 v__279 = *(float4*)(ps + (i_138 * 4));
-      float4 v__280 = *(float4*)(part + (i_138 * 4));
+      float4 v__279 = *(float4*)(ps + (i_141 * 4));
+      float4 v__280 = *(float4*)(part + (i_141 * 4));
       __218.x = (v__279.x+v__280.x);
       __218.y = (v__279.y+v__280.y);
       __218.z = (v__279.z+v__280.z);
       __218.w = (v__279.w+v__280.w);
-    *(float4*)(ps + (i_138 * 4)) = __218;
+    *(float4*)(ps + (i_141 * 4)) = __218;
   }
   {
     bfloat16_t a_local_cast_62[8];
-    for (int i_139 = 0; i_139 < 2; ++i_139) {
+    for (int i_142 = 0; i_142 < 2; ++i_142) {
       uint2 __219;
-      float4 v__281 = *(float4*)(part + (i_139 * 4));
+      float4 v__281 = *(float4*)(part + (i_142 * 4));
       (reinterpret_cast<__nv_bfloat162*>(&__219))[0] = __float22bfloat162_rn(((float2*)(&v__281))[0]);
       (reinterpret_cast<__nv_bfloat162*>(&__219))[1] = __float22bfloat162_rn(((float2*)(&v__281))[1]);
-      *(uint2*)(a_local_cast_62 + (i_139 * 4)) = __219;
+      *(uint2*)(a_local_cast_62 + (i_142 * 4)) = __219;
     }
     *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 30720)) = *(uint4*)(a_local_cast_62 + 0);
   }
   #pragma unroll
-  for (int i_140 = 0; i_140 < 2; ++i_140) {
+  for (int i_143 = 0; i_143 < 2; ++i_143) {
     float broadcast_var_32 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
     float4 __220;
     float4 __221;
       float4 __222;
-        float4 v__282 = *(float4*)(xk_3 + (i_140 * 4));
-        float condval_39;
-        if ((run[0] == -CUDART_INF_F)) {
-          condval_39 = 0x0p+0f/*0.000000e+00*/;
-        } else {
-          condval_39 = run[0];
-        }
-        float4 v__283 = make_float4(condval_39, condval_39, condval_39, condval_39);
-        __222.x = (v__282.x-v__283.x);
-        __222.y = (v__282.y-v__283.y);
-        __222.z = (v__282.z-v__283.z);
-        __222.w = (v__282.w-v__283.w);
-      float4 v__284 = make_float4(broadcast_var_32, broadcast_var_32, broadcast_var_32, broadcast_var_32);
-      __221.x = (__222.x*v__284.x);
-      __221.y = (__222.y*v__284.y);
-      __221.z = (__222.z*v__284.z);
-      __221.w = (__222.w*v__284.w);
+        float4 v__282 = *(float4*)(xk_3 + (i_143 * 4));
+        float4 v__283 = make_float4(broadcast_var_32, broadcast_var_32, broadcast_var_32, broadcast_var_32);
+        __222.x = (v__282.x*v__283.x);
+        __222.y = (v__282.y*v__283.y);
+        __222.z = (v__282.z*v__283.z);
+        __222.w = (v__282.w*v__283.w);
+      float4 v__284 = make_float4(ml[0], ml[0], ml[0], ml[0]);
+      __221.x = (__222.x-v__284.x);
+      __221.y = (__222.y-v__284.y);
+      __221.z = (__222.z-v__284.z);
+      __221.w = (__222.w-v__284.w);
     __220.x = exp2f(__221.x);
     __220.y = exp2f(__221.y);
     __220.z = exp2f(__221.z);
     __220.w = exp2f(__221.w);
-    *(float4*)(part + (i_140 * 4)) = __220;
+    *(float4*)(part + (i_143 * 4)) = __220;
     float4 __223;
-      float4 v__285 = *(float4*)(ps + (i_140 * 4));
-      float4 v__286 = *(float4*)(part + (i_140 * 4));
+      float4 v__285 = *(float4*)(ps + (i_143 * 4));
+      float4 v__286 = *(float4*)(part + (i_143 * 4));
       __223.x = (v__285.x+v__286.x);
       __223.y = (v__285.y+v__286.y);
       __223.z = (v__285.z+v__286.z);
       __223.w = (v__285.w+v__286.w);
-    *(float4*)(ps + (i_140 * 4)) = __223;
+    *(float4*)(ps + (i_143 * 4)) = __223;
   }
   {
     bfloat16_t a_local_cast_63[8];
-    for (int i_141 = 0; i_141 < 2; ++i_141) {
+    for (int i_144 = 0; i_144 < 2; ++i_144) {
       uint2 __224;
-      float4 v__287 = *(float4*)(part + (i_141 * 4));
+      float4 v__287 = *(float4*)(part + (i_144 * 4));
       (reinterpret_cast<__nv_bfloat162*>(&__224))[0] = __float22bfloat162_rn(((float2*)(&v__287))[0]);
       (reinterpret_cast<__nv_bfloat162*>(&__224))[1] = __float22bfloat162_rn(((float2*)(&v__287))[1]);
-      *(uint2*)(a_local_cast_63 + (i_141 * 4)) = __224;
+      *(uint2*)(a_local_cast_63 + (i_144 * 4)) = __224;
     }
     *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 31744)) = *(uint4*)(a_local_cast_63 + 0);
   }
@@ -2527,13 +2406,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) fwd_kernel(__grid_constant_
   rw[0] = -CUDART_INF_F;
   rw[0] = max(rw[0], run[0]);
   rw[0] = tl::AllReduce<tl::MaxOp, 32, 1, 0, tl::NamedBarrier<128>>::run(rw[0]);
-  float condval_40;
+  float condval_16;
   if ((run[0] == -CUDART_INF_F)) {
-    condval_40 = 0x0p+0f/*0.000000e+00*/;
+    condval_16 = 0x0p+0f/*0.000000e+00*/;
   } else {
-    condval_40 = (rt[0] * exp2f(((run[0] - rw[0]) * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
+    condval_16 = (rt[0] * exp2f(((run[0] - rw[0]) * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
   }
-  rt[0] = condval_40;
+  rt[0] = condval_16;
   sw[0] = 0x0p+0f/*0.000000e+00*/;
   sw[0] = (sw[0] + rt[0]);
   sw[0] = tl::AllReduce<tl::SumOp, 32, 1, 0, tl::NamedBarrier<128>>::run(sw[0]);
@@ -2548,13 +2427,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) fwd_kernel(__grid_constant_
   }
   acc1 = 0x0p+0f/*0.000000e+00*/;
   for (int k_1 = 0; k_1 < 4; ++k_1) {
-    float condval_41;
+    float condval_17;
     if ((((float*)stats)[(k_1 * 2)] == -CUDART_INF_F)) {
-      condval_41 = 0x0p+0f/*0.000000e+00*/;
+      condval_17 = 0x0p+0f/*0.000000e+00*/;
     } else {
-      condval_41 = (((float*)stats)[((k_1 * 2) + 1)] * exp2f(((((float*)stats)[(k_1 * 2)] - acc0) * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
+      condval_17 = (((float*)stats)[((k_1 * 2) + 1)] * exp2f(((((float*)stats)[(k_1 * 2)] - acc0) * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
     }
-    acc1 = (acc1 + condval_41);
+    acc1 = (acc1 + condval_17);
   }
   r0[0] = acc0;
   r1[0] = acc1;
@@ -2585,15 +2464,15 @@ extern "C" __global__ void __launch_bounds__(128, 1) fwd_kernel(__grid_constant_
     acc1 = (acc1 + (peers[((k_4 * 2) + 1)] * exp2f(((peers[(k_4 * 2)] - acc0) * 0x1.71547652b82fep+0f/*1.442695e+00*/))));
   }
   alpha[0] = (exp2f(((em_s[0] - acc0) * 0x1.71547652b82fep+0f/*1.442695e+00*/)) / acc1);
-  for (int kk = 0; kk < 4; ++kk) {
+  {
     bfloat16_t a_local_cast_65[8];
     bfloat16_t Y_local_cast_64[8];
-    *(uint4*)(a_local_cast_65 + 0) = *(uint4*)(((bfloat16_t*)a) + ((kk * 1024) + (((int)threadIdx.x) * 8)));
-    for (int i_142 = 0; i_142 < 2; ++i_142) {
+    *(uint4*)(a_local_cast_65 + 0) = *(uint4*)(((bfloat16_t*)a) + (((int)threadIdx.x) * 8));
+    for (int i_145 = 0; i_145 < 2; ++i_145) {
       uint2 __225;
       float4 __226;
         float4 __227;
-        uint2 v__288 = *(uint2*)(a_local_cast_65 + (i_142 * 4));
+        uint2 v__288 = *(uint2*)(a_local_cast_65 + (i_145 * 4));
         ((float2*)(&__227))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__288))[0]);
         ((float2*)(&__227))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__288))[1]);
         float4 v__289 = make_float4(alpha[0], alpha[0], alpha[0], alpha[0]);
@@ -2603,20 +2482,19 @@ extern "C" __global__ void __launch_bounds__(128, 1) fwd_kernel(__grid_constant_
         __226.w = (__227.w*v__289.w);
       (reinterpret_cast<__nv_bfloat162*>(&__225))[0] = __float22bfloat162_rn(((float2*)(&__226))[0]);
       (reinterpret_cast<__nv_bfloat162*>(&__225))[1] = __float22bfloat162_rn(((float2*)(&__226))[1]);
-      *(uint2*)(Y_local_cast_64 + (i_142 * 4)) = __225;
+      *(uint2*)(Y_local_cast_64 + (i_145 * 4)) = __225;
     }
-    *(uint4*)(Y + (((((int64_t)((int)blockIdx.x)) * (int64_t)32768) + (((int64_t)kk) * (int64_t)1024)) + (((int64_t)((int)threadIdx.x)) * (int64_t)8))) = *(uint4*)(Y_local_cast_64 + 0);
+    *(uint4*)(Y + ((((int64_t)((int)blockIdx.x)) * (int64_t)32768) + (((int64_t)((int)threadIdx.x)) * (int64_t)8))) = *(uint4*)(Y_local_cast_64 + 0);
   }
-  alpha[0] = (exp2f(((em_s_1[0] - acc0) * 0x1.71547652b82fep+0f/*1.442695e+00*/)) / acc1);
-  for (int kk_1 = 0; kk_1 < 4; ++kk_1) {
+  {
     bfloat16_t a_local_cast_67[8];
     bfloat16_t Y_local_cast_66[8];
-    *(uint4*)(a_local_cast_67 + 0) = *(uint4*)(((bfloat16_t*)a) + (((kk_1 * 1024) + (((int)threadIdx.x) * 8)) + 4096));
-    for (int i_143 = 0; i_143 < 2; ++i_143) {
+    *(uint4*)(a_local_cast_67 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 1024));
+    for (int i_146 = 0; i_146 < 2; ++i_146) {
       uint2 __228;
       float4 __229;
         float4 __230;
-        uint2 v__290 = *(uint2*)(a_local_cast_67 + (i_143 * 4));
+        uint2 v__290 = *(uint2*)(a_local_cast_67 + (i_146 * 4));
         ((float2*)(&__230))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__290))[0]);
         ((float2*)(&__230))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__290))[1]);
         float4 v__291 = make_float4(alpha[0], alpha[0], alpha[0], alpha[0]);
@@ -2626,20 +2504,19 @@ extern "C" __global__ void __launch_bounds__(128, 1) fwd_kernel(__grid_constant_
         __229.w = (__230.w*v__291.w);
       (reinterpret_cast<__nv_bfloat162*>(&__228))[0] = __float22bfloat162_rn(((float2*)(&__229))[0]);
       (reinterpret_cast<__nv_bfloat162*>(&__228))[1] = __float22bfloat162_rn(((float2*)(&__229))[1]);
-      *(uint2*)(Y_local_cast_66 + (i_143 * 4)) = __228;
+      *(uint2*)(Y_local_cast_66 + (i_146 * 4)) = __228;
     }
-    *(uint4*)(Y + ((((((int64_t)((int)blockIdx.x)) * (int64_t)32768) + (((int64_t)kk_1) * (int64_t)1024)) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)) + (int64_t)4096)) = *(uint4*)(Y_local_cast_66 + 0);
+    *(uint4*)(Y + (((((int64_t)((int)blockIdx.x)) * (int64_t)32768) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)) + (int64_t)1024)) = *(uint4*)(Y_local_cast_66 + 0);
   }
-  alpha[0] = (exp2f(((em_s_2[0] - acc0) * 0x1.71547652b82fep+0f/*1.442695e+00*/)) / acc1);
-  for (int kk_2 = 0; kk_2 < 4; ++kk_2) {
+  {
     bfloat16_t a_local_cast_69[8];
     bfloat16_t Y_local_cast_68[8];
-    *(uint4*)(a_local_cast_69 + 0) = *(uint4*)(((bfloat16_t*)a) + (((kk_2 * 1024) + (((int)threadIdx.x) * 8)) + 8192));
-    for (int i_144 = 0; i_144 < 2; ++i_144) {
+    *(uint4*)(a_local_cast_69 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 2048));
+    for (int i_147 = 0; i_147 < 2; ++i_147) {
       uint2 __231;
       float4 __232;
         float4 __233;
-        uint2 v__292 = *(uint2*)(a_local_cast_69 + (i_144 * 4));
+        uint2 v__292 = *(uint2*)(a_local_cast_69 + (i_147 * 4));
         ((float2*)(&__233))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__292))[0]);
         ((float2*)(&__233))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__292))[1]);
         float4 v__293 = make_float4(alpha[0], alpha[0], alpha[0], alpha[0]);
@@ -2649,20 +2526,19 @@ extern "C" __global__ void __launch_bounds__(128, 1) fwd_kernel(__grid_constant_
         __232.w = (__233.w*v__293.w);
       (reinterpret_cast<__nv_bfloat162*>(&__231))[0] = __float22bfloat162_rn(((float2*)(&__232))[0]);
       (reinterpret_cast<__nv_bfloat162*>(&__231))[1] = __float22bfloat162_rn(((float2*)(&__232))[1]);
-      *(uint2*)(Y_local_cast_68 + (i_144 * 4)) = __231;
+      *(uint2*)(Y_local_cast_68 + (i_147 * 4)) = __231;
     }
-    *(uint4*)(Y + ((((((int64_t)((int)blockIdx.x)) * (int64_t)32768) + (((int64_t)kk_2) * (int64_t)1024)) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)) + (int64_t)8192)) = *(uint4*)(Y_local_cast_68 + 0);
+    *(uint4*)(Y + (((((int64_t)((int)blockIdx.x)) * (int64_t)32768) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)) + (int64_t)2048)) = *(uint4*)(Y_local_cast_68 + 0);
   }
-  alpha[0] = (exp2f(((em_s_3[0] - acc0) * 0x1.71547652b82fep+0f/*1.442695e+00*/)) / acc1);
-  for (int kk_3 = 0; kk_3 < 4; ++kk_3) {
+  {
     bfloat16_t a_local_cast_71[8];
     bfloat16_t Y_local_cast_70[8];
-    *(uint4*)(a_local_cast_71 + 0) = *(uint4*)(((bfloat16_t*)a) + (((kk_3 * 1024) + (((int)threadIdx.x) * 8)) + 12288));
-    for (int i_145 = 0; i_145 < 2; ++i_145) {
+    *(uint4*)(a_local_cast_71 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 3072));
+    for (int i_148 = 0; i_148 < 2; ++i_148) {
       uint2 __234;
       float4 __235;
         float4 __236;
-        uint2 v__294 = *(uint2*)(a_local_cast_71 + (i_145 * 4));
+        uint2 v__294 = *(uint2*)(a_local_cast_71 + (i_148 * 4));
         ((float2*)(&__236))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__294))[0]);
         ((float2*)(&__236))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__294))[1]);
         float4 v__295 = make_float4(alpha[0], alpha[0], alpha[0], alpha[0]);
@@ -2672,20 +2548,20 @@ extern "C" __global__ void __launch_bounds__(128, 1) fwd_kernel(__grid_constant_
         __235.w = (__236.w*v__295.w);
       (reinterpret_cast<__nv_bfloat162*>(&__234))[0] = __float22bfloat162_rn(((float2*)(&__235))[0]);
       (reinterpret_cast<__nv_bfloat162*>(&__234))[1] = __float22bfloat162_rn(((float2*)(&__235))[1]);
-      *(uint2*)(Y_local_cast_70 + (i_145 * 4)) = __234;
+      *(uint2*)(Y_local_cast_70 + (i_148 * 4)) = __234;
     }
-    *(uint4*)(Y + ((((((int64_t)((int)blockIdx.x)) * (int64_t)32768) + (((int64_t)kk_3) * (int64_t)1024)) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)) + (int64_t)12288)) = *(uint4*)(Y_local_cast_70 + 0);
+    *(uint4*)(Y + (((((int64_t)((int)blockIdx.x)) * (int64_t)32768) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)) + (int64_t)3072)) = *(uint4*)(Y_local_cast_70 + 0);
   }
-  alpha[0] = (exp2f(((em_s_4[0] - acc0) * 0x1.71547652b82fep+0f/*1.442695e+00*/)) / acc1);
-  for (int kk_4 = 0; kk_4 < 4; ++kk_4) {
+  alpha[0] = (exp2f(((em_s_1[0] - acc0) * 0x1.71547652b82fep+0f/*1.442695e+00*/)) / acc1);
+  {
     bfloat16_t a_local_cast_73[8];
     bfloat16_t Y_local_cast_72[8];
-    *(uint4*)(a_local_cast_73 + 0) = *(uint4*)(((bfloat16_t*)a) + (((kk_4 * 1024) + (((int)threadIdx.x) * 8)) + 16384));
-    for (int i_146 = 0; i_146 < 2; ++i_146) {
+    *(uint4*)(a_local_cast_73 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 4096));
+    for (int i_149 = 0; i_149 < 2; ++i_149) {
       uint2 __237;
       float4 __238;
         float4 __239;
-        uint2 v__296 = *(uint2*)(a_local_cast_73 + (i_146 * 4));
+        uint2 v__296 = *(uint2*)(a_local_cast_73 + (i_149 * 4));
         ((float2*)(&__239))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__296))[0]);
         ((float2*)(&__239))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__296))[1]);
         float4 v__297 = make_float4(alpha[0], alpha[0], alpha[0], alpha[0]);
@@ -2695,20 +2571,19 @@ extern "C" __global__ void __launch_bounds__(128, 1) fwd_kernel(__grid_constant_
         __238.w = (__239.w*v__297.w);
       (reinterpret_cast<__nv_bfloat162*>(&__237))[0] = __float22bfloat162_rn(((float2*)(&__238))[0]);
       (reinterpret_cast<__nv_bfloat162*>(&__237))[1] = __float22bfloat162_rn(((float2*)(&__238))[1]);
-      *(uint2*)(Y_local_cast_72 + (i_146 * 4)) = __237;
+      *(uint2*)(Y_local_cast_72 + (i_149 * 4)) = __237;
     }
-    *(uint4*)(Y + ((((((int64_t)((int)blockIdx.x)) * (int64_t)32768) + (((int64_t)kk_4) * (int64_t)1024)) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)) + (int64_t)16384)) = *(uint4*)(Y_local_cast_72 + 0);
+    *(uint4*)(Y + (((((int64_t)((int)blockIdx.x)) * (int64_t)32768) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)) + (int64_t)4096)) = *(uint4*)(Y_local_cast_72 + 0);
   }
-  alpha[0] = (exp2f(((em_s_5[0] - acc0) * 0x1.71547652b82fep+0f/*1.442695e+00*/)) / acc1);
-  for (int kk_5 = 0; kk_5 < 4; ++kk_5) {
+  {
     bfloat16_t a_local_cast_75[8];
     bfloat16_t Y_local_cast_74[8];
-    *(uint4*)(a_local_cast_75 + 0) = *(uint4*)(((bfloat16_t*)a) + (((kk_5 * 1024) + (((int)threadIdx.x) * 8)) + 20480));
-    for (int i_147 = 0; i_147 < 2; ++i_147) {
+    *(uint4*)(a_local_cast_75 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 5120));
+    for (int i_150 = 0; i_150 < 2; ++i_150) {
       uint2 __240;
       float4 __241;
         float4 __242;
-        uint2 v__298 = *(uint2*)(a_local_cast_75 + (i_147 * 4));
+        uint2 v__298 = *(uint2*)(a_local_cast_75 + (i_150 * 4));
         ((float2*)(&__242))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__298))[0]);
         ((float2*)(&__242))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__298))[1]);
         float4 v__299 = make_float4(alpha[0], alpha[0], alpha[0], alpha[0]);
@@ -2718,20 +2593,19 @@ extern "C" __global__ void __launch_bounds__(128, 1) fwd_kernel(__grid_constant_
         __241.w = (__242.w*v__299.w);
       (reinterpret_cast<__nv_bfloat162*>(&__240))[0] = __float22bfloat162_rn(((float2*)(&__241))[0]);
       (reinterpret_cast<__nv_bfloat162*>(&__240))[1] = __float22bfloat162_rn(((float2*)(&__241))[1]);
-      *(uint2*)(Y_local_cast_74 + (i_147 * 4)) = __240;
+      *(uint2*)(Y_local_cast_74 + (i_150 * 4)) = __240;
     }
-    *(uint4*)(Y + ((((((int64_t)((int)blockIdx.x)) * (int64_t)32768) + (((int64_t)kk_5) * (int64_t)1024)) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)) + (int64_t)20480)) = *(uint4*)(Y_local_cast_74 + 0);
+    *(uint4*)(Y + (((((int64_t)((int)blockIdx.x)) * (int64_t)32768) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)) + (int64_t)5120)) = *(uint4*)(Y_local_cast_74 + 0);
   }
-  alpha[0] = (exp2f(((em_s_6[0] - acc0) * 0x1.71547652b82fep+0f/*1.442695e+00*/)) / acc1);
-  for (int kk_6 = 0; kk_6 < 4; ++kk_6) {
+  {
     bfloat16_t a_local_cast_77[8];
     bfloat16_t Y_local_cast_76[8];
-    *(uint4*)(a_local_cast_77 + 0) = *(uint4*)(((bfloat16_t*)a) + (((kk_6 * 1024) + (((int)threadIdx.x) * 8)) + 24576));
-    for (int i_148 = 0; i_148 < 2; ++i_148) {
+    *(uint4*)(a_local_cast_77 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 6144));
+    for (int i_151 = 0; i_151 < 2; ++i_151) {
       uint2 __243;
       float4 __244;
         float4 __245;
-        uint2 v__300 = *(uint2*)(a_local_cast_77 + (i_148 * 4));
+        uint2 v__300 = *(uint2*)(a_local_cast_77 + (i_151 * 4));
         ((float2*)(&__245))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__300))[0]);
         ((float2*)(&__245))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__300))[1]);
         float4 v__301 = make_float4(alpha[0], alpha[0], alpha[0], alpha[0]);
@@ -2741,20 +2615,19 @@ extern "C" __global__ void __launch_bounds__(128, 1) fwd_kernel(__grid_constant_
         __244.w = (__245.w*v__301.w);
       (reinterpret_cast<__nv_bfloat162*>(&__243))[0] = __float22bfloat162_rn(((float2*)(&__244))[0]);
       (reinterpret_cast<__nv_bfloat162*>(&__243))[1] = __float22bfloat162_rn(((float2*)(&__244))[1]);
-      *(uint2*)(Y_local_cast_76 + (i_148 * 4)) = __243;
+      *(uint2*)(Y_local_cast_76 + (i_151 * 4)) = __243;
     }
-    *(uint4*)(Y + ((((((int64_t)((int)blockIdx.x)) * (int64_t)32768) + (((int64_t)kk_6) * (int64_t)1024)) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)) + (int64_t)24576)) = *(uint4*)(Y_local_cast_76 + 0);
+    *(uint4*)(Y + (((((int64_t)((int)blockIdx.x)) * (int64_t)32768) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)) + (int64_t)6144)) = *(uint4*)(Y_local_cast_76 + 0);
   }
-  alpha[0] = (exp2f(((em_s_7[0] - acc0) * 0x1.71547652b82fep+0f/*1.442695e+00*/)) / acc1);
-  for (int kk_7 = 0; kk_7 < 4; ++kk_7) {
+  {
     bfloat16_t a_local_cast_79[8];
     bfloat16_t Y_local_cast_78[8];
-    *(uint4*)(a_local_cast_79 + 0) = *(uint4*)(((bfloat16_t*)a) + (((kk_7 * 1024) + (((int)threadIdx.x) * 8)) + 28672));
-    for (int i_149 = 0; i_149 < 2; ++i_149) {
+    *(uint4*)(a_local_cast_79 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 7168));
+    for (int i_152 = 0; i_152 < 2; ++i_152) {
       uint2 __246;
       float4 __247;
         float4 __248;
-        uint2 v__302 = *(uint2*)(a_local_cast_79 + (i_149 * 4));
+        uint2 v__302 = *(uint2*)(a_local_cast_79 + (i_152 * 4));
         ((float2*)(&__248))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__302))[0]);
         ((float2*)(&__248))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__302))[1]);
         float4 v__303 = make_float4(alpha[0], alpha[0], alpha[0], alpha[0]);
@@ -2764,9 +2637,543 @@ extern "C" __global__ void __launch_bounds__(128, 1) fwd_kernel(__grid_constant_
         __247.w = (__248.w*v__303.w);
       (reinterpret_cast<__nv_bfloat162*>(&__246))[0] = __float22bfloat162_rn(((float2*)(&__247))[0]);
       (reinterpret_cast<__nv_bfloat162*>(&__246))[1] = __float22bfloat162_rn(((float2*)(&__247))[1]);
-      *(uint2*)(Y_local_cast_78 + (i_149 * 4)) = __246;
+      *(uint2*)(Y_local_cast_78 + (i_152 * 4)) = __246;
     }
-    *(uint4*)(Y + ((((((int64_t)((int)blockIdx.x)) * (int64_t)32768) + (((int64_t)kk_7) * (int64_t)1024)) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)) + (int64_t)28672)) = *(uint4*)(Y_local_cast_78 + 0);
+    *(uint4*)(Y + (((((int64_t)((int)blockIdx.x)) * (int64_t)32768) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)) + (int64_t)7168)) = *(uint4*)(Y_local_cast_78 + 0);
+  }
+  alpha[0] = (exp2f(((em_s_2[0] - acc0) * 0x1.71547652b82fep+0f/*1.442695e+00*/)) / acc1);
+  {
+    bfloat16_t a_local_cast_81[8];
+    bfloat16_t Y_local_cast_80[8];
+    *(uint4*)(a_local_cast_81 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 8192));
+    for (int i_153 = 0; i_153 < 2; ++i_153) {
+      uint2 __249;
+      float4 __250;
+        float4 __251;
+        uint2 v__304 = *(uint2*)(a_local_cast_81 + (i_153 * 4));
+        ((float2*)(&__251))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__304))[0]);
+        ((float2*)(&__251))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__304))[1]);
+        float4 v__305 = make_float4(alpha[0], alpha[0], alpha[0], alpha[0]);
+        __250.x = (__251.x*v__305.x);
+        __250.y = (__251.y*v__305.y);
+        __250.z = (__251.z*v__305.z);
+        __250.w = (__251.w*v__305.w);
+      (reinterpret_cast<__nv_bfloat162*>(&__249))[0] = __float22bfloat162_rn(((float2*)(&__250))[0]);
+      (reinterpret_cast<__nv_bfloat162*>(&__249))[1] = __float22bfloat162_rn(((float2*)(&__250))[1]);
+      *(uint2*)(Y_local_cast_80 + (i_153 * 4)) = __249;
+    }
+    *(uint4*)(Y + (((((int64_t)((int)blockIdx.x)) * (int64_t)32768) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)) + (int64_t)8192)) = *(uint4*)(Y_local_cast_80 + 0);
+  }
+  {
+    bfloat16_t a_local_cast_83[8];
+    bfloat16_t Y_local_cast_82[8];
+    *(uint4*)(a_local_cast_83 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 9216));
+    for (int i_154 = 0; i_154 < 2; ++i_154) {
+      uint2 __252;
+      float4 __253;
+        float4 __254;
+        uint2 v__306 = *(uint2*)(a_local_cast_83 + (i_154 * 4));
+        ((float2*)(&__254))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__306))[0]);
+        ((float2*)(&__254))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__306))[1]);
+        float4 v__307 = make_float4(alpha[0], alpha[0], alpha[0], alpha[0]);
+        __253.x = (__254.x*v__307.x);
+        __253.y = (__254.y*v__307.y);
+        __253.z = (__254.z*v__307.z);
+        __253.w = (__254.w*v__307.w);
+      (reinterpret_cast<__nv_bfloat162*>(&__252))[0] = __float22bfloat162_rn(((float2*)(&__253))[0]);
+      (reinterpret_cast<__nv_bfloat162*>(&__252))[1] = __float22bfloat162_rn(((float2*)(&__253))[1]);
+      *(uint2*)(Y_local_cast_82 + (i_154 * 4)) = __252;
+    }
+    *(uint4*)(Y + (((((int64_t)((int)blockIdx.x)) * (int64_t)32768) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)) + (int64_t)9216)) = *(uint4*)(Y_local_cast_82 + 0);
+  }
+  {
+    bfloat16_t a_local_cast_85[8];
+    bfloat16_t Y_local_cast_84[8];
+    *(uint4*)(a_local_cast_85 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 10240));
+    for (int i_155 = 0; i_155 < 2; ++i_155) {
+      uint2 __255;
+      float4 __256;
+        float4 __257;
+        uint2 v__308 = *(uint2*)(a_local_cast_85 + (i_155 * 4));
+        ((float2*)(&__257))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__308))[0]);
+        ((float2*)(&__257))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__308))[1]);
+        float4 v__309 = make_float4(alpha[0], alpha[0], alpha[0], alpha[0]);
+        __256.x = (__257.x*v__309.x);
+        __256.y = (__257.y*v__309.y);
+        __256.z = (__257.z*v__309.z);
+        __256.w = (__257.w*v__309.w);
+      (reinterpret_cast<__nv_bfloat162*>(&__255))[0] = __float22bfloat162_rn(((float2*)(&__256))[0]);
+      (reinterpret_cast<__nv_bfloat162*>(&__255))[1] = __float22bfloat162_rn(((float2*)(&__256))[1]);
+      *(uint2*)(Y_local_cast_84 + (i_155 * 4)) = __255;
+    }
+    *(uint4*)(Y + (((((int64_t)((int)blockIdx.x)) * (int64_t)32768) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)) + (int64_t)10240)) = *(uint4*)(Y_local_cast_84 + 0);
+  }
+  {
+    bfloat16_t a_local_cast_87[8];
+    bfloat16_t Y_local_cast_86[8];
+    *(uint4*)(a_local_cast_87 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 11264));
+    for (int i_156 = 0; i_156 < 2; ++i_156) {
+      uint2 __258;
+      float4 __259;
+        float4 __260;
+        uint2 v__310 = *(uint2*)(a_local_cast_87 + (i_156 * 4));
+        ((float2*)(&__260))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__310))[0]);
+        ((float2*)(&__260))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__310))[1]);
+        float4 v__311 = make_float4(alpha[0], alpha[0], alpha[0], alpha[0]);
+        __259.x = (__260.x*v__311.x);
+        __259.y = (__260.y*v__311.y);
+        __259.z = (__260.z*v__311.z);
+        __259.w = (__260.w*v__311.w);
+      (reinterpret_cast<__nv_bfloat162*>(&__258))[0] = __float22bfloat162_rn(((float2*)(&__259))[0]);
+      (reinterpret_cast<__nv_bfloat162*>(&__258))[1] = __float22bfloat162_rn(((float2*)(&__259))[1]);
+      *(uint2*)(Y_local_cast_86 + (i_156 * 4)) = __258;
+    }
+    *(uint4*)(Y + (((((int64_t)((int)blockIdx.x)) * (int64_t)32768) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)) + (int64_t)11264)) = *(uint4*)(Y_local_cast_86 + 0);
+  }
+  alpha[0] = (exp2f(((em_s_3[0] - acc0) * 0x1.71547652b82fep+0f/*1.442695e+00*/)) / acc1);
+  {
+    bfloat16_t a_local_cast_89[8];
+    bfloat16_t Y_local_cast_88[8];
+    *(uint4*)(a_local_cast_89 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 12288));
+    for (int i_157 = 0; i_157 < 2; ++i_157) {
+      uint2 __261;
+      float4 __262;
+        float4 __263;
+        uint2 v__312 = *(uint2*)(a_local_cast_89 + (i_157 * 4));
+        ((float2*)(&__263))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__312))[0]);
+        ((float2*)(&__263))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__312))[1]);
+        float4 v__313 = make_float4(alpha[0], alpha[0], alpha[0], alpha[0]);
+        __262.x = (__263.x*v__313.x);
+        __262.y = (__263.y*v__313.y);
+        __262.z = (__263.z*v__313.z);
+        __262.w = (__263.w*v__313.w);
+      (reinterpret_cast<__nv_bfloat162*>(&__261))[0] = __float22bfloat162_rn(((float2*)(&__262))[0]);
+      (reinterpret_cast<__nv_bfloat162*>(&__261))[1] = __float22bfloat162_rn(((float2*)(&__262))[1]);
+      *(uint2*)(Y_local_cast_88 + (i_157 * 4)) = __261;
+    }
+    *(uint4*)(Y + (((((int64_t)((int)blockIdx.x)) * (int64_t)32768) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)) + (int64_t)12288)) = *(uint4*)(Y_local_cast_88 + 0);
+  }
+  {
+    bfloat16_t a_local_cast_91[8];
+    bfloat16_t Y_local_cast_90[8];
+    *(uint4*)(a_local_cast_91 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 13312));
+    for (int i_158 = 0; i_158 < 2; ++i_158) {
+      uint2 __264;
+      float4 __265;
+        float4 __266;
+        uint2 v__314 = *(uint2*)(a_local_cast_91 + (i_158 * 4));
+        ((float2*)(&__266))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__314))[0]);
+        ((float2*)(&__266))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__314))[1]);
+        float4 v__315 = make_float4(alpha[0], alpha[0], alpha[0], alpha[0]);
+        __265.x = (__266.x*v__315.x);
+        __265.y = (__266.y*v__315.y);
+        __265.z = (__266.z*v__315.z);
+        __265.w = (__266.w*v__315.w);
+      (reinterpret_cast<__nv_bfloat162*>(&__264))[0] = __float22bfloat162_rn(((float2*)(&__265))[0]);
+      (reinterpret_cast<__nv_bfloat162*>(&__264))[1] = __float22bfloat162_rn(((float2*)(&__265))[1]);
+      *(uint2*)(Y_local_cast_90 + (i_158 * 4)) = __264;
+    }
+    *(uint4*)(Y + (((((int64_t)((int)blockIdx.x)) * (int64_t)32768) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)) + (int64_t)13312)) = *(uint4*)(Y_local_cast_90 + 0);
+  }
+  {
+    bfloat16_t a_local_cast_93[8];
+    bfloat16_t Y_local_cast_92[8];
+    *(uint4*)(a_local_cast_93 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 14336));
+    for (int i_159 = 0; i_159 < 2; ++i_159) {
+      uint2 __267;
+      float4 __268;
+        float4 __269;
+        uint2 v__316 = *(uint2*)(a_local_cast_93 + (i_159 * 4));
+        ((float2*)(&__269))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__316))[0]);
+        ((float2*)(&__269))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__316))[1]);
+        float4 v__317 = make_float4(alpha[0], alpha[0], alpha[0], alpha[0]);
+        __268.x = (__269.x*v__317.x);
+        __268.y = (__269.y*v__317.y);
+        __268.z = (__269.z*v__317.z);
+        __268.w = (__269.w*v__317.w);
+      (reinterpret_cast<__nv_bfloat162*>(&__267))[0] = __float22bfloat162_rn(((float2*)(&__268))[0]);
+      (reinterpret_cast<__nv_bfloat162*>(&__267))[1] = __float22bfloat162_rn(((float2*)(&__268))[1]);
+      *(uint2*)(Y_local_cast_92 + (i_159 * 4)) = __267;
+    }
+    *(uint4*)(Y + (((((int64_t)((int)blockIdx.x)) * (int64_t)32768) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)) + (int64_t)14336)) = *(uint4*)(Y_local_cast_92 + 0);
+  }
+  {
+    bfloat16_t a_local_cast_95[8];
+    bfloat16_t Y_local_cast_94[8];
+    *(uint4*)(a_local_cast_95 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 15360));
+    for (int i_160 = 0; i_160 < 2; ++i_160) {
+      uint2 __270;
+      float4 __271;
+        float4 __272;
+        uint2 v__318 = *(uint2*)(a_local_cast_95 + (i_160 * 4));
+        ((float2*)(&__272))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__318))[0]);
+        ((float2*)(&__272))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__318))[1]);
+        float4 v__319 = make_float4(alpha[0], alpha[0], alpha[0], alpha[0]);
+        __271.x = (__272.x*v__319.x);
+        __271.y = (__272.y*v__319.y);
+        __271.z = (__272.z*v__319.z);
+        __271.w = (__272.w*v__319.w);
+      (reinterpret_cast<__nv_bfloat162*>(&__270))[0] = __float22bfloat162_rn(((float2*)(&__271))[0]);
+      (reinterpret_cast<__nv_bfloat162*>(&__270))[1] = __float22bfloat162_rn(((float2*)(&__271))[1]);
+      *(uint2*)(Y_local_cast_94 + (i_160 * 4)) = __270;
+    }
+    *(uint4*)(Y + (((((int64_t)((int)blockIdx.x)) * (int64_t)32768) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)) + (int64_t)15360)) = *(uint4*)(Y_local_cast_94 + 0);
+  }
+  alpha[0] = (exp2f(((em_s_4[0] - acc0) * 0x1.71547652b82fep+0f/*1.442695e+00*/)) / acc1);
+  {
+    bfloat16_t a_local_cast_97[8];
+    bfloat16_t Y_local_cast_96[8];
+    *(uint4*)(a_local_cast_97 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 16384));
+    for (int i_161 = 0; i_161 < 2; ++i_161) {
+      uint2 __273;
+      float4 __274;
+        float4 __275;
+        uint2 v__320 = *(uint2*)(a_local_cast_97 + (i_161 * 4));
+        ((float2*)(&__275))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__320))[0]);
+        ((float2*)(&__275))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__320))[1]);
+        float4 v__321 = make_float4(alpha[0], alpha[0], alpha[0], alpha[0]);
+        __274.x = (__275.x*v__321.x);
+        __274.y = (__275.y*v__321.y);
+        __274.z = (__275.z*v__321.z);
+        __274.w = (__275.w*v__321.w);
+      (reinterpret_cast<__nv_bfloat162*>(&__273))[0] = __float22bfloat162_rn(((float2*)(&__274))[0]);
+      (reinterpret_cast<__nv_bfloat162*>(&__273))[1] = __float22bfloat162_rn(((float2*)(&__274))[1]);
+      *(uint2*)(Y_local_cast_96 + (i_161 * 4)) = __273;
+    }
+    *(uint4*)(Y + (((((int64_t)((int)blockIdx.x)) * (int64_t)32768) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)) + (int64_t)16384)) = *(uint4*)(Y_local_cast_96 + 0);
+  }
+  {
+    bfloat16_t a_local_cast_99[8];
+    bfloat16_t Y_local_cast_98[8];
+    *(uint4*)(a_local_cast_99 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 17408));
+    for (int i_162 = 0; i_162 < 2; ++i_162) {
+      uint2 __276;
+      float4 __277;
+        float4 __278;
+        uint2 v__322 = *(uint2*)(a_local_cast_99 + (i_162 * 4));
+        ((float2*)(&__278))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__322))[0]);
+        ((float2*)(&__278))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__322))[1]);
+        float4 v__323 = make_float4(alpha[0], alpha[0], alpha[0], alpha[0]);
+        __277.x = (__278.x*v__323.x);
+        __277.y = (__278.y*v__323.y);
+        __277.z = (__278.z*v__323.z);
+        __277.w = (__278.w*v__323.w);
+      (reinterpret_cast<__nv_bfloat162*>(&__276))[0] = __float22bfloat162_rn(((float2*)(&__277))[0]);
+      (reinterpret_cast<__nv_bfloat162*>(&__276))[1] = __float22bfloat162_rn(((float2*)(&__277))[1]);
+      *(uint2*)(Y_local_cast_98 + (i_162 * 4)) = __276;
+    }
+    *(uint4*)(Y + (((((int64_t)((int)blockIdx.x)) * (int64_t)32768) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)) + (int64_t)17408)) = *(uint4*)(Y_local_cast_98 + 0);
+  }
+  {
+    bfloat16_t a_local_cast_101[8];
+    bfloat16_t Y_local_cast_100[8];
+    *(uint4*)(a_local_cast_101 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 18432));
+    for (int i_163 = 0; i_163 < 2; ++i_163) {
+      uint2 __279;
+      float4 __280;
+        float4 __281;
+        uint2 v__324 = *(uint2*)(a_local_cast_101 + (i_163 * 4));
+        ((float2*)(&__281))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__324))[0]);
+        ((float2*)(&__281))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__324))[1]);
+        float4 v__325 = make_float4(alpha[0], alpha[0], alpha[0], alpha[0]);
+        __280.x = (__281.x*v__325.x);
+        __280.y = (__281.y*v__325.y);
+        __280.z = (__281.z*v__325.z);
+        __280.w = (__281.w*v__325.w);
+      (reinterpret_cast<__nv_bfloat162*>(&__279))[0] = __float22bfloat162_rn(((float2*)(&__280))[0]);
+      (reinterpret_cast<__nv_bfloat162*>(&__279))[1] = __float22bfloat162_rn(((float2*)(&__280))[1]);
+      *(uint2*)(Y_local_cast_100 + (i_163 * 4)) = __279;
+    }
+    *(uint4*)(Y + (((((int64_t)((int)blockIdx.x)) * (int64_t)32768) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)) + (int64_t)18432)) = *(uint4*)(Y_local_cast_100 + 0);
+  }
+  {
+    bfloat16_t a_local_cast_103[8];
+    bfloat16_t Y_local_cast_102[8];
+    *(uint4*)(a_local_cast_103 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 19456));
+    for (int i_164 = 0; i_164 < 2; ++i_164) {
+      uint2 __282;
+      float4 __283;
+        float4 __284;
+        uint2 v__326 = *(uint2*)(a_local_cast_103 + (i_164 * 4));
+        ((float2*)(&__284))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__326))[0]);
+        ((float2*)(&__284))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__326))[1]);
+        float4 v__327 = make_float4(alpha[0], alpha[0], alpha[0], alpha[0]);
+        __283.x = (__284.x*v__327.x);
+        __283.y = (__284.y*v__327.y);
+        __283.z = (__284.z*v__327.z);
+        __283.w = (__284.w*v__327.w);
+      (reinterpret_cast<__nv_bfloat162*>(&__282))[0] = __float22bfloat162_rn(((float2*)(&__283))[0]);
+      (reinterpret_cast<__nv_bfloat162*>(&__282))[1] = __float22bfloat162_rn(((float2*)(&__283))[1]);
+      *(uint2*)(Y_local_cast_102 + (i_164 * 4)) = __282;
+    }
+    *(uint4*)(Y + (((((int64_t)((int)blockIdx.x)) * (int64_t)32768) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)) + (int64_t)19456)) = *(uint4*)(Y_local_cast_102 + 0);
+  }
+  alpha[0] = (exp2f(((em_s_5[0] - acc0) * 0x1.71547652b82fep+0f/*1.442695e+00*/)) / acc1);
+  {
+    bfloat16_t a_local_cast_105[8];
+    bfloat16_t Y_local_cast_104[8];
+    *(uint4*)(a_local_cast_105 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 20480));
+    for (int i_165 = 0; i_165 < 2; ++i_165) {
+      uint2 __285;
+      float4 __286;
+        float4 __287;
+        uint2 v__328 = *(uint2*)(a_local_cast_105 + (i_165 * 4));
+        ((float2*)(&__287))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__328))[0]);
+        ((float2*)(&__287))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__328))[1]);
+        float4 v__329 = make_float4(alpha[0], alpha[0], alpha[0], alpha[0]);
+        __286.x = (__287.x*v__329.x);
+        __286.y = (__287.y*v__329.y);
+        __286.z = (__287.z*v__329.z);
+        __286.w = (__287.w*v__329.w);
+      (reinterpret_cast<__nv_bfloat162*>(&__285))[0] = __float22bfloat162_rn(((float2*)(&__286))[0]);
+      (reinterpret_cast<__nv_bfloat162*>(&__285))[1] = __float22bfloat162_rn(((float2*)(&__286))[1]);
+      *(uint2*)(Y_local_cast_104 + (i_165 * 4)) = __285;
+    }
+    *(uint4*)(Y + (((((int64_t)((int)blockIdx.x)) * (int64_t)32768) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)) + (int64_t)20480)) = *(uint4*)(Y_local_cast_104 + 0);
+  }
+  {
+    bfloat16_t a_local_cast_107[8];
+    bfloat16_t Y_local_cast_106[8];
+    *(uint4*)(a_local_cast_107 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 21504));
+    for (int i_166 = 0; i_166 < 2; ++i_166) {
+      uint2 __288;
+      float4 __289;
+        float4 __290;
+        uint2 v__330 = *(uint2*)(a_local_cast_107 + (i_166 * 4));
+        ((float2*)(&__290))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__330))[0]);
+        ((float2*)(&__290))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__330))[1]);
+        float4 v__331 = make_float4(alpha[0], alpha[0], alpha[0], alpha[0]);
+        __289.x = (__290.x*v__331.x);
+        __289.y = (__290.y*v__331.y);
+        __289.z = (__290.z*v__331.z);
+        __289.w = (__290.w*v__331.w);
+      (reinterpret_cast<__nv_bfloat162*>(&__288))[0] = __float22bfloat162_rn(((float2*)(&__289))[0]);
+      (reinterpret_cast<__nv_bfloat162*>(&__288))[1] = __float22bfloat162_rn(((float2*)(&__289))[1]);
+      *(uint2*)(Y_local_cast_106 + (i_166 * 4)) = __288;
+    }
+    *(uint4*)(Y + (((((int64_t)((int)blockIdx.x)) * (int64_t)32768) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)) + (int64_t)21504)) = *(uint4*)(Y_local_cast_106 + 0);
+  }
+  {
+    bfloat16_t a_local_cast_109[8];
+    bfloat16_t Y_local_cast_108[8];
+    *(uint4*)(a_local_cast_109 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 22528));
+    for (int i_167 = 0; i_167 < 2; ++i_167) {
+      uint2 __291;
+      float4 __292;
+        float4 __293;
+        uint2 v__332 = *(uint2*)(a_local_cast_109 + (i_167 * 4));
+        ((float2*)(&__293))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__332))[0]);
+        ((float2*)(&__293))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__332))[1]);
+        float4 v__333 = make_float4(alpha[0], alpha[0], alpha[0], alpha[0]);
+        __292.x = (__293.x*v__333.x);
+        __292.y = (__293.y*v__333.y);
+        __292.z = (__293.z*v__333.z);
+        __292.w = (__293.w*v__333.w);
+      (reinterpret_cast<__nv_bfloat162*>(&__291))[0] = __float22bfloat162_rn(((float2*)(&__292))[0]);
+      (reinterpret_cast<__nv_bfloat162*>(&__291))[1] = __float22bfloat162_rn(((float2*)(&__292))[1]);
+      *(uint2*)(Y_local_cast_108 + (i_167 * 4)) = __291;
+    }
+    *(uint4*)(Y + (((((int64_t)((int)blockIdx.x)) * (int64_t)32768) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)) + (int64_t)22528)) = *(uint4*)(Y_local_cast_108 + 0);
+  }
+  {
+    bfloat16_t a_local_cast_111[8];
+    bfloat16_t Y_local_cast_110[8];
+    *(uint4*)(a_local_cast_111 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 23552));
+    for (int i_168 = 0; i_168 < 2; ++i_168) {
+      uint2 __294;
+      float4 __295;
+        float4 __296;
+        uint2 v__334 = *(uint2*)(a_local_cast_111 + (i_168 * 4));
+        ((float2*)(&__296))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__334))[0]);
+        ((float2*)(&__296))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__334))[1]);
+        float4 v__335 = make_float4(alpha[0], alpha[0], alpha[0], alpha[0]);
+        __295.x = (__296.x*v__335.x);
+        __295.y = (__296.y*v__335.y);
+        __295.z = (__296.z*v__335.z);
+        __295.w = (__296.w*v__335.w);
+      (reinterpret_cast<__nv_bfloat162*>(&__294))[0] = __float22bfloat162_rn(((float2*)(&__295))[0]);
+      (reinterpret_cast<__nv_bfloat162*>(&__294))[1] = __float22bfloat162_rn(((float2*)(&__295))[1]);
+      *(uint2*)(Y_local_cast_110 + (i_168 * 4)) = __294;
+    }
+    *(uint4*)(Y + (((((int64_t)((int)blockIdx.x)) * (int64_t)32768) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)) + (int64_t)23552)) = *(uint4*)(Y_local_cast_110 + 0);
+  }
+  alpha[0] = (exp2f(((em_s_6[0] - acc0) * 0x1.71547652b82fep+0f/*1.442695e+00*/)) / acc1);
+  {
+    bfloat16_t a_local_cast_113[8];
+    bfloat16_t Y_local_cast_112[8];
+    *(uint4*)(a_local_cast_113 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 24576));
+    for (int i_169 = 0; i_169 < 2; ++i_169) {
+      uint2 __297;
+      float4 __298;
+        float4 __299;
+        uint2 v__336 = *(uint2*)(a_local_cast_113 + (i_169 * 4));
+        ((float2*)(&__299))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__336))[0]);
+        ((float2*)(&__299))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__336))[1]);
+        float4 v__337 = make_float4(alpha[0], alpha[0], alpha[0], alpha[0]);
+        __298.x = (__299.x*v__337.x);
+        __298.y = (__299.y*v__337.y);
+        __298.z = (__299.z*v__337.z);
+        __298.w = (__299.w*v__337.w);
+      (reinterpret_cast<__nv_bfloat162*>(&__297))[0] = __float22bfloat162_rn(((float2*)(&__298))[0]);
+      (reinterpret_cast<__nv_bfloat162*>(&__297))[1] = __float22bfloat162_rn(((float2*)(&__298))[1]);
+      *(uint2*)(Y_local_cast_112 + (i_169 * 4)) = __297;
+    }
+    *(uint4*)(Y + (((((int64_t)((int)blockIdx.x)) * (int64_t)32768) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)) + (int64_t)24576)) = *(uint4*)(Y_local_cast_112 + 0);
+  }
+  {
+    bfloat16_t a_local_cast_115[8];
+    bfloat16_t Y_local_cast_114[8];
+    *(uint4*)(a_local_cast_115 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 25600));
+    for (int i_170 = 0; i_170 < 2; ++i_170) {
+      uint2 __300;
+      float4 __301;
+        float4 __302;
+        uint2 v__338 = *(uint2*)(a_local_cast_115 + (i_170 * 4));
+        ((float2*)(&__302))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__338))[0]);
+        ((float2*)(&__302))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__338))[1]);
+        float4 v__339 = make_float4(alpha[0], alpha[0], alpha[0], alpha[0]);
+        __301.x = (__302.x*v__339.x);
+        __301.y = (__302.y*v__339.y);
+        __301.z = (__302.z*v__339.z);
+        __301.w = (__302.w*v__339.w);
+      (reinterpret_cast<__nv_bfloat162*>(&__300))[0] = __float22bfloat162_rn(((float2*)(&__301))[0]);
+      (reinterpret_cast<__nv_bfloat162*>(&__300))[1] = __float22bfloat162_rn(((float2*)(&__301))[1]);
+      *(uint2*)(Y_local_cast_114 + (i_170 * 4)) = __300;
+    }
+    *(uint4*)(Y + (((((int64_t)((int)blockIdx.x)) * (int64_t)32768) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)) + (int64_t)25600)) = *(uint4*)(Y_local_cast_114 + 0);
+  }
+  {
+    bfloat16_t a_local_cast_117[8];
+    bfloat16_t Y_local_cast_116[8];
+    *(uint4*)(a_local_cast_117 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 26624));
+    for (int i_171 = 0; i_171 < 2; ++i_171) {
+      uint2 __303;
+      float4 __304;
+        float4 __305;
+        uint2 v__340 = *(uint2*)(a_local_cast_117 + (i_171 * 4));
+        ((float2*)(&__305))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__340))[0]);
+        ((float2*)(&__305))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__340))[1]);
+        float4 v__341 = make_float4(alpha[0], alpha[0], alpha[0], alpha[0]);
+        __304.x = (__305.x*v__341.x);
+        __304.y = (__305.y*v__341.y);
+        __304.z = (__305.z*v__341.z);
+        __304.w = (__305.w*v__341.w);
+      (reinterpret_cast<__nv_bfloat162*>(&__303))[0] = __float22bfloat162_rn(((float2*)(&__304))[0]);
+      (reinterpret_cast<__nv_bfloat162*>(&__303))[1] = __float22bfloat162_rn(((float2*)(&__304))[1]);
+      *(uint2*)(Y_local_cast_116 + (i_171 * 4)) = __303;
+    }
+    *(uint4*)(Y + (((((int64_t)((int)blockIdx.x)) * (int64_t)32768) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)) + (int64_t)26624)) = *(uint4*)(Y_local_cast_116 + 0);
+  }
+  {
+    bfloat16_t a_local_cast_119[8];
+    bfloat16_t Y_local_cast_118[8];
+    *(uint4*)(a_local_cast_119 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 27648));
+    for (int i_172 = 0; i_172 < 2; ++i_172) {
+      uint2 __306;
+      float4 __307;
+        float4 __308;
+        uint2 v__342 = *(uint2*)(a_local_cast_119 + (i_172 * 4));
+        ((float2*)(&__308))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__342))[0]);
+        ((float2*)(&__308))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__342))[1]);
+        float4 v__343 = make_float4(alpha[0], alpha[0], alpha[0], alpha[0]);
+        __307.x = (__308.x*v__343.x);
+        __307.y = (__308.y*v__343.y);
+        __307.z = (__308.z*v__343.z);
+        __307.w = (__308.w*v__343.w);
+      (reinterpret_cast<__nv_bfloat162*>(&__306))[0] = __float22bfloat162_rn(((float2*)(&__307))[0]);
+      (reinterpret_cast<__nv_bfloat162*>(&__306))[1] = __float22bfloat162_rn(((float2*)(&__307))[1]);
+      *(uint2*)(Y_local_cast_118 + (i_172 * 4)) = __306;
+    }
+    *(uint4*)(Y + (((((int64_t)((int)blockIdx.x)) * (int64_t)32768) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)) + (int64_t)27648)) = *(uint4*)(Y_local_cast_118 + 0);
+  }
+  alpha[0] = (exp2f(((em_s_7[0] - acc0) * 0x1.71547652b82fep+0f/*1.442695e+00*/)) / acc1);
+  {
+    bfloat16_t a_local_cast_121[8];
+    bfloat16_t Y_local_cast_120[8];
+    *(uint4*)(a_local_cast_121 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 28672));
+    for (int i_173 = 0; i_173 < 2; ++i_173) {
+      uint2 __309;
+      float4 __310;
+        float4 __311;
+        uint2 v__344 = *(uint2*)(a_local_cast_121 + (i_173 * 4));
+        ((float2*)(&__311))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__344))[0]);
+        ((float2*)(&__311))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__344))[1]);
+        float4 v__345 = make_float4(alpha[0], alpha[0], alpha[0], alpha[0]);
+        __310.x = (__311.x*v__345.x);
+        __310.y = (__311.y*v__345.y);
+        __310.z = (__311.z*v__345.z);
+        __310.w = (__311.w*v__345.w);
+      (reinterpret_cast<__nv_bfloat162*>(&__309))[0] = __float22bfloat162_rn(((float2*)(&__310))[0]);
+      (reinterpret_cast<__nv_bfloat162*>(&__309))[1] = __float22bfloat162_rn(((float2*)(&__310))[1]);
+      *(uint2*)(Y_local_cast_120 + (i_173 * 4)) = __309;
+    }
+    *(uint4*)(Y + (((((int64_t)((int)blockIdx.x)) * (int64_t)32768) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)) + (int64_t)28672)) = *(uint4*)(Y_local_cast_120 + 0);
+  }
+  {
+    bfloat16_t a_local_cast_123[8];
+    bfloat16_t Y_local_cast_122[8];
+    *(uint4*)(a_local_cast_123 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 29696));
+    for (int i_174 = 0; i_174 < 2; ++i_174) {
+      uint2 __312;
+      float4 __313;
+        float4 __314;
+        uint2 v__346 = *(uint2*)(a_local_cast_123 + (i_174 * 4));
+        ((float2*)(&__314))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__346))[0]);
+        ((float2*)(&__314))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__346))[1]);
+        float4 v__347 = make_float4(alpha[0], alpha[0], alpha[0], alpha[0]);
+        __313.x = (__314.x*v__347.x);
+        __313.y = (__314.y*v__347.y);
+        __313.z = (__314.z*v__347.z);
+        __313.w = (__314.w*v__347.w);
+      (reinterpret_cast<__nv_bfloat162*>(&__312))[0] = __float22bfloat162_rn(((float2*)(&__313))[0]);
+      (reinterpret_cast<__nv_bfloat162*>(&__312))[1] = __float22bfloat162_rn(((float2*)(&__313))[1]);
+      *(uint2*)(Y_local_cast_122 + (i_174 * 4)) = __312;
+    }
+    *(uint4*)(Y + (((((int64_t)((int)blockIdx.x)) * (int64_t)32768) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)) + (int64_t)29696)) = *(uint4*)(Y_local_cast_122 + 0);
+  }
+  {
+    bfloat16_t a_local_cast_125[8];
+    bfloat16_t Y_local_cast_124[8];
+    *(uint4*)(a_local_cast_125 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 30720));
+    for (int i_175 = 0; i_175 < 2; ++i_175) {
+      uint2 __315;
+      float4 __316;
+        float4 __317;
+        uint2 v__348 = *(uint2*)(a_local_cast_125 + (i_175 * 4));
+        ((float2*)(&__317))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__348))[0]);
+        ((float2*)(&__317))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__348))[1]);
+        float4 v__349 = make_float4(alpha[0], alpha[0], alpha[0], alpha[0]);
+        __316.x = (__317.x*v__349.x);
+        __316.y = (__317.y*v__349.y);
+        __316.z = (__317.z*v__349.z);
+        __316.w = (__317.w*v__349.w);
+      (reinterpret_cast<__nv_bfloat162*>(&__315))[0] = __float22bfloat162_rn(((float2*)(&__316))[0]);
+      (reinterpret_cast<__nv_bfloat162*>(&__315))[1] = __float22bfloat162_rn(((float2*)(&__316))[1]);
+      *(uint2*)(Y_local_cast_124 + (i_175 * 4)) = __315;
+    }
+    *(uint4*)(Y + (((((int64_t)((int)blockIdx.x)) * (int64_t)32768) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)) + (int64_t)30720)) = *(uint4*)(Y_local_cast_124 + 0);
+  }
+  {
+    bfloat16_t a_local_cast_127[8];
+    bfloat16_t Y_local_cast_126[8];
+    *(uint4*)(a_local_cast_127 + 0) = *(uint4*)(((bfloat16_t*)a) + ((((int)threadIdx.x) * 8) + 31744));
+    for (int i_176 = 0; i_176 < 2; ++i_176) {
+      uint2 __318;
+      float4 __319;
+        float4 __320;
+        uint2 v__350 = *(uint2*)(a_local_cast_127 + (i_176 * 4));
+        ((float2*)(&__320))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__350))[0]);
+        ((float2*)(&__320))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__350))[1]);
+        float4 v__351 = make_float4(alpha[0], alpha[0], alpha[0], alpha[0]);
+        __319.x = (__320.x*v__351.x);
+        __319.y = (__320.y*v__351.y);
+        __319.z = (__320.z*v__351.z);
+        __319.w = (__320.w*v__351.w);
+      (reinterpret_cast<__nv_bfloat162*>(&__318))[0] = __float22bfloat162_rn(((float2*)(&__319))[0]);
+      (reinterpret_cast<__nv_bfloat162*>(&__318))[1] = __float22bfloat162_rn(((float2*)(&__319))[1]);
+      *(uint2*)(Y_local_cast_126 + (i_176 * 4)) = __318;
+    }
+    *(uint4*)(Y + (((((int64_t)((int)blockIdx.x)) * (int64_t)32768) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)) + (int64_t)31744)) = *(uint4*)(Y_local_cast_126 + 0);
   }
 }
 

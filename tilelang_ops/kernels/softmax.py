@@ -52,6 +52,12 @@ shapes the schedule: each distinct N compiles once per (kind, dtype, direction).
 * **tmas** — `tmaw` with half the sub-chunks in flight instead of all: the next bulk copy is issued as
   one lands, so sub-chunks land one after another and each one's reduction overlaps the later
   loads (issued all at once they complete nearly together, and the compute follows the last byte).
+  Each exp is one FFMA (x log2 e - max log2 e) and one MUFU.EX2.
+* **tmat** — `tmas` with the first and last sub-chunk each cut into a quarter and three quarters
+  (`tma_pieces`): the first reduction starts on a small landing and only a quarter sub-chunk is
+  left to reduce after the last byte.
+* **tmah** — `tmas` with a running-max step per half sub-chunk: a half's exps wait only for its
+  own max, so ptxas can overlap one half's conversions and max with the other half's exps.
 
 `SoftmaxConfig.min_blocks` sets __launch_bounds__' min CTAs per SM: a register cap (ptxas
 otherwise spends registers freely, e.g. a 1024-thread `rows` CTA at 48 registers leaves one CTA
@@ -87,7 +93,7 @@ def vec_width(n: int, dtype: str) -> int:
     return v
 
 
-TMA_SCHEDULES = ("tma", "tmaw", "tmas")  # forward; the chunk in shared memory by bulk copies, one kernel
+TMA_SCHEDULES = ("tma", "tmaw", "tmas", "tmat", "tmah")  # forward; the chunk in shared memory by bulk copies, one kernel
 SCHEDULES = ("rows", "loop", "split", "csplit", "csplitd") + TMA_SCHEDULES
 
 
@@ -109,7 +115,7 @@ class SoftmaxConfig:
         # tmaw/tmas place their only CTA barrier themselves (before the warps' statistics are
         # read): TileLang's sync pass would add two __syncthreads per re-issued bulk copy, which
         # cost ~0.13 us each at one CTA per SM (session 9's clock probe).
-        return {"tl.disable_thread_storage_sync": True} if self.schedule in ("tmaw", "tmas") else {}
+        return {"tl.disable_thread_storage_sync": True} if self.schedule in ("tmaw", "tmas", "tmat", "tmah") else {}
 
     @property
     def partials(self) -> bool:
@@ -148,9 +154,9 @@ def _row_limit(dtype: str, backward: bool, kind: str) -> int:
 # benchmarks.sweep_softmax` (on the GPU) prints the lines to paste here, best config per shape.
 MEASURED: dict[tuple[str, int, str], SoftmaxConfig] = {
     # benchmarks/sweep_softmax.py on one H200, 2026-11-30 (bf16, 8M elements unless noted; % of copy_)
-    ("fwd", 32768, "few"): SoftmaxConfig("tmas", 1, 256, 32768, 0, 4),  # 256x32768: 93.2% vs 8 stages 88.7, 128 threads 91.8 (session 9, call 3)
+    ("fwd", 32768, "few"): SoftmaxConfig("tmat", 1, 256, 32768, 0, 4),  # 256x32768: 94.8 / 94.2% vs tmas 92.4 / 91.1, tmah 93.0 (session 10, calls 1-2)
     ("bwd", 32768, "few"): SoftmaxConfig("csplit", 1, 128, 4096, 0),  # 256x32768: 96-100% vs 90%
-    ("fwd", 65536, "few"): SoftmaxConfig("tmas", 1, 256, 65536, 0, 4),  # 128x65536: 89.8% (sweep) / 87.4% (bench) vs 512 threads 90.0, 8 stages 89.0 (session 9, call 5)
+    ("fwd", 65536, "few"): SoftmaxConfig("tmas", 1, 256, 65536, 0, 4),  # 128x65536: 92.0 / 89.2% vs tmah 87.9-88.5, tmat 85.7-88.9, 512 threads 89.4 (session 10, calls 1-2)
     ("bwd", 65536, "few"): SoftmaxConfig("csplit", 1, 256, 8192, 0),  # 128x65536: 93% vs 81-84%
     ("bwd", 262144, "few"): SoftmaxConfig("csplit", 1, 512, 32768, 0),  # 32x262144: 75-77% vs 61%
     # fourth session (three sweeps: session 3 call 7, session 4 calls 2 and 3)
@@ -225,6 +231,7 @@ def fits(cfg: SoftmaxConfig, n: int, dtype: str, kind: str = "softmax", backward
             and n // cfg.chunk <= CLUSTER_MAX
             and cfg.chunk % cfg.stages == 0
             and (cfg.chunk // cfg.stages) % w == 0
+            and (cfg.schedule != "tmat" or (cfg.stages >= 2 and (cfg.chunk // cfg.stages // 4) % w == 0))
             and cfg.block_m == 1
             and cfg.chunk * _ESIZE[dtype] <= TMA_SMEM_MAX
         )
@@ -269,7 +276,8 @@ SEARCH_SPACE_SM90 = [
 ] + [
     SoftmaxConfig(sc, 1, t, c, 0, st)
     # (tmaw/tmas kernels unroll every sub-chunk: 15-40 s of nvcc each, so only the measured stage counts)
-    for sc, stages in (("tma", (2, 4)), ("tmaw", (4,)), ("tmas", (4, 8))) for t in (128, 256, 512) for c in (16384, 32768, 65536) for st in stages
+    for sc, stages in (("tma", (2, 4)), ("tmaw", (4,)), ("tmas", (4, 8)), ("tmat", (4,)), ("tmah", (4, 8)))
+    for t in (128, 256, 512) for c in (16384, 32768, 65536) for st in stages
 ]
 
 
@@ -706,6 +714,19 @@ def _tma_tile(config: SoftmaxConfig, n: int, dtype: str) -> tuple[int, int, int,
     return n // config.chunk, sub, sub // w, w
 
 
+def tma_pieces(config: SoftmaxConfig, n: int, dtype: str) -> list[tuple[int, int]]:
+    """(offset, size) of each bulk copy of a tmaw/tmas/tmat chunk, in elements. tmaw/tmas: the
+    `stages` equal sub-chunks. tmat: the first and the last sub-chunk each cut into a quarter and
+    three quarters (the quarter outermost): the first reduction starts on a small landing, and
+    after the last byte lands only a quarter sub-chunk is left to reduce."""
+    sub = config.chunk // config.stages
+    pieces = [(s * sub, sub) for s in range(config.stages)]
+    if config.schedule == "tmat":
+        q, last = sub // 4, (config.stages - 1) * sub
+        pieces = [(0, q), (q, sub - q)] + pieces[1:-1] + [(last, sub - q), (last + sub - q, q)]
+    return pieces
+
+
 @T.macro
 def _tma_issue(X, a, bars, row, base, sub: int, first: int, count: int):
     """Bulk copies of sub-chunks first .. first+count-1 of this CTA's chunk into `a`, each on its
@@ -739,6 +760,17 @@ def _tma_prim_func(body, M, n: int, dtype: str, nc: int, threads: int, clocks: i
     return fwd
 
 
+@T.macro
+def _tma_issue_pieces(X, a, bars, row, base, pieces, first: int, count: int):
+    """`_tma_issue` for pieces of any size ((offset, size) in elements, `tma_pieces`): pieces
+    first .. first+count-1 into their place in the flat chunk buffer `a`."""
+    for p in tuple(range(first, first + count)):  # a tuple: unrolled by Python (range() becomes a TIR loop)
+        off, size = pieces[p]
+        T.tma_copy(X[row, base + off : base + off + size], a[off : off + size], barrier=bars[p])
+    for p in tuple(range(first, first + count)):
+        T.mbarrier_arrive(bars[p])
+
+
 def _tma_warp_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str, M, nc: int, sub: int, ks: int, w: int, clock: bool = False):
     """`tmaw`: the `tma` kernel with per-thread statistics. Each thread keeps its own running max
     and sum over the vectors it owns (the same elements in the load and the output pass), so a
@@ -749,10 +781,19 @@ def _tma_warp_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str, M, nc: i
 
     clock=True (benchmarks/probe_softmax.py only): thread 0 stamps clock64() into C[bx, :] at
     the start, as each sub-chunk lands and is reduced, after the combine and at the end."""
-    c, threads, stages = config.chunk, config.threads, config.stages
-    clocks = 2 * stages + 3 if clock else 0
+    c, threads = config.chunk, config.threads
+    pieces = tma_pieces(config, n, dtype)
+    np_ = len(pieces)
+    # Statistics units: each piece's slices in `groups` runs, each with its own running-max step,
+    # so a run's exps wait only for its own max (tmah: halves; ptxas can then overlap one half's
+    # conversions and max with the other's exps). units[s] = [(offset, size), ...] of piece s.
+    groups = 2 if config.schedule == "tmah" else 1
+    units = [[(o + g * (z // groups), z // groups) for g in range(groups)] if (z // w) % groups == 0 else [(o, z)] for o, z in pieces]
+    clocks = 2 * np_ + 3 if clock else 0
     nw, vec = threads // 32, w // threads  # warps; elements a thread owns per slice
-    ahead = max(1, stages // 2) if config.schedule == "tmas" else stages  # sub-chunks in flight
+    # pieces in flight: tmaw all; tmas/tmat those within the first half of the chunk (the next is
+    # issued as one lands)
+    ahead = np_ if config.schedule == "tmaw" else max(1, sum(o + z <= max(1, config.stages // 2) * sub for o, z in pieces))
     log = kind == "log_softmax"
     neg_inf = -T.infinity(_ACC)
 
@@ -769,18 +810,19 @@ def _tma_warp_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str, M, nc: i
         stamp(C, bx, 0)
         row = bx // nc
         base = (bx % nc) * c
-        a = T.alloc_shared((stages, sub), dtype)
-        bars = T.alloc_barrier([threads] * stages)
+        a = T.alloc_shared((c,), dtype)
+        bars = T.alloc_barrier([threads] * np_)
         # Fragments (warp, lane, vec): thread (i, j) owns the vec contiguous elements at
-        # kk * w + (32 i + j) * vec of slice kk. One slice each, read from shared memory once and
-        # converted once (fp32: 64 registers per thread at 8 slices).
+        # off + kk * w + (32 i + j) * vec of slice kk of a piece. One slice each, read from shared
+        # memory once and converted once (fp32: 64 registers per thread at 8 slices).
         xs = [T.alloc_fragment((nw, 32, vec), _ACC) for _ in range(ks)]
         part = T.alloc_fragment((nw, 32, vec), _ACC)
         ps = T.alloc_fragment((nw, 32, vec), _ACC)  # sum of exp(x - the thread's running max)
         rt = T.alloc_fragment((nw, 32), _ACC)
         run = T.alloc_fragment((nw, 32), _ACC)  # the thread's running max
+        ml = T.alloc_fragment((nw, 32), _ACC)  # the running max times log2(e)
         alpha = T.alloc_fragment((nw, 32), _ACC)
-        em = [T.alloc_fragment((nw, 32), _ACC) for _ in range(stages)]  # the max each sub-chunk's exps used
+        em = [[T.alloc_fragment((nw, 32), _ACC) for _ in us] for us in units]  # the max each unit's exps used
         rw = T.alloc_fragment((nw,), _ACC)
         sw = T.alloc_fragment((nw,), _ACC)
         stats = T.alloc_shared((nw, 2), _ACC)
@@ -792,43 +834,49 @@ def _tma_warp_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str, M, nc: i
             mine = T.alloc_shared((2,), _ACC)
             peers = T.alloc_shared((nc, 2), _ACC, scope="shared")  # static: peers write it remotely
             T.cluster_arrive_relaxed()  # paired with the wait before the DSMEM stores
-        # `tmaw`: every load in flight at once (one elected thread issues them). `tmas`: `ahead`
-        # sub-chunks in flight, the next issued as one lands, so they land one after another and
-        # each one's reduction overlaps the later ones' loads (issued at once, they complete
+        # `tmaw`: every load in flight at once (one elected thread issues them). `tmas`/`tmat`:
+        # `ahead` pieces in flight, the next issued as one lands, so they land one after another
+        # and each one's reduction overlaps the later ones' loads (issued at once, they complete
         # nearly together, leaving all the compute after the last byte).
-        _tma_issue(X, a, bars, row, base, sub, 0, ahead)
+        _tma_issue_pieces(X, a, bars, row, base, pieces, 0, ahead)
         for i, j in T.Parallel(nw, 32):
             run[i, j] = neg_inf
         for i, j, v in T.Parallel(nw, 32, vec):
             ps[i, j, v] = 0.0
         # Python-level loops over lists of fragments (enumerate: the builder turns range() loops
         # into TIR loops, whose variable cannot index a list): unrolled, each slice its registers.
-        for s, em_s in enumerate(em):
+        for s, (off, size) in enumerate(pieces):
             T.mbarrier_wait_parity(bars[s], 0)
             stamp(C, bx, 1 + 2 * s)
-            if s + ahead < stages:
-                _tma_issue(X, a, bars, row, base, sub, s + ahead, 1)
-            for kk, xk in enumerate(xs):
+            if s + ahead < np_:
+                _tma_issue_pieces(X, a, bars, row, base, pieces, s + ahead, 1)
+            xk_s = xs[: size // w]
+            for kk, xk in enumerate(xk_s):
                 for i, j, v in T.Parallel(nw, 32, vec):
-                    xk[i, j, v] = T.Cast(_ACC, a[s, kk * w + (i * 32 + j) * vec + v])
-            for kk, xk in enumerate(xs):
-                for i, j, v in T.Parallel(nw, 32, vec):
-                    part[i, j, v] = T.max(part[i, j, v], xk[i, j, v]) if kk else xk[i, j, v]
-            T.reduce_max(part, rt, dim=2)  # within each thread
-            for i, j in T.Parallel(nw, 32):
-                # new running max; the sums so far were shifted by the old one (0 while it is -inf)
-                alpha[i, j] = T.if_then_else(run[i, j] == neg_inf, 0.0, T.exp2((run[i, j] - T.max(run[i, j], rt[i, j])) * LOG2E))
-                run[i, j] = T.max(run[i, j], rt[i, j])
-                em_s[i, j] = run[i, j]
-            for i, j, v in T.Parallel(nw, 32, vec):
-                ps[i, j, v] = ps[i, j, v] * alpha[i, j]
-            for kk, xk in enumerate(xs):
-                for i, j, v in T.Parallel(nw, 32, vec):
-                    part[i, j, v] = T.exp2((xk[i, j, v] - _safe(run[i, j])) * LOG2E)
-                    ps[i, j, v] = ps[i, j, v] + part[i, j, v]
-                if not log:  # keep the exps (log_softmax's output needs x itself)
+                    xk[i, j, v] = T.Cast(_ACC, a[off + kk * w + (i * 32 + j) * vec + v])
+            for (uo, uz), em_s in zip(units[s], em[s]):
+                xk_u = xk_s[(uo - off) // w : (uo - off + uz) // w]
+                for kk, xk in enumerate(xk_u):
                     for i, j, v in T.Parallel(nw, 32, vec):
-                        a[s, kk * w + (i * 32 + j) * vec + v] = T.Cast(dtype, part[i, j, v])
+                        part[i, j, v] = T.max(part[i, j, v], xk[i, j, v]) if kk else xk[i, j, v]
+                T.reduce_max(part, rt, dim=2)  # within each thread
+                for i, j in T.Parallel(nw, 32):
+                    # new running max; the sums so far were shifted by the old one (0 while it is -inf)
+                    alpha[i, j] = T.if_then_else(run[i, j] == neg_inf, 0.0, T.exp2((run[i, j] - T.max(run[i, j], rt[i, j])) * LOG2E))
+                    run[i, j] = T.max(run[i, j], rt[i, j])
+                    em_s[i, j] = run[i, j]
+                    ml[i, j] = _safe(run[i, j]) * LOG2E
+                for i, j, v in T.Parallel(nw, 32, vec):
+                    ps[i, j, v] = ps[i, j, v] * alpha[i, j]
+                for kk, xk in enumerate(xk_u):
+                    for i, j, v in T.Parallel(nw, 32, vec):
+                        # x log2(e) - max log2(e): one FFMA (the product exact inside it); the
+                        # shift's rounding is ~2^-24 of max log2(e), far below the input dtype's ulp
+                        part[i, j, v] = T.exp2(xk[i, j, v] * LOG2E - ml[i, j])
+                        ps[i, j, v] = ps[i, j, v] + part[i, j, v]
+                    if not log:  # keep the exps (log_softmax's output needs x itself)
+                        for i, j, v in T.Parallel(nw, 32, vec):
+                            a[uo + kk * w + (i * 32 + j) * vec + v] = T.Cast(dtype, part[i, j, v])
             stamp(C, bx, 2 + 2 * s)
         # each warp's (max, sum) from its threads': a thread with only -inf so far has sum 0
         T.reduce_sum(ps, rt, dim=2)
@@ -859,21 +907,21 @@ def _tma_warp_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str, M, nc: i
                 acc1 = acc1 + peers[k, 1] * T.exp2((peers[k, 0] - acc0) * LOG2E)
         if log:
             acc1 = acc0 + T.log2(acc1) * LN2
-        stamp(C, bx, 2 * stages + 1)
-        for s, em_s in enumerate(em):
+        stamp(C, bx, 2 * np_ + 1)
+        for (uo, uz), em_s in zip(sum(units, []), sum(em, [])):
             if not log:
-                # one factor per (sub-chunk, thread) rescales and normalises its exps; em = -inf:
+                # one factor per (unit, thread) rescales and normalises its exps; em = -inf:
                 # 0, or NaN when the whole row is -inf (acc0 = -inf), as PyTorch gives
                 for i, j in T.Parallel(nw, 32):
                     alpha[i, j] = T.exp2((em_s[i, j] - acc0) * LOG2E) / acc1
-            for kk in range(ks):
+            for kk in tuple(range(uz // w)):
                 for i, j, v in T.Parallel(nw, 32, vec):
-                    at = kk * w + (i * 32 + j) * vec + v
+                    at = uo + kk * w + (i * 32 + j) * vec + v
                     if log:
-                        Y[row, base + s * sub + at] = T.Cast(dtype, T.Cast(_ACC, a[s, at]) - acc1)
+                        Y[row, base + at] = T.Cast(dtype, T.Cast(_ACC, a[at]) - acc1)
                     else:
-                        Y[row, base + s * sub + at] = T.Cast(dtype, T.Cast(_ACC, a[s, at]) * alpha[i, j])
-        stamp(C, bx, 2 * stages + 2)
+                        Y[row, base + at] = T.Cast(dtype, T.Cast(_ACC, a[at]) * alpha[i, j])
+        stamp(C, bx, 2 * np_ + 2)
 
     return _tma_prim_func(body, M, n, dtype, nc, threads, clocks)
 
@@ -891,7 +939,7 @@ def tma_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str, probe: str = "
     assert n % c == 0 and nc <= CLUSTER_MAX and sub % w == 0 and config.block_m == 1, (n, config)
     log = kind == "log_softmax"
     neg_inf = -T.infinity(_ACC)
-    if config.schedule != "tma":  # tmaw, tmas
+    if config.schedule != "tma":  # tmaw, tmas, tmat
         assert probe in ("", "clock"), probe
         return _tma_warp_fwd(config, n, dtype, kind, M, nc, sub, ks, w, clock=probe == "clock")
 
