@@ -298,12 +298,13 @@ def test_tmat_pieces_cover_the_chunk():
         assert [o for o, _ in pieces] == [0] + list(itertools.accumulate(z for _, z in pieces))[:-1]
         assert sum(z for _, z in pieces) == cfg.chunk and all(z % (cfg.threads * 8) == 0 for _, z in pieces)
     assert K.tma_pieces(K.SoftmaxConfig("tmas", 1, 256, 65536, 0, 4), 65536, "bfloat16") == [(s * 16384, 16384) for s in range(4)]
+    assert K.tma_pieces(K.SoftmaxConfig("tmae", 1, 256, 65536, 0, 4), 65536, "bfloat16") == [(0, 16384), (16384, 16384), (32768, 16384), (49152, 12288), (61440, 4096)]
     assert not K.fits(K.SoftmaxConfig("tmat", 1, 256, 32768, 0, 8), 32768, "bfloat16")  # a quarter of 4096 < one slice
     assert not K.fits(K.SoftmaxConfig("tmat", 1, 256, 32768, 0, 1), 32768, "bfloat16")  # needs a first and a last sub-chunk
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["tma", "tmaw", "tmas", "tmat", "tmah"])
+@pytest.mark.parametrize("schedule", ["tma", "tmaw", "tmas", "tmat", "tmae", "tmah"])
 @pytest.mark.parametrize("n", [32768, 262144])
 def test_tma_source_cannot_hang(n, schedule):
     """The tma schedule's mbarriers complete only when every thread has arrived and the bulk
@@ -514,6 +515,8 @@ EXTRA_SCHEDULES = [
     (("tmat", 1, 256, 65536, 0, 4), 65536, False),
     (("tmat", 1, 128, 32768, 0, 8), 262144, False),  # a cluster of 8, one-slice pieces
     (("tmat", 1, 256, 16384, 0, 2), 32768, False),  # a cluster of 2, no middle sub-chunk
+    (("tmae", 1, 256, 65536, 0, 4), 65536, False),  # the last sub-chunk cut only
+    (("tmae", 1, 256, 16384, 0, 2), 32768, False),
     # a running-max step per half sub-chunk
     (("tmah", 1, 256, 65536, 0, 4), 65536, False),
     (("tmah", 1, 128, 32768, 0, 8), 262144, False),  # a cluster of 8, one-slice halves

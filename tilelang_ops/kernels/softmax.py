@@ -56,6 +56,7 @@ shapes the schedule: each distinct N compiles once per (kind, dtype, direction).
 * **tmat** — `tmas` with the first and last sub-chunk each cut into a quarter and three quarters
   (`tma_pieces`): the first reduction starts on a small landing and only a quarter sub-chunk is
   left to reduce after the last byte.
+* **tmae** — `tmat` at the end only: the loads start as in `tmas`, the last sub-chunk is cut.
 * **tmah** — `tmas` with a running-max step per half sub-chunk: a half's exps wait only for its
   own max, so ptxas can overlap one half's conversions and max with the other half's exps.
 
@@ -93,7 +94,7 @@ def vec_width(n: int, dtype: str) -> int:
     return v
 
 
-TMA_SCHEDULES = ("tma", "tmaw", "tmas", "tmat", "tmah")  # forward; the chunk in shared memory by bulk copies, one kernel
+TMA_SCHEDULES = ("tma", "tmaw", "tmas", "tmat", "tmae", "tmah")  # forward; the chunk in shared memory by bulk copies, one kernel
 SCHEDULES = ("rows", "loop", "split", "csplit", "csplitd") + TMA_SCHEDULES
 
 
@@ -115,7 +116,7 @@ class SoftmaxConfig:
         # tmaw/tmas place their only CTA barrier themselves (before the warps' statistics are
         # read): TileLang's sync pass would add two __syncthreads per re-issued bulk copy, which
         # cost ~0.13 us each at one CTA per SM (session 9's clock probe).
-        return {"tl.disable_thread_storage_sync": True} if self.schedule in ("tmaw", "tmas", "tmat", "tmah") else {}
+        return {"tl.disable_thread_storage_sync": True} if self.schedule in ("tmaw", "tmas", "tmat", "tmae", "tmah") else {}
 
     @property
     def partials(self) -> bool:
@@ -231,7 +232,7 @@ def fits(cfg: SoftmaxConfig, n: int, dtype: str, kind: str = "softmax", backward
             and n // cfg.chunk <= CLUSTER_MAX
             and cfg.chunk % cfg.stages == 0
             and (cfg.chunk // cfg.stages) % w == 0
-            and (cfg.schedule != "tmat" or (cfg.stages >= 2 and (cfg.chunk // cfg.stages // 4) % w == 0))
+            and (cfg.schedule not in ("tmat", "tmae") or (cfg.stages >= 2 and (cfg.chunk // cfg.stages // 4) % w == 0))
             and cfg.block_m == 1
             and cfg.chunk * _ESIZE[dtype] <= TMA_SMEM_MAX
         )
@@ -276,7 +277,7 @@ SEARCH_SPACE_SM90 = [
 ] + [
     SoftmaxConfig(sc, 1, t, c, 0, st)
     # (tmaw/tmas kernels unroll every sub-chunk: 15-40 s of nvcc each, so only the measured stage counts)
-    for sc, stages in (("tma", (2, 4)), ("tmaw", (4,)), ("tmas", (4, 8)), ("tmat", (4,)), ("tmah", (4, 8)))
+    for sc, stages in (("tma", (2, 4)), ("tmaw", (4,)), ("tmas", (4, 8)), ("tmat", (4,)), ("tmae", (4,)), ("tmah", (4, 8)))
     for t in (128, 256, 512) for c in (16384, 32768, 65536) for st in stages
 ]
 
@@ -715,15 +716,18 @@ def _tma_tile(config: SoftmaxConfig, n: int, dtype: str) -> tuple[int, int, int,
 
 
 def tma_pieces(config: SoftmaxConfig, n: int, dtype: str) -> list[tuple[int, int]]:
-    """(offset, size) of each bulk copy of a tmaw/tmas/tmat chunk, in elements. tmaw/tmas: the
-    `stages` equal sub-chunks. tmat: the first and the last sub-chunk each cut into a quarter and
-    three quarters (the quarter outermost): the first reduction starts on a small landing, and
-    after the last byte lands only a quarter sub-chunk is left to reduce."""
+    """(offset, size) of each bulk copy of a tmaw/tmas/tmat/tmae/tmah chunk, in elements.
+    tmaw/tmas/tmah: the `stages` equal sub-chunks. tmat: the first and the last sub-chunk each cut
+    into a quarter and three quarters (the quarter outermost): the first reduction starts on a
+    small landing, and after the last byte lands only a quarter sub-chunk is left to reduce.
+    tmae: the last sub-chunk only (the loads start as in tmas)."""
     sub = config.chunk // config.stages
     pieces = [(s * sub, sub) for s in range(config.stages)]
+    q, last = sub // 4, (config.stages - 1) * sub
+    if config.schedule in ("tmat", "tmae"):  # tmae: the last sub-chunk only
+        pieces = pieces[:-1] + [(last, sub - q), (last + sub - q, q)]
     if config.schedule == "tmat":
-        q, last = sub // 4, (config.stages - 1) * sub
-        pieces = [(0, q), (q, sub - q)] + pieces[1:-1] + [(last, sub - q), (last + sub - q, q)]
+        pieces = [(0, q), (q, sub - q)] + pieces[1:]
     return pieces
 
 
