@@ -11,7 +11,7 @@ Each contender timed in turns (`_timing.interleaved`), L2 flushed before every r
 
     python -m benchmarks.probe_softmax --clock         # H200: where a tmaw/tmas CTA spends its time
 
---clock runs the `tmas`/`tmat`/`tmah` configs of CLOCKED with clock64() stamps (thread 0 of each CTA,
+--clock runs the `tmas` configs of CLOCKED with clock64() stamps (thread 0 of each CTA,
 `tma_fwd(..., probe="clock")`) and prints, per phase, the median and the 90th percentile over
 CTAs in microseconds at 1.98 GHz: each sub-chunk's wait (its landing after the previous one was reduced)
 and reduction, the CTA/cluster combine and the output pass, after an L2 flush.
@@ -40,9 +40,9 @@ def probes() -> list[tuple]:
 
 CLOCKED = [  # (m, n, (schedule, block_m, threads, chunk, min_blocks, stages))
     (128, 65536, ("tmas", 1, 256, 65536, 0, 4)),
-    (128, 65536, ("tmae", 1, 256, 65536, 0, 4)),
-    (128, 65536, ("tmah", 1, 256, 65536, 0, 4)),
-    (32, 262144, ("tmah", 1, 128, 32768, 0, 8)),
+    (128, 65536, ("tmas", 1, 512, 65536, 0, 4)),
+    (256, 32768, ("tmas", 1, 256, 32768, 0, 4)),
+    (32, 262144, ("tmas", 1, 128, 32768, 0, 8)),
 ]
 
 
@@ -70,8 +70,7 @@ def clock_main() -> None:
         x = torch.randn(m, n, device=dev, dtype=torch.bfloat16) * 3
         out = torch.empty_like(x)
         nc = n // cfg.chunk
-        np_ = len(K.tma_pieces(cfg, n, "bfloat16"))  # bulk copies per CTA, each waited on and reduced
-        stamps = torch.zeros(m * nc, 2 * np_ + 3, device=dev, dtype=torch.int64)
+        stamps = torch.zeros(m * nc, 2 * cfg.stages + 3, device=dev, dtype=torch.int64)
         kern = runtime.launcher(K.tma_fwd.compile(cfg, arch, **st))
         ms = bench(lambda: kern(x, out, stamps), flush_l2=True)
         torch.testing.assert_close(out.float(), torch.softmax(x.float(), -1), atol=2e-3, rtol=2e-2)
@@ -83,7 +82,7 @@ def clock_main() -> None:
             samples.append(stamps.diff(dim=1).double() / mhz)  # us per phase
         d = torch.cat(samples)
         row = {"shape": f"{m}x{n}", "config": runtime.config_str(cfg), "kernel us": 1e3 * ms, "clock MHz": mhz}
-        names = [f"{'wait' if k % 2 == 0 else 'reduce'}{k // 2}" for k in range(2 * np_)] + ["combine", "output"]
+        names = [f"{'wait' if k % 2 == 0 else 'reduce'}{k // 2}" for k in range(2 * cfg.stages)] + ["combine", "output"]
         for k, name in enumerate(names):
             row[name] = f"{d[:, k].median():.2f}/{d[:, k].quantile(0.9):.2f}"
         row["total"] = f"{d.sum(1).median():.2f}/{d.sum(1).quantile(0.9):.2f}"

@@ -37,19 +37,17 @@ def candidates() -> dict:
     """(m, n, backward) -> [configs]; the heuristic default is added by `plan()` when missing."""
     from tilelang_ops.kernels.softmax import SoftmaxConfig as S
 
-    # tmas = the chunk in shared memory by bulk copies, `stages` sub-chunks, half of them in flight;
-    # tmat = tmas with the first and last sub-chunk cut into a quarter and three quarters; tmah =
-    # tmas with a running-max step per half sub-chunk; tmae = tmat at the end only.
-    # Tenth session: exps as one FFMA + MUFU (x log2e - max log2e), tmat and tmah, at the
-    # forward shapes at or below target. Earlier candidates (clusters of 2-8 CTAs per row, 16
-    # stages: slower) and the backward ones: git history of this file.
-    tma = lambda sc, t, c, stages: [S(sc, 1, t, c, 0, st) for st in stages]  # noqa: E731
+    # tmas = the chunk in shared memory by bulk copies, `stages` sub-chunks, half of them in flight.
+    # Tenth session: exps as one FFMA + MUFU (x log2e - max log2e). Earlier candidates (clusters
+    # of 2-8 CTAs per row, 16 stages; tapered or half-step sub-chunks, session 10: no faster) and
+    # the backward ones: git history of this file and docs/benchmarks.md.
+    tmas = lambda t, c, stages: [S("tmas", 1, t, c, 0, st) for st in stages]  # noqa: E731
     return {
-        (256, 32768, False): tma("tmas", 256, 32768, (4,)) + tma("tmae", 256, 32768, (4,)) + tma("tmah", 256, 32768, (4,)),
-        (128, 65536, False): tma("tmas", 256, 65536, (4,)) + tma("tmae", 256, 65536, (4,)) + tma("tmae", 512, 65536, (4,)) + tma("tmah", 256, 65536, (4,)),
-        (32, 262144, False): tma("tmas", 128, 32768, (8,)) + tma("tmat", 128, 32768, (4,)) + tma("tmah", 128, 32768, (8,)),
-        (4096, 32768, False): tma("tmas", 256, 32768, (4,)),
-        (64, 131072, False): tma("tmas", 128, 32768, (8,)) + tma("tmah", 128, 32768, (8,)),  # reported, no target
+        (256, 32768, False): tmas(256, 32768, (4, 8)) + tmas(128, 32768, (4,)),
+        (128, 65536, False): tmas(256, 65536, (4, 8)) + tmas(512, 65536, (4,)),
+        (32, 262144, False): tmas(128, 32768, (8,)) + tmas(256, 32768, (8,)),
+        (4096, 32768, False): tmas(256, 32768, (4,)),
+        (64, 131072, False): tmas(128, 32768, (8,)) + tmas(256, 32768, (4,)),  # reported, no target
     }
 
 

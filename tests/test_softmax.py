@@ -12,7 +12,6 @@ to the input dtype before the backward, as in PyTorch).
 from __future__ import annotations
 
 import dataclasses
-import itertools
 
 import pytest
 import torch
@@ -285,26 +284,8 @@ def test_tma_fits_only_whole_chunks():
     assert not K.fits(K.SoftmaxConfig("tma", 1, 256, 32768, 0, 3), 32768, "bfloat16")  # uneven sub-chunks
 
 
-def test_tmat_pieces_cover_the_chunk():
-    """tmat cuts the first and last sub-chunk into a quarter and three quarters, the quarter
-    outermost; the pieces tile the chunk in order, each whole slices of threads * vec."""
-    from tilelang_ops.kernels import softmax as K
-
-    cfg = K.SoftmaxConfig("tmat", 1, 256, 65536, 0, 4)
-    assert K.tma_pieces(cfg, 65536, "bfloat16") == [(0, 4096), (4096, 12288), (16384, 16384), (32768, 16384), (49152, 12288), (61440, 4096)]
-    for cfg, n in ((cfg, 65536), (K.SoftmaxConfig("tmat", 1, 128, 32768, 0, 8), 262144), (K.SoftmaxConfig("tmat", 1, 256, 16384, 0, 2), 32768)):
-        assert K.fits(cfg, n, "bfloat16")
-        pieces = K.tma_pieces(cfg, n, "bfloat16")
-        assert [o for o, _ in pieces] == [0] + list(itertools.accumulate(z for _, z in pieces))[:-1]
-        assert sum(z for _, z in pieces) == cfg.chunk and all(z % (cfg.threads * 8) == 0 for _, z in pieces)
-    assert K.tma_pieces(K.SoftmaxConfig("tmas", 1, 256, 65536, 0, 4), 65536, "bfloat16") == [(s * 16384, 16384) for s in range(4)]
-    assert K.tma_pieces(K.SoftmaxConfig("tmae", 1, 256, 65536, 0, 4), 65536, "bfloat16") == [(0, 16384), (16384, 16384), (32768, 16384), (49152, 12288), (61440, 4096)]
-    assert not K.fits(K.SoftmaxConfig("tmat", 1, 256, 32768, 0, 8), 32768, "bfloat16")  # a quarter of 4096 < one slice
-    assert not K.fits(K.SoftmaxConfig("tmat", 1, 256, 32768, 0, 1), 32768, "bfloat16")  # needs a first and a last sub-chunk
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["tma", "tmaw", "tmas", "tmat", "tmae", "tmah"])
+@pytest.mark.parametrize("schedule", ["tma", "tmaw", "tmas"])
 @pytest.mark.parametrize("n", [32768, 262144])
 def test_tma_source_cannot_hang(n, schedule):
     """The tma schedule's mbarriers complete only when every thread has arrived and the bulk
@@ -314,8 +295,7 @@ def test_tma_source_cannot_hang(n, schedule):
 
     cfg = dataclasses.replace(K.SoftmaxConfig("tma", 1, 256, 32768, 0, 4), schedule=schedule)
     src = K.tma_fwd.source(cfg, "sm_90a", n=n, dtype="bfloat16", kind="softmax")
-    copies = cfg.stages if schedule == "tma" else len(K.tma_pieces(cfg, n, "bfloat16"))
-    assert src.count(f".init({cfg.threads})") == copies  # arrive count = the CTA's threads
+    assert src.count(f".init({cfg.threads})") == cfg.stages  # arrive count = the CTA's threads
     issue, arrive, wait = src.index("tma_load("), src.index(".arrive()"), src.index(".wait(0)")
     assert src.index("expect_transaction(") < issue < arrive < wait  # bytes expected before the load
     assert ("cluster_arrive_relaxed" in src) == (n > cfg.chunk)  # partials through DSMEM only in a cluster
@@ -511,16 +491,6 @@ EXTRA_SCHEDULES = [
     (("tmas", 1, 256, 65536, 0, 4), 65536, False),
     (("tmas", 1, 128, 32768, 0, 8), 262144, False),
     (("tmaw", 1, 128, 1024, 0, 1), 2048, False),  # one slice per sub-chunk
-    # tapered pieces (a quarter sub-chunk first and last), the tenth session's candidates
-    (("tmat", 1, 256, 65536, 0, 4), 65536, False),
-    (("tmat", 1, 128, 32768, 0, 8), 262144, False),  # a cluster of 8, one-slice pieces
-    (("tmat", 1, 256, 16384, 0, 2), 32768, False),  # a cluster of 2, no middle sub-chunk
-    (("tmae", 1, 256, 65536, 0, 4), 65536, False),  # the last sub-chunk cut only
-    (("tmae", 1, 256, 16384, 0, 2), 32768, False),
-    # a running-max step per half sub-chunk
-    (("tmah", 1, 256, 65536, 0, 4), 65536, False),
-    (("tmah", 1, 128, 32768, 0, 8), 262144, False),  # a cluster of 8, one-slice halves
-    (("tmah", 1, 256, 16384, 0, 2), 32768, False),  # a cluster of 2
 ]
 
 

@@ -53,12 +53,6 @@ shapes the schedule: each distinct N compiles once per (kind, dtype, direction).
   one lands, so sub-chunks land one after another and each one's reduction overlaps the later
   loads (issued all at once they complete nearly together, and the compute follows the last byte).
   Each exp is one FFMA (x log2 e - max log2 e) and one MUFU.EX2.
-* **tmat** — `tmas` with the first and last sub-chunk each cut into a quarter and three quarters
-  (`tma_pieces`): the first reduction starts on a small landing and only a quarter sub-chunk is
-  left to reduce after the last byte.
-* **tmae** — `tmat` at the end only: the loads start as in `tmas`, the last sub-chunk is cut.
-* **tmah** — `tmas` with a running-max step per half sub-chunk: a half's exps wait only for its
-  own max, so ptxas can overlap one half's conversions and max with the other half's exps.
 
 `SoftmaxConfig.min_blocks` sets __launch_bounds__' min CTAs per SM: a register cap (ptxas
 otherwise spends registers freely, e.g. a 1024-thread `rows` CTA at 48 registers leaves one CTA
@@ -94,7 +88,7 @@ def vec_width(n: int, dtype: str) -> int:
     return v
 
 
-TMA_SCHEDULES = ("tma", "tmaw", "tmas", "tmat", "tmae", "tmah")  # forward; the chunk in shared memory by bulk copies, one kernel
+TMA_SCHEDULES = ("tma", "tmaw", "tmas")  # forward; the chunk in shared memory by bulk copies, one kernel
 SCHEDULES = ("rows", "loop", "split", "csplit", "csplitd") + TMA_SCHEDULES
 
 
@@ -116,7 +110,7 @@ class SoftmaxConfig:
         # tmaw/tmas place their only CTA barrier themselves (before the warps' statistics are
         # read): TileLang's sync pass would add two __syncthreads per re-issued bulk copy, which
         # cost ~0.13 us each at one CTA per SM (session 9's clock probe).
-        return {"tl.disable_thread_storage_sync": True} if self.schedule in ("tmaw", "tmas", "tmat", "tmae", "tmah") else {}
+        return {"tl.disable_thread_storage_sync": True} if self.schedule in ("tmaw", "tmas") else {}
 
     @property
     def partials(self) -> bool:
@@ -155,9 +149,9 @@ def _row_limit(dtype: str, backward: bool, kind: str) -> int:
 # benchmarks.sweep_softmax` (on the GPU) prints the lines to paste here, best config per shape.
 MEASURED: dict[tuple[str, int, str], SoftmaxConfig] = {
     # benchmarks/sweep_softmax.py on one H200, 2026-11-30 (bf16, 8M elements unless noted; % of copy_)
-    ("fwd", 32768, "few"): SoftmaxConfig("tmas", 1, 256, 32768, 0, 4),  # 256x32768: bench 93.1 / 92.5% (session 10, calls 1-2); tmat within noise (sweep_softmax's first-timed bias, call 3)
+    ("fwd", 32768, "few"): SoftmaxConfig("tmas", 1, 256, 32768, 0, 4),  # 256x32768: 94.7-94.9% in turns with tapered/half-step variants (session 10, calls 4-5)
     ("bwd", 32768, "few"): SoftmaxConfig("csplit", 1, 128, 4096, 0),  # 256x32768: 96-100% vs 90%
-    ("fwd", 65536, "few"): SoftmaxConfig("tmas", 1, 256, 65536, 0, 4),  # 128x65536: 92.0 / 89.2% vs tmah 87.9-88.5, tmat 85.7-88.9, 512 threads 89.4 (session 10, calls 1-2)
+    ("fwd", 65536, "few"): SoftmaxConfig("tmas", 1, 256, 65536, 0, 4),  # 128x65536: 88.6-88.8% in turns, variants 86.7-88.8 (session 10, calls 4-5)
     ("bwd", 65536, "few"): SoftmaxConfig("csplit", 1, 256, 8192, 0),  # 128x65536: 93% vs 81-84%
     ("bwd", 262144, "few"): SoftmaxConfig("csplit", 1, 512, 32768, 0),  # 32x262144: 75-77% vs 61%
     # fourth session (three sweeps: session 3 call 7, session 4 calls 2 and 3)
@@ -232,7 +226,6 @@ def fits(cfg: SoftmaxConfig, n: int, dtype: str, kind: str = "softmax", backward
             and n // cfg.chunk <= CLUSTER_MAX
             and cfg.chunk % cfg.stages == 0
             and (cfg.chunk // cfg.stages) % w == 0
-            and (cfg.schedule not in ("tmat", "tmae") or (cfg.stages >= 2 and (cfg.chunk // cfg.stages // 4) % w == 0))
             and cfg.block_m == 1
             and cfg.chunk * _ESIZE[dtype] <= TMA_SMEM_MAX
         )
@@ -277,8 +270,7 @@ SEARCH_SPACE_SM90 = [
 ] + [
     SoftmaxConfig(sc, 1, t, c, 0, st)
     # (tmaw/tmas kernels unroll every sub-chunk: 15-40 s of nvcc each, so only the measured stage counts)
-    for sc, stages in (("tma", (2, 4)), ("tmaw", (4,)), ("tmas", (4, 8)), ("tmat", (4,)), ("tmae", (4,)), ("tmah", (4, 8)))
-    for t in (128, 256, 512) for c in (16384, 32768, 65536) for st in stages
+    for sc, stages in (("tma", (2, 4)), ("tmaw", (4,)), ("tmas", (4, 8))) for t in (128, 256, 512) for c in (16384, 32768, 65536) for st in stages
 ]
 
 
@@ -715,22 +707,6 @@ def _tma_tile(config: SoftmaxConfig, n: int, dtype: str) -> tuple[int, int, int,
     return n // config.chunk, sub, sub // w, w
 
 
-def tma_pieces(config: SoftmaxConfig, n: int, dtype: str) -> list[tuple[int, int]]:
-    """(offset, size) of each bulk copy of a tmaw/tmas/tmat/tmae/tmah chunk, in elements.
-    tmaw/tmas/tmah: the `stages` equal sub-chunks. tmat: the first and the last sub-chunk each cut
-    into a quarter and three quarters (the quarter outermost): the first reduction starts on a
-    small landing, and after the last byte lands only a quarter sub-chunk is left to reduce.
-    tmae: the last sub-chunk only (the loads start as in tmas)."""
-    sub = config.chunk // config.stages
-    pieces = [(s * sub, sub) for s in range(config.stages)]
-    q, last = sub // 4, (config.stages - 1) * sub
-    if config.schedule in ("tmat", "tmae"):  # tmae: the last sub-chunk only
-        pieces = pieces[:-1] + [(last, sub - q), (last + sub - q, q)]
-    if config.schedule == "tmat":
-        pieces = [(0, q), (q, sub - q)] + pieces[1:]
-    return pieces
-
-
 @T.macro
 def _tma_issue(X, a, bars, row, base, sub: int, first: int, count: int):
     """Bulk copies of sub-chunks first .. first+count-1 of this CTA's chunk into `a`, each on its
@@ -766,8 +742,8 @@ def _tma_prim_func(body, M, n: int, dtype: str, nc: int, threads: int, clocks: i
 
 @T.macro
 def _tma_issue_pieces(X, a, bars, row, base, pieces, first: int, count: int):
-    """`_tma_issue` for pieces of any size ((offset, size) in elements, `tma_pieces`): pieces
-    first .. first+count-1 into their place in the flat chunk buffer `a`."""
+    """`_tma_issue` for pieces ((offset, size) in elements), unrolled: pieces first ..
+    first+count-1 into their place in the flat chunk buffer `a`."""
     for p in tuple(range(first, first + count)):  # a tuple: unrolled by Python (range() becomes a TIR loop)
         off, size = pieces[p]
         T.tma_copy(X[row, base + off : base + off + size], a[off : off + size], barrier=bars[p])
@@ -786,18 +762,11 @@ def _tma_warp_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str, M, nc: i
     clock=True (benchmarks/probe_softmax.py only): thread 0 stamps clock64() into C[bx, :] at
     the start, as each sub-chunk lands and is reduced, after the combine and at the end."""
     c, threads = config.chunk, config.threads
-    pieces = tma_pieces(config, n, dtype)
+    pieces = [(s * sub, sub) for s in range(config.stages)]  # (offset, size) of each bulk copy
     np_ = len(pieces)
-    # Statistics units: each piece's slices in `groups` runs, each with its own running-max step,
-    # so a run's exps wait only for its own max (tmah: halves; ptxas can then overlap one half's
-    # conversions and max with the other's exps). units[s] = [(offset, size), ...] of piece s.
-    groups = 2 if config.schedule == "tmah" else 1
-    units = [[(o + g * (z // groups), z // groups) for g in range(groups)] if (z // w) % groups == 0 else [(o, z)] for o, z in pieces]
     clocks = 2 * np_ + 3 if clock else 0
     nw, vec = threads // 32, w // threads  # warps; elements a thread owns per slice
-    # pieces in flight: tmaw all; tmas/tmat those within the first half of the chunk (the next is
-    # issued as one lands)
-    ahead = np_ if config.schedule == "tmaw" else max(1, sum(o + z <= max(1, config.stages // 2) * sub for o, z in pieces))
+    ahead = np_ if config.schedule == "tmaw" else max(1, np_ // 2)  # pieces in flight
     log = kind == "log_softmax"
     neg_inf = -T.infinity(_ACC)
 
@@ -826,7 +795,7 @@ def _tma_warp_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str, M, nc: i
         run = T.alloc_fragment((nw, 32), _ACC)  # the thread's running max
         ml = T.alloc_fragment((nw, 32), _ACC)  # the running max times log2(e)
         alpha = T.alloc_fragment((nw, 32), _ACC)
-        em = [[T.alloc_fragment((nw, 32), _ACC) for _ in us] for us in units]  # the max each unit's exps used
+        em = [T.alloc_fragment((nw, 32), _ACC) for _ in range(np_)]  # the max each piece's exps used
         rw = T.alloc_fragment((nw,), _ACC)
         sw = T.alloc_fragment((nw,), _ACC)
         stats = T.alloc_shared((nw, 2), _ACC)
@@ -838,7 +807,7 @@ def _tma_warp_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str, M, nc: i
             mine = T.alloc_shared((2,), _ACC)
             peers = T.alloc_shared((nc, 2), _ACC, scope="shared")  # static: peers write it remotely
             T.cluster_arrive_relaxed()  # paired with the wait before the DSMEM stores
-        # `tmaw`: every load in flight at once (one elected thread issues them). `tmas`/`tmat`:
+        # `tmaw`: every load in flight at once (one elected thread issues them). `tmas`:
         # `ahead` pieces in flight, the next issued as one lands, so they land one after another
         # and each one's reduction overlaps the later ones' loads (issued at once, they complete
         # nearly together, leaving all the compute after the last byte).
@@ -849,7 +818,7 @@ def _tma_warp_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str, M, nc: i
             ps[i, j, v] = 0.0
         # Python-level loops over lists of fragments (enumerate: the builder turns range() loops
         # into TIR loops, whose variable cannot index a list): unrolled, each slice its registers.
-        for s, (off, size) in enumerate(pieces):
+        for s, ((off, size), em_s) in enumerate(zip(pieces, em)):
             T.mbarrier_wait_parity(bars[s], 0)
             stamp(C, bx, 1 + 2 * s)
             if s + ahead < np_:
@@ -858,29 +827,27 @@ def _tma_warp_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str, M, nc: i
             for kk, xk in enumerate(xk_s):
                 for i, j, v in T.Parallel(nw, 32, vec):
                     xk[i, j, v] = T.Cast(_ACC, a[off + kk * w + (i * 32 + j) * vec + v])
-            for (uo, uz), em_s in zip(units[s], em[s]):
-                xk_u = xk_s[(uo - off) // w : (uo - off + uz) // w]
-                for kk, xk in enumerate(xk_u):
-                    for i, j, v in T.Parallel(nw, 32, vec):
-                        part[i, j, v] = T.max(part[i, j, v], xk[i, j, v]) if kk else xk[i, j, v]
-                T.reduce_max(part, rt, dim=2)  # within each thread
-                for i, j in T.Parallel(nw, 32):
-                    # new running max; the sums so far were shifted by the old one (0 while it is -inf)
-                    alpha[i, j] = T.if_then_else(run[i, j] == neg_inf, 0.0, T.exp2((run[i, j] - T.max(run[i, j], rt[i, j])) * LOG2E))
-                    run[i, j] = T.max(run[i, j], rt[i, j])
-                    em_s[i, j] = run[i, j]
-                    ml[i, j] = _safe(run[i, j]) * LOG2E
+            for kk, xk in enumerate(xk_s):
                 for i, j, v in T.Parallel(nw, 32, vec):
-                    ps[i, j, v] = ps[i, j, v] * alpha[i, j]
-                for kk, xk in enumerate(xk_u):
+                    part[i, j, v] = T.max(part[i, j, v], xk[i, j, v]) if kk else xk[i, j, v]
+            T.reduce_max(part, rt, dim=2)  # within each thread
+            for i, j in T.Parallel(nw, 32):
+                # new running max; the sums so far were shifted by the old one (0 while it is -inf)
+                alpha[i, j] = T.if_then_else(run[i, j] == neg_inf, 0.0, T.exp2((run[i, j] - T.max(run[i, j], rt[i, j])) * LOG2E))
+                run[i, j] = T.max(run[i, j], rt[i, j])
+                em_s[i, j] = run[i, j]
+                ml[i, j] = _safe(run[i, j]) * LOG2E
+            for i, j, v in T.Parallel(nw, 32, vec):
+                ps[i, j, v] = ps[i, j, v] * alpha[i, j]
+            for kk, xk in enumerate(xk_s):
+                for i, j, v in T.Parallel(nw, 32, vec):
+                    # x log2(e) - max log2(e): one FFMA (the product exact inside it); the shift's
+                    # rounding is ~2^-24 of max log2(e), far below the input dtype's ulp
+                    part[i, j, v] = T.exp2(xk[i, j, v] * LOG2E - ml[i, j])
+                    ps[i, j, v] = ps[i, j, v] + part[i, j, v]
+                if not log:  # keep the exps (log_softmax's output needs x itself)
                     for i, j, v in T.Parallel(nw, 32, vec):
-                        # x log2(e) - max log2(e): one FFMA (the product exact inside it); the
-                        # shift's rounding is ~2^-24 of max log2(e), far below the input dtype's ulp
-                        part[i, j, v] = T.exp2(xk[i, j, v] * LOG2E - ml[i, j])
-                        ps[i, j, v] = ps[i, j, v] + part[i, j, v]
-                    if not log:  # keep the exps (log_softmax's output needs x itself)
-                        for i, j, v in T.Parallel(nw, 32, vec):
-                            a[uo + kk * w + (i * 32 + j) * vec + v] = T.Cast(dtype, part[i, j, v])
+                        a[off + kk * w + (i * 32 + j) * vec + v] = T.Cast(dtype, part[i, j, v])
             stamp(C, bx, 2 + 2 * s)
         # each warp's (max, sum) from its threads': a thread with only -inf so far has sum 0
         T.reduce_sum(ps, rt, dim=2)
@@ -912,15 +879,15 @@ def _tma_warp_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str, M, nc: i
         if log:
             acc1 = acc0 + T.log2(acc1) * LN2
         stamp(C, bx, 2 * np_ + 1)
-        for (uo, uz), em_s in zip(sum(units, []), sum(em, [])):
+        for (off, size), em_s in zip(pieces, em):
             if not log:
-                # one factor per (unit, thread) rescales and normalises its exps; em = -inf:
+                # one factor per (piece, thread) rescales and normalises its exps; em = -inf:
                 # 0, or NaN when the whole row is -inf (acc0 = -inf), as PyTorch gives
                 for i, j in T.Parallel(nw, 32):
                     alpha[i, j] = T.exp2((em_s[i, j] - acc0) * LOG2E) / acc1
-            for kk in tuple(range(uz // w)):
+            for kk in tuple(range(size // w)):
                 for i, j, v in T.Parallel(nw, 32, vec):
-                    at = uo + kk * w + (i * 32 + j) * vec + v
+                    at = off + kk * w + (i * 32 + j) * vec + v
                     if log:
                         Y[row, base + at] = T.Cast(dtype, T.Cast(_ACC, a[at]) - acc1)
                     else:
@@ -943,7 +910,7 @@ def tma_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str, probe: str = "
     assert n % c == 0 and nc <= CLUSTER_MAX and sub % w == 0 and config.block_m == 1, (n, config)
     log = kind == "log_softmax"
     neg_inf = -T.infinity(_ACC)
-    if config.schedule != "tma":  # tmaw, tmas, tmat
+    if config.schedule != "tma":  # tmaw, tmas
         assert probe in ("", "clock"), probe
         return _tma_warp_fwd(config, n, dtype, kind, M, nc, sub, ks, w, clock=probe == "clock")
 
