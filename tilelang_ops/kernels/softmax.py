@@ -47,8 +47,9 @@ shapes the schedule: each distinct N compiles once per (kind, dtype, direction).
   one barrier placed by hand) and read from shared memory once, converted to fp32 once; exp2 is
   one MUFU op (fast math). The threads' (max, sum) are combined once at the end, one factor per
   (sub-chunk, thread) in the output pass. For few long rows, where the reductions are on the
-  critical path: at one CTA per SM they are bound by the exp unit (benchmarks/probe_softmax.py
-  --clock: ~1 us per 16K elements per SM, the loads waiting on them).
+  critical path (benchmarks/probe_softmax.py --clock: ~0.9 us per 16K elements per SM at one CTA
+  per SM; made faster, they only wait longer on the next bulk copy: the read phase is paced by
+  DRAM).
 * **tmas** — `tmaw` with half the sub-chunks in flight instead of all: the next bulk copy is issued as
   one lands, so sub-chunks land one after another and each one's reduction overlaps the later
   loads (issued all at once they complete nearly together, and the compute follows the last byte).
@@ -898,8 +899,8 @@ def _tma_warp_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str, M, nc: i
 
 
 # fast math: exp2 as one MUFU.EX2 (ex2.approx.ftz; exp2f's subnormal handling costs three more
-# instructions per element, and the per-sub-chunk reductions are bound by the exp unit: session
-# 9's clock probe). Only results below 2^-126 of the row max change (to 0).
+# instructions per element on the per-sub-chunk reductions, which sit on the critical path of a
+# one-wave row: session 9's clock probe). Only results below 2^-126 of the row max change (to 0).
 @kernel("softmax", "softmax_tma", min_sm=90, pass_configs={tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True})
 def tma_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str, probe: str = ""):
     """probe="copy" (benchmarks/probe_softmax.py only; wrong results): the same loads, exchange and
