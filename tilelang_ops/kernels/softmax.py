@@ -742,14 +742,14 @@ def _tma_prim_func(body, M, n: int, dtype: str, nc: int, threads: int, clocks: i
 
 
 @T.macro
-def _tma_issue_pieces(X, a, bars, row, base, pieces, first: int, count: int):
-    """`_tma_issue` for pieces ((offset, size) in elements), unrolled: pieces first ..
-    first+count-1 into their place in the flat chunk buffer `a`."""
-    for p in tuple(range(first, first + count)):  # a tuple: unrolled by Python (range() becomes a TIR loop)
-        off, size = pieces[p]
-        T.tma_copy(X[row, base + off : base + off + size], a[off : off + size], barrier=bars[p])
-    for p in tuple(range(first, first + count)):
-        T.mbarrier_arrive(bars[p])
+def _tma_issue_flat(X, a, bars, row, base, sub: int, first: int, count: int):
+    """`_tma_issue` into a flat chunk buffer `a`, unrolled by Python (`tuple(range())`; range()
+    would become a TIR loop): what tmaw/tmas were measured and tested with (session 10). `tma`
+    keeps its (stages, sub) buffer and TIR loop."""
+    for s in tuple(range(first, first + count)):
+        T.tma_copy(X[row, base + s * sub : base + (s + 1) * sub], a[s * sub : (s + 1) * sub], barrier=bars[s])
+    for s in tuple(range(first, first + count)):
+        T.mbarrier_arrive(bars[s])
 
 
 def _tma_warp_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str, M, nc: int, sub: int, ks: int, w: int, clock: bool = False):
@@ -762,12 +762,10 @@ def _tma_warp_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str, M, nc: i
 
     clock=True (benchmarks/probe_softmax.py only): thread 0 stamps clock64() into C[bx, :] at
     the start, as each sub-chunk lands and is reduced, after the combine and at the end."""
-    c, threads = config.chunk, config.threads
-    pieces = [(s * sub, sub) for s in range(config.stages)]  # (offset, size) of each bulk copy
-    np_ = len(pieces)
-    clocks = 2 * np_ + 3 if clock else 0
+    c, threads, stages = config.chunk, config.threads, config.stages
+    clocks = 2 * stages + 3 if clock else 0
     nw, vec = threads // 32, w // threads  # warps; elements a thread owns per slice
-    ahead = np_ if config.schedule == "tmaw" else max(1, np_ // 2)  # pieces in flight
+    ahead = stages if config.schedule == "tmaw" else max(1, stages // 2)  # sub-chunks in flight
     log = kind == "log_softmax"
     neg_inf = -T.infinity(_ACC)
 
@@ -785,9 +783,9 @@ def _tma_warp_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str, M, nc: i
         row = bx // nc
         base = (bx % nc) * c
         a = T.alloc_shared((c,), dtype)
-        bars = T.alloc_barrier([threads] * np_)
+        bars = T.alloc_barrier([threads] * stages)
         # Fragments (warp, lane, vec): thread (i, j) owns the vec contiguous elements at
-        # off + kk * w + (32 i + j) * vec of slice kk of a piece. One slice each, read from shared
+        # s * sub + kk * w + (32 i + j) * vec of slice kk of sub-chunk s. One slice each, read from shared
         # memory once and converted once (fp32: 64 registers per thread at 8 slices).
         xs = [T.alloc_fragment((nw, 32, vec), _ACC) for _ in range(ks)]
         part = T.alloc_fragment((nw, 32, vec), _ACC)
@@ -796,7 +794,7 @@ def _tma_warp_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str, M, nc: i
         run = T.alloc_fragment((nw, 32), _ACC)  # the thread's running max
         ml = T.alloc_fragment((nw, 32), _ACC)  # the running max times log2(e)
         alpha = T.alloc_fragment((nw, 32), _ACC)
-        em = [T.alloc_fragment((nw, 32), _ACC) for _ in range(np_)]  # the max each piece's exps used
+        em = [T.alloc_fragment((nw, 32), _ACC) for _ in range(stages)]  # the max each sub-chunk's exps used
         rw = T.alloc_fragment((nw,), _ACC)
         sw = T.alloc_fragment((nw,), _ACC)
         stats = T.alloc_shared((nw, 2), _ACC)
@@ -809,26 +807,26 @@ def _tma_warp_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str, M, nc: i
             peers = T.alloc_shared((nc, 2), _ACC, scope="shared")  # static: peers write it remotely
             T.cluster_arrive_relaxed()  # paired with the wait before the DSMEM stores
         # `tmaw`: every load in flight at once (one elected thread issues them). `tmas`:
-        # `ahead` pieces in flight, the next issued as one lands, so they land one after another
+        # `ahead` sub-chunks in flight, the next issued as one lands, so they land one after another
         # and each one's reduction overlaps the later ones' loads (issued at once, they complete
         # nearly together, leaving all the compute after the last byte).
-        _tma_issue_pieces(X, a, bars, row, base, pieces, 0, ahead)
+        _tma_issue_flat(X, a, bars, row, base, sub, 0, ahead)
         for i, j in T.Parallel(nw, 32):
             run[i, j] = neg_inf
         for i, j, v in T.Parallel(nw, 32, vec):
             ps[i, j, v] = 0.0
         # Python-level loops over lists of fragments (enumerate: the builder turns range() loops
         # into TIR loops, whose variable cannot index a list): unrolled, each slice its registers.
-        for s, ((off, size), em_s) in enumerate(zip(pieces, em)):
+        for s, em_s in enumerate(em):
+            off = s * sub
             T.mbarrier_wait_parity(bars[s], 0)
             stamp(C, bx, 1 + 2 * s)
-            if s + ahead < np_:
-                _tma_issue_pieces(X, a, bars, row, base, pieces, s + ahead, 1)
-            xk_s = xs[: size // w]
-            for kk, xk in enumerate(xk_s):
+            if s + ahead < stages:
+                _tma_issue_flat(X, a, bars, row, base, sub, s + ahead, 1)
+            for kk, xk in enumerate(xs):
                 for i, j, v in T.Parallel(nw, 32, vec):
                     xk[i, j, v] = T.Cast(_ACC, a[off + kk * w + (i * 32 + j) * vec + v])
-            for kk, xk in enumerate(xk_s):
+            for kk, xk in enumerate(xs):
                 for i, j, v in T.Parallel(nw, 32, vec):
                     part[i, j, v] = T.max(part[i, j, v], xk[i, j, v]) if kk else xk[i, j, v]
             T.reduce_max(part, rt, dim=2)  # within each thread
@@ -840,7 +838,7 @@ def _tma_warp_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str, M, nc: i
                 ml[i, j] = _safe(run[i, j]) * LOG2E
             for i, j, v in T.Parallel(nw, 32, vec):
                 ps[i, j, v] = ps[i, j, v] * alpha[i, j]
-            for kk, xk in enumerate(xk_s):
+            for kk, xk in enumerate(xs):
                 for i, j, v in T.Parallel(nw, 32, vec):
                     # x log2(e) - max log2(e): one FFMA (the product exact inside it); the shift's
                     # rounding is ~2^-24 of max log2(e), far below the input dtype's ulp
@@ -879,21 +877,22 @@ def _tma_warp_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str, M, nc: i
                 acc1 = acc1 + peers[k, 1] * T.exp2((peers[k, 0] - acc0) * LOG2E)
         if log:
             acc1 = acc0 + T.log2(acc1) * LN2
-        stamp(C, bx, 2 * np_ + 1)
-        for (off, size), em_s in zip(pieces, em):
+        stamp(C, bx, 2 * stages + 1)
+        for s, em_s in enumerate(em):
+            off = s * sub
             if not log:
-                # one factor per (piece, thread) rescales and normalises its exps; em = -inf:
+                # one factor per (sub-chunk, thread) rescales and normalises its exps; em = -inf:
                 # 0, or NaN when the whole row is -inf (acc0 = -inf), as PyTorch gives
                 for i, j in T.Parallel(nw, 32):
                     alpha[i, j] = T.exp2((em_s[i, j] - acc0) * LOG2E) / acc1
-            for kk in tuple(range(size // w)):
+            for kk in tuple(range(ks)):
                 for i, j, v in T.Parallel(nw, 32, vec):
                     at = off + kk * w + (i * 32 + j) * vec + v
                     if log:
                         Y[row, base + at] = T.Cast(dtype, T.Cast(_ACC, a[at]) - acc1)
                     else:
                         Y[row, base + at] = T.Cast(dtype, T.Cast(_ACC, a[at]) * alpha[i, j])
-        stamp(C, bx, 2 * np_ + 2)
+        stamp(C, bx, 2 * stages + 2)
 
     return _tma_prim_func(body, M, n, dtype, nc, threads, clocks)
 
