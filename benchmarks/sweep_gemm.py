@@ -23,6 +23,7 @@ default by more than 2%); JSON to $OUT/sweep_gemm.json (benchmarks/_timing.write
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import math
 import sys
 import time
@@ -63,6 +64,7 @@ def candidates():
            _cfg(128, 192, 64, 4, pipe="async"), _cfg(128, 256, 32, 8, pol="FullRow", pipe="async")]
     asy_two = [_cfg(128, 128, 64, 2, mb=2, pipe="async"), _cfg(128, 128, 32, 4, mb=2, pipe="async")]
     return {
+        **_pingpong_groups(gemm, lin),
         "async_nn_8192_8192": (dict(gemm, n=8192, k=8192), [C0] + asy, [("gemm", 8192)]),
         "async_nn_4096_4096": (dict(gemm, n=4096, k=4096), [C0, _cfg(128, 256, 64, 4)] + asy + asy_two, [("gemm", 1024), ("gemm", 4096), ("gemm", 16384)]),
         "async_nn_3072_768": (dict(gemm, n=3072, k=768), [C0, _cfg(128, 128, 32, 4, mb=2)] + asy + asy_two, [("gemm", 1024), ("gemm", 4096), ("gemm", 16384)]),
@@ -100,6 +102,33 @@ def candidates():
     }
 
 
+def _selected(gname: str, groups) -> bool:
+    """--group patterns are shell-style (`--group 'pp_*'`); none given: every group."""
+    return not groups or any(fnmatch.fnmatchcase(gname, g) for g in groups)
+
+
+def _pingpong_groups(gemm, lin):
+    """The persistent ping-pong pipeline (and one consumer warpgroup per CTA, two CTAs per SM: the
+    same overlap left to the SM's scheduler) against each shape's current default, over the
+    bench_gemm set and the MLP block's backward GEMMs. Groups "pp_*"."""
+    from tilelang_ops.ops import gemm as G
+
+    pp = [_cfg(128, 128, 64, 6, pipe="pingpong"), _cfg(128, 128, 64, 7, pipe="pingpong"), _cfg(128, 192, 64, 5, pipe="pingpong"),
+          _cfg(128, 128, 64, 6, sw=16, pipe="pingpong"), _cfg(128, 128, 64, 3, th=128, mb=2, pipe="async")]
+    ms = [1024, 4096, 16384]
+    spec = {f"pp_nn_{n}_{k}": (dict(gemm, n=n, k=k), [("gemm", m) for m in ms]) for n, k in ((4096, 4096), (14336, 4096), (4096, 14336), (11008, 4096), (3072, 768))}
+    spec["pp_nn_8192_8192"] = (dict(gemm, n=8192, k=8192), [("gemm", 8192)])
+    spec["pp_nn_4096_14336"][1].append(("gemm", 8192))  # the MLP's dX of the down projection
+    spec.update({f"pp_lin_{n}_{k}": (dict(lin, n=n, k=k), [("linear", m) for m in ms]) for n, k in ((4096, 4096), (14336, 4096), (4096, 14336), (11008, 4096), (3072, 768))})
+    spec["pp_tn_4096x14336"] = (dict(gemm, layout="tn", rows=4096, n=14336, k=0), [("wgrad", 8192)])
+    spec["pp_tn_14336x4096"] = (dict(gemm, layout="tn", rows=14336, n=4096, k=0), [("wgrad", 8192)])
+    out = {}
+    for name, (static, shapes) in spec.items():
+        defaults = [G.config_for(static["layout"], static["n"], static["k"], DT, ARCH, rows=static["rows"], m=m) for _, m in shapes]
+        out[name] = (static, list(dict.fromkeys(defaults + pp)), shapes)
+    return out
+
+
 def _jobs(groups=None):
     """(kernel def, config, static) for every candidate plus what the ops' default path loads."""
     from tilelang_ops.kernels import gemm as K
@@ -107,7 +136,7 @@ def _jobs(groups=None):
 
     jobs = {}
     for gname, (static, cfgs, shapes) in candidates().items():
-        if groups and gname not in groups:
+        if not _selected(gname, groups):
             continue
         for c in cfgs:
             jobs[(c, tuple(sorted(static.items())))] = (K.matmul_kernel, c, static)
@@ -139,7 +168,7 @@ def _graph_ms(fn) -> float:
 
 
 def _short(c) -> str:
-    extra = (f"/mb{c.min_blocks}" if c.min_blocks else "") + ("/async" if c.pipeline == "async" else "")
+    extra = (f"/mb{c.min_blocks}" if c.min_blocks else "") + (f"/{c.pipeline}" if c.pipeline != "auto" else "")
     return f"{c.block_M}x{c.block_N}x{c.block_K}/s{c.num_stages}/t{c.threads}/sw{c.swizzle}/{c.policy}{extra}"
 
 
@@ -176,7 +205,7 @@ def run(groups=None) -> int:
     t_start = time.time()
     rows, best_rows, overrides = [], [], []
     for gname, (static, cfgs, shapes) in candidates().items():
-        if groups and gname not in groups:
+        if not _selected(gname, groups):
             continue
         n, k, rows_tn = static["n"], static["k"], static["rows"]
         for what, m in shapes:
@@ -270,7 +299,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--warm", action="store_true", help="only compile every kernel for sm_90a (no GPU needed)")
     p.add_argument("--list", action="store_true", help="print the kernels and exit")
-    p.add_argument("--group", action="append", help="only these candidate groups (see candidates())")
+    p.add_argument("--group", action="append", help="only these candidate groups (see candidates(); shell patterns: 'pp_*')")
     args = p.parse_args(argv)
     if args.list:
         for _, cfg, static in _jobs():

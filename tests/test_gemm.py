@@ -288,6 +288,13 @@ ASYNC_CASES = [
     (dict(block_N=192, num_stages=4), dict(layout="nn", n=3072, k=768), [1, 1000, 1536]),  # the shipped override (M <= 1536)
     # 4 stages of 128x256 leave no room for a C tile: the epilogue stores from registers
     (dict(num_stages=4), dict(layout="nt", n=200, k=1000, bias=True, activation="gelu_tanh", save_preact=True), [7, 700]),
+    # persistent ping-pong: fewer tiles than CTAs, one, and several per CTA (odd and even counts
+    # per consumer warpgroup: M=4097 at n=3072 is 792 tiles, 6 per CTA; 16384 is 3072 tiles)
+    (dict(block_N=128, num_stages=6, pipeline="pingpong"), dict(layout="nn", n=200, k=1000), [1, 129, 700, 4097]),
+    (dict(block_N=128, num_stages=6, pipeline="pingpong"), dict(layout="nn", n=3072, k=768), [1000, 4097, 16384]),
+    (dict(block_N=128, num_stages=6, pipeline="pingpong"), dict(layout="nt", n=200, k=1000, bias=True, activation="gelu_tanh", save_preact=True), [7, 700, 5000]),
+    (dict(block_N=128, num_stages=6, pipeline="pingpong", swizzle=0), dict(layout="tn", n=136, k=0, rows=200), [1, 1000]),
+    (dict(block_N=128, num_stages=6, pipeline="pingpong"), dict(layout="nn", n=128, k=72, dtype="float16", batched=True), [17, 300, 2000]),
 ]
 
 
@@ -300,7 +307,7 @@ def async_kernel(case):
     cfg_kw, st_, _ = case
     static = dict(rows=0, dtype="bfloat16", batched=False, bias=False, activation="none", save_preact=False)
     static.update(st_)
-    return dataclasses.replace(K.GemmConfig(), pipeline="async", **cfg_kw), static
+    return dataclasses.replace(K.GemmConfig(), **{"pipeline": "async", **cfg_kw}), static
 
 
 def _async_case_id(case):
@@ -323,6 +330,35 @@ def test_gemm_async_pipeline_source():
     assert loop.index("empty[") < loop.index("wait_wgmma<0>"), "the stage release must follow wait<1>"
     assert "warpgroup_reg_dealloc<24>" in src and "warpgroup_reg_alloc<240>" in src
     assert "__launch_bounds__(384, 1)" in src
+
+
+@pytest.mark.slow
+def test_gemm_pingpong_source():
+    """The ping-pong pipeline's turns in its generated code: warpgroup 1 primes warpgroup 0's
+    barrier (2); each warpgroup waits for its turn (bar.sync on 2 + w) before its k-steps and
+    passes it (bar.arrive on the other's) after issuing them, before draining (wait<0>); stages are
+    released after wait<1>; no CTA-wide barrier after the barrier init (it would deadlock)."""
+    from tilelang_ops.kernels import gemm as K
+
+    cfg = K.GemmConfig(128, 128, 64, 6, 256, 8, "Square", 0, "pingpong")
+    assert cfg.min_sm == 90
+    src = K.matmul_kernel.source(cfg, "sm_90a", layout="nt", n=3072, k=768, rows=0, dtype="bfloat16", batched=False, bias=True, activation="gelu_tanh", save_preact=False)
+    assert src.count("__syncthreads()") == 1 and src.index("__syncthreads()") < src.index("fence_barrier_init") + 60
+    assert "__launch_bounds__(384, 1)" in src and "warpgroup_reg_dealloc<24>" in src and "warpgroup_reg_alloc<240>" in src
+    wg1_at = src.index("if ((128 <= ((int)threadIdx.x)) && (((int)threadIdx.x) < 256))")
+    wg0, wg1 = src[src.index("if (((int)threadIdx.x) < 128)") : wg1_at], src[wg1_at:]
+    order0 = ["__sync_thread_partial(2, 256)", "wgmma_ss", "wait_wgmma<1>", "empty[", "__named_barrier_arrive(3, 256)", "wait_wgmma<0>"]
+    assert [wg0.index(x) for x in order0] == sorted(wg0.index(x) for x in order0)
+    order1 = ["__named_barrier_arrive(2, 256)", "__sync_thread_partial(3, 256)", "wgmma_ss", "wait_wgmma<1>", "empty["]
+    assert [wg1.index(x) for x in order1] == sorted(wg1.index(x) for x in order1)
+    assert wg1.index("wait_wgmma<1>") < wg1.rindex("__named_barrier_arrive(2, 256)") < wg1.index("wait_wgmma<0>")
+
+
+def test_gemm_pingpong_needs_two_consumer_warpgroups():
+    from tilelang_ops.kernels import gemm as K
+
+    with pytest.raises(ValueError, match="pingpong.*threads=256"):
+        K.matmul_kernel.build(K.GemmConfig(128, 128, 64, 6, 128, 8, "Square", 0, "pingpong"), layout="nn", n=128, k=64, dtype="bfloat16")
 
 
 @pytest.mark.gpu
@@ -427,7 +463,7 @@ def test_config_table_and_search_space():
     assert (big.block_M, big.block_N, big.block_K, big.num_stages, big.threads) == (128, 256, 64, 3, 256)
     assert G.config_for("nn", 128, 64, torch.bfloat16, "sm_90a").block_N == 128
     assert G.config_for("tn", 4096, 0, torch.bfloat16, "sm_80", rows=4096).num_stages <= 2
-    assert len(K.SEARCH_SPACE) <= 12 and len(K.REPRESENTATIVE) <= 8
+    assert len(K.SEARCH_SPACE) <= 12 and len(K.REPRESENTATIVE) <= 9
     assert G.last_config("no-such-kernel") is None
 
 

@@ -20,6 +20,7 @@ K and N to multiples of 8 elements before calling these kernels.
 """
 # No `from __future__ import annotations`: TileLang evaluates the T.Tensor annotations below
 # against the closure, and string annotations would not see shapes used only there.
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -28,6 +29,7 @@ import tilelang.language as T
 from ..runtime import PRODUCER_REGS, kernel, warpgroup_regs
 
 DTYPES = ("float16", "bfloat16")
+PERSISTENT_CTAS = 132  # the "pingpong" grid: one CTA per SM of an H100 SXM / H200
 ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu")
 LAYOUTS = ("nn", "nt", "tn")
 
@@ -48,19 +50,21 @@ class GemmConfig:
     # "auto": TileLang's warp-specialized T.Pipelined, each k-step's wgmma drained before the next
     # (warpgroup_wait<0>). "async": our own producer/consumer mbarrier pipeline that keeps one
     # k-step's wgmma in flight while the next is issued, releasing a stage only after its wgmma
-    # retired (sm_90 only; see `body_async` in `matmul_kernel`).
+    # retired (sm_90 only; see `body_async` in `matmul_kernel`). "pingpong": async, persistent
+    # (one CTA per SM walks the tiles), each consumer warpgroup a whole block_M x block_N tile of
+    # its own, so one warpgroup's epilogue overlaps the other's main loop (`body_pingpong`).
     pipeline: str = "auto"
 
     @property
     def min_sm(self) -> int:
-        return 90 if self.pipeline == "async" else 0  # wgmma + TMA + setmaxnreg: no sm_80 form
+        return 90 if self.pipeline != "auto" else 0  # wgmma + TMA + setmaxnreg: no sm_80 form
 
     def pass_configs(self) -> dict:
         # The async pipeline orders its threads with mbarriers and named barriers itself; the
         # storage-sync pass would add CTA-wide __syncthreads inside the producer/consumer
         # branches, which deadlock (the producer never reaches the consumers' barrier).
         # (The buffer-init check cannot see T.tma_copy's writes to the stages either.)
-        return {"tl.disable_thread_storage_sync": True, "tl.disable_buffer_init_check": True} if self.pipeline == "async" else {}
+        return {"tl.disable_thread_storage_sync": True, "tl.disable_buffer_init_check": True} if self.pipeline != "auto" else {}
 
 
 # Defaults per (arch, shape class). The static dims (N, K; output rows for "tn") are baked into
@@ -86,30 +90,40 @@ def m_bucket(m: int) -> int:
 # ("sm_9", layout, bucket, n, k), then ("sm_9", layout, bucket, None, k) (any n), then
 # ("sm_9", layout, bucket, None, None) (whole bucket). k is the output rows for "tn".
 # Fill from `python -m benchmarks.sweep_gemm` (its "OVERRIDE" lines paste here).
+_PP = GemmConfig(128, 128, 64, 6, 256, 8, "Square", 0, "pingpong")  # persistent ping-pong, 128x128 per warpgroup
+_PP16 = GemmConfig(128, 128, 64, 6, 256, 16, "Square", 0, "pingpong")  # the same, panels of 16 tile rows
 DEFAULT_OVERRIDES: dict[tuple, GemmConfig] = {
-    # benchmarks/sweep_gemm.py on one H200, 2026-11-30 (bf16; GPU time from CUDA-graph replays).
-    # "2 CTAs/SM" = min_blocks=2 (setmaxnreg 24/104): 128x128 tiles, two CTAs resident per SM, so one
-    # CTA's epilogue overlaps the other's main loop (the short-K shapes' bottleneck).
+    # benchmarks/sweep_gemm.py on one H200 (bf16; GPU time from CUDA-graph replays, contenders and
+    # cuBLAS in turns). "2 CTAs/SM" = min_blocks=2 (setmaxnreg 24/104): one CTA's epilogue overlaps
+    # the other's main loop. "pingpong": persistent, each consumer warpgroup its own tile, the
+    # epilogue of one overlapping the main loop of the other — wins where the epilogue (bias +
+    # gelu_tanh, or K=768's short main loops) weighs; loses at M=1024 (about one tile per
+    # warpgroup: the turns serialize) and at deep K without an epilogue (128x128 tiles read more
+    # shared memory per FLOP than the auto pipeline's 128x256). Eleventh session: `session11/call1`.
     # 1024x3072x768: 490-495 TFLOP/s in two sweeps vs 439-444 for the former two-CTA override (1.11x);
     # 0.96x cuBLAS in bench_gemm's interleaved GPU time (cuBLAS moves 403-516 between runs here) (sixth session)
     ("sm_9", "nn", 0, 3072, 768): GemmConfig(128, 192, 64, 4, 256, 8, "Square", 0, "async"),
+    ("sm_9", "nn", 2, 3072, 768): _PP,  # 16384x3072x768: 591 TFLOP/s vs 528 default (1.12x), 1.01x cuBLAS
     ("sm_9", "nn", 1, 4096, 4096): GemmConfig(128, 256, 64, 4, 256, 8, "Square"),  # 4096^3: 1.03x default (fifth session)
     ("sm_9", "nn", 0, 11008, 4096): GemmConfig(block_M=128, block_N=256, block_K=64, num_stages=4, threads=256, swizzle=8, policy="FullRow"),  # 1024x11008x4096: 1.04x default, 1.12x cuBLAS
-    ("sm_9", "nn", 1, 11008, 4096): GemmConfig(block_M=128, block_N=256, block_K=64, num_stages=4, threads=256, swizzle=8, policy="Square"),  # 4096x11008x4096: 1.03x default, 1.01x cuBLAS
-    # 14336 = 64 tiles of 224: 512 tiles at M=1024 fill 3.9 waves of 132 SMs (128x256: 3.4)
-    ("sm_9", "nn", 0, 14336, 4096): GemmConfig(128, 224, 64, 3, 256, 8, "FullRow"),  # 1024x14336x4096: 1.04x the former s4 override, 1.06x cuBLAS (fifth session)
-    # "nt" = linear (+ bias + gelu_tanh epilogue): sweep_gemm --group lin_*, fifth session
-    # (benchmarks/results/2026-11-30-h200-session5/call1 and call4); ratio to cuBLASLt's _addmm_activation
+    ("sm_9", "nn", 1, 11008, 4096): _PP,  # 4096x11008x4096: 651 vs 635 (1.025x), 1.02x cuBLAS
+    # 14336 = 64 tiles of 224: 512 tiles at M=1024 fill 3.9 waves of 132 SMs (128x256: 3.4) (fifth session)
+    ("sm_9", "nn", 0, 14336, 4096): dataclasses.replace(_PP, num_stages=7),  # 1024x14336x4096: 697 vs 654 for 128x224 (1.07x), 1.12x cuBLAS
+    ("sm_9", "nn", 2, 14336, 4096): GemmConfig(128, 192, 64, 5, 256, 8, "Square", 0, "pingpong"),  # 16384x14336x4096: 659 vs 639 (1.03x), 0.99x cuBLAS
+    # "nt" = linear (+ bias + gelu_tanh epilogue), ratios to cuBLASLt's _addmm_activation (fifth session:
+    # session5/call1 and call4; eleventh: the pingpong rows, session11/call1)
+    ("sm_9", "nt", 1, 4096, 4096): _PP16,  # 4096x4096x4096: 674 vs 605 (1.11x), 1.05x
     ("sm_9", "nt", 2, 4096, 4096): GemmConfig(block_M=128, block_N=256, block_K=64, num_stages=4, threads=256, swizzle=8, policy="FullRow"),  # 16384x4096x4096: 1.026x default, 0.955x
-    ("sm_9", "nt", 0, 14336, 4096): GemmConfig(128, 224, 64, 3, 256, 8, "Square"),  # 1024x14336x4096: 710 TFLOP/s vs 583 default, 651 former s4 override (call 1); 0.98x
+    ("sm_9", "nt", 0, 14336, 4096): _PP16,  # 1024x14336x4096: 681 vs 611 for 128x224 (1.11x), 1.005x
+    ("sm_9", "nt", 1, 14336, 4096): _PP16,  # 4096x14336x4096: 621 vs 605 (1.03x), 0.96x
+    ("sm_9", "nt", 0, 4096, 14336): _PP16,  # 1024x4096x14336: 719 vs 685 (1.05x), 1.03x
     ("sm_9", "nt", 1, 4096, 14336): GemmConfig(block_M=128, block_N=256, block_K=64, num_stages=4, threads=256, swizzle=8, policy="FullRow"),  # 4096x4096x14336: 1.028x default, 0.981x
     ("sm_9", "nt", 2, 11008, 4096): GemmConfig(block_M=128, block_N=256, block_K=64, num_stages=4, threads=256, swizzle=8, policy="FullRow"),  # 16384x11008x4096: 1.060x default, 0.973x
-    # 11008 = 62.5 tiles of 176: 504 tiles at M=1024 fill 3.8 waves (128x256: 344 = 2.6)
-    ("sm_9", "nt", 0, 11008, 4096): GemmConfig(128, 176, 64, 4, 256, 8, "FullRow"),  # 1024x11008x4096: 1.059x default, 0.974x
-    ("sm_9", "nt", 1, 11008, 4096): GemmConfig(128, 176, 64, 4, 256, 8, "FullRow"),  # 4096x11008x4096: 1.026x default, 0.927x
+    ("sm_9", "nt", 0, 11008, 4096): _PP16,  # 1024x11008x4096: 605 vs 577 for 128x176 (1.05x), 0.88x
+    ("sm_9", "nt", 1, 11008, 4096): _PP16,  # 4096x11008x4096: 658 vs 578 for 128x176 (1.14x), 1.06x
     ("sm_9", "nt", 0, 3072, 768): GemmConfig(block_M=128, block_N=192, block_K=64, num_stages=4, threads=256, swizzle=8, policy="Square"),  # 1024x3072x768: 1.265x default, 1.132x
-    ("sm_9", "nt", 1, 3072, 768): GemmConfig(128, 128, 64, 2, 256, 8, "Square", 2),  # 4096x3072x768: 1.066x default, 0.932x (2 CTAs/SM)
-    ("sm_9", "nt", 2, 3072, 768): GemmConfig(128, 128, 64, 2, 256, 8, "Square", 2),  # 16384x3072x768: 1.110x default, 0.845x (2 CTAs/SM)
+    ("sm_9", "nt", 1, 3072, 768): _PP,  # 4096x3072x768: 526 vs 503 for two CTAs/SM (1.05x), 0.97x
+    ("sm_9", "nt", 2, 3072, 768): _PP,  # 16384x3072x768: 536 vs 473 for two CTAs/SM (1.13x), 1.09x
 }
 
 
@@ -133,7 +147,7 @@ def default_config(arch: str, n: int, layout: str = "nn", k: int = 0, bucket: in
 
 SEARCH_SPACE = [
     GemmConfig(128, 256, 64, 3, 256, 8),
-    GemmConfig(128, 256, 64, 3, 256, 0),
+    _PP,  # Hopper only (filtered out for older GPUs by the op's search space)
     GemmConfig(128, 256, 64, 3, 256, 16),
     GemmConfig(256, 128, 64, 3, 256, 8),
     GemmConfig(128, 128, 64, 4, 256, 8),
@@ -142,7 +156,7 @@ SEARCH_SPACE = [
     GemmConfig(256, 128, 64, 4, 256, 8),
     GemmConfig(128, 192, 64, 4, 256, 8),
     GemmConfig(128, 128, 64, 5, 128, 8),
-    GemmConfig(128, 256, 64, 2, 256, 8),
+    _PP16,
     GemmConfig(128, 128, 64, 2, 256, 8, "Square", 2),  # two CTAs per SM
 ]
 
@@ -239,8 +253,11 @@ def matmul_kernel(
     def b_src(B, ix, bx, kk):
         return tile(B, ix, bx, kk, b_tile) if trans_b else tile(B, ix, kk, bx, b_tile)
 
-    hand_sync = config.pipeline == "async"
+    hand_sync = config.pipeline != "auto"
+    pingpong = config.pipeline == "pingpong"
     consumers = config.threads
+    if pingpong and consumers != 256:
+        raise ValueError(f"pipeline 'pingpong' takes threads=256 (two consumer warpgroups), got {consumers}")
 
     @T.macro
     def sync(before_store):
@@ -252,9 +269,12 @@ def matmul_kernel(
                 T.fence_proxy_async()
             T.sync_threads(1, consumers)
 
-    # Async pipeline only: when its stages and a C tile do not both fit in 227 KB of shared memory,
-    # C leaves straight from registers. (The auto pipeline overlaps its C tile with the stages.)
-    direct_store = hand_sync and config.num_stages * (bm * bk + bk * bn) * 2 + bm * bn * 2 > 227 * 1024  # 16-bit dtypes
+    # Async pipeline only: when its stages and a C tile do not both fit in the CTA's share of 227 KB
+    # of shared memory, C leaves straight from registers. (The auto pipeline overlaps its C tile
+    # with the stages.) Ping-pong always stores from registers: its stores overlap the other
+    # warpgroup's main loop, and the shared memory goes to stages.
+    smem_budget = 227 * 1024 // max(config.min_blocks, 1)
+    direct_store = pingpong or (hand_sync and config.num_stages * (bm * bk + bk * bn) * 2 + bm * bn * 2 > smem_budget)  # 16-bit dtypes
 
     @T.macro
     def store(C_f, C_s, dst, reuse_after):
@@ -356,13 +376,105 @@ def matmul_kernel(
                 T.sync_threads(1, consumers)
             epilogue(C_f, C_s, Bias, C, Z, ix, bx, by)
 
+    # Persistent ping-pong: PERSISTENT_CTAS CTAs (one per SM) walk the output tiles. The producer
+    # loads every tile's k-steps, in tile order, into one ring of S stages; consumer warpgroup w
+    # computes the tiles i = w, w + 2, ... of its CTA (each a whole bm x bn tile: 128 threads,
+    # bm*bn/128 fp32 accumulators each), so stage number g = i*nk + kk is known to both sides.
+    # While one warpgroup runs its epilogue (bias, activation, stores from registers), the
+    # other's k-steps keep the tensor cores busy: the epilogue and the tile's pipeline fill no
+    # longer sit between two main loops (what bounds the non-persistent kernels at K=768).
+    TURN = 2  # named barriers 2 and 3 (0: __syncthreads, 1: the async pipeline's consumers)
+    m_tiles = m_blocks * n_blocks
+    n_tiles = m_tiles * Bt if batched else m_tiles
+    grid = T.min(n_tiles, PERSISTENT_CTAS)
+
+    @T.macro
+    def set_tile(tc, t):
+        """tc[0:3] = (bx, by, bz) of tile t, computed once per tile into registers: panels of
+        `swizzle` tile rows walked column by column, so the CTAs running at once share their A
+        rows and B columns in L2. (Every value is non-negative: C's truncating / and % suffice,
+        where floordiv/floormod would expand into sign tests at every use.)"""
+        r = T.truncmod(t, m_tiles) if batched else t
+        tc[2] = T.truncdiv(t, m_tiles) if batched else 0
+        if config.swizzle:
+            sw = config.swizzle
+            panel = T.truncdiv(r, sw * n_blocks)
+            rows = T.min(sw, m_blocks - panel * sw)  # the last panel may be shorter
+            tc[0] = T.truncdiv(r - panel * sw * n_blocks, rows)
+            tc[1] = panel * sw + T.truncmod(r - panel * sw * n_blocks, rows)
+        else:
+            tc[0] = T.truncmod(r, n_blocks)
+            tc[1] = T.truncdiv(r, n_blocks)
+
+    @T.macro
+    def consumer(A_s, B_s, full, empty, C_f, tc, Bias, C, Z, bid, w, n_mine, nk):
+        # The two warpgroups take turns at the main loop (named barriers TURN + w: bar.sync on
+        # one's own, bar.arrive on the other's once its k-steps are issued). Besides keeping one
+        # warpgroup's wgmmas from contending with the other's, the turns keep the stage ring
+        # safe: a warpgroup waiting on a stage's `full` barrier must be at most one lap ahead of
+        # it (the wait tests the phase's parity), which running ahead into its next tile while
+        # the other still consumes the tile between would break. Warpgroup 1 primes the ring; a
+        # warpgroup passes the turn only if the CTA has a next tile, so every bar.sync has exactly
+        # one matching bar.arrive.
+        T.inc_max_nreg(warpgroup_regs(consumers))
+        if w == 1:
+            T.named_barrier_arrive(TURN, 256)
+        for j in T.serial(T.truncdiv(n_mine - w + 1, 2)):
+            i = 2 * j + w
+            set_tile(tc, bid + i * grid)
+            T.clear(C_f)
+            T.sync_threads(TURN + w, 256)
+            for kk in T.serial(nk):
+                g = i * nk + kk
+                T.mbarrier_wait_parity(full[g % S], (g // S) & 1)
+                T.wgmma_gemm(A_s[g % S, :, :], B_s[g % S, :, :], C_f, transpose_A=trans_a, transpose_B=trans_b, policy=policy)
+                T.wait_wgmma(1)
+                if kk > 0:
+                    T.mbarrier_arrive(empty[(g + S - 1) % S])
+            if i + 1 < n_mine:
+                T.named_barrier_arrive(TURN + 1 - w, 256)
+            T.wait_wgmma(0)
+            T.mbarrier_arrive(empty[(i * nk + nk - 1) % S])  # the tile's last stage
+            epilogue(C_f, None, Bias, C, Z, (tc[2],) if batched else (), tc[0], tc[1])
+
+    @T.macro
+    def body_pingpong(A, B, Bias, C, Z, bid):
+        T.annotate_min_blocks_per_sm(1)
+        A_s = T.alloc_shared((S,) + a_tile, dtype)
+        B_s = T.alloc_shared((S,) + b_tile, dtype)
+        C0 = T.alloc_fragment((bm, bn), accum)  # warpgroup 0's tile
+        C1 = T.alloc_fragment((bm, bn), accum)  # warpgroup 1's
+        tc = T.alloc_local((3,), "int32")  # the current tile's (bx, by, bz), per thread
+        full = T.alloc_barrier([128] * S)
+        empty = T.alloc_barrier([128] * S)  # one consumer warpgroup reads a stage
+        nk = T.ceildiv(K, bk)
+        n_mine = T.truncdiv(n_tiles - bid + grid - 1, grid)  # tiles bid, bid + grid, ...
+        with T.ws(2):
+            T.dec_max_nreg(PRODUCER_REGS)
+            for i in T.serial(n_mine):
+                set_tile(tc, bid + i * grid)
+                ix = (tc[2],) if batched else ()
+                for kk in T.serial(nk):
+                    g = i * nk + kk
+                    T.mbarrier_wait_parity(empty[g % S], ((g // S) & 1) ^ 1)
+                    T.tma_copy(a_src(A, ix, tc[1], kk), A_s[g % S, :, :], barrier=full[g % S])
+                    T.tma_copy(b_src(B, ix, tc[0], kk), B_s[g % S, :, :], barrier=full[g % S])
+                    T.mbarrier_arrive(full[g % S])
+        with T.ws(0):
+            consumer(A_s, B_s, full, empty, C0, tc, Bias, C, Z, bid, 0, n_mine, nk)
+        with T.ws(1):
+            consumer(A_s, B_s, full, empty, C1, tc, Bias, C, Z, bid, 1, n_mine, nk)
+
     body = body_async if hand_sync else body_auto
-    # T.Pipelined adds its producer warpgroup itself; the async pipeline declares it.
+    # T.Pipelined adds its producer warpgroup itself; the async pipelines declare it.
     cta_threads = consumers + 128 if hand_sync else consumers
 
     @T.macro
     def launch(A, B, Bias, C, Z):
-        if batched:
+        if pingpong:
+            with T.Kernel(grid, threads=384) as bid:
+                body_pingpong(A, B, Bias, C, Z, bid)
+        elif batched:
             with T.Kernel(n_blocks, m_blocks, Bt, threads=cta_threads) as (bx, by, bz):
                 body(A, B, Bias, C, Z, bx, by, bz)
         else:
@@ -500,6 +612,7 @@ REPRESENTATIVE = [
     (matmul_kernel, _TN_BOTH, dict(layout="tn", n=4096, k=0, rows=4096, dtype="bfloat16", batched=False, bias=False, activation="none", save_preact=False)),
     (matmul_kernel, _HOPPER_NARROW, dict(layout="nn", n=128, k=64, rows=0, dtype="float16", batched=True, bias=False, activation="none", save_preact=False)),
     (matmul_kernel, DEFAULT_OVERRIDES[("sm_9", "nn", 0, 3072, 768)], dict(layout="nn", n=3072, k=768, rows=0, dtype="bfloat16", batched=False, bias=False, activation="none", save_preact=False)),
+    (matmul_kernel, _PP, dict(layout="nt", n=3072, k=768, rows=0, dtype="bfloat16", batched=False, bias=True, activation="gelu_tanh", save_preact=True)),
     (act_grad_kernel, ActGradConfig(), dict(n=4096, dtype="bfloat16", activation="gelu_tanh")),
     (act_grad_kernel, ActGradConfig(), dict(n=4096, dtype="bfloat16", activation="gelu_tanh", bias_grad=False)),
 ]

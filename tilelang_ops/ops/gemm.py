@@ -110,7 +110,8 @@ def _tune_default(shape, dtype):
 def _tune_space(shape, dtype):
     from ..kernels import gemm as K
 
-    return K.SEARCH_SPACE
+    sm = int(_default_arch()[3:5])  # "sm_90a" -> 90: Hopper-only schedules are left out elsewhere
+    return [c for c in K.SEARCH_SPACE if c.min_sm <= sm]
 
 
 def _bucket_name(shape) -> str:
