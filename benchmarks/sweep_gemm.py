@@ -108,20 +108,27 @@ def _selected(gname: str, groups) -> bool:
 
 
 def _pingpong_groups(gemm, lin):
-    """The persistent ping-pong pipeline (and one consumer warpgroup per CTA, two CTAs per SM: the
-    same overlap left to the SM's scheduler) against each shape's current default, over the
-    bench_gemm set and the MLP block's backward GEMMs. Groups "pp_*"."""
+    """The persistent ping-pong pipeline against each shape's current default, over the bench_gemm
+    set and the MLP block's backward GEMMs. Groups "pp_*": 128x128 and 128x192 tiles per consumer
+    warpgroup (and one consumer warpgroup per CTA, two CTAs per SM: the same overlap left to the
+    SM's scheduler; 0.63-0.95x the default everywhere, eleventh session); "pp2_*": 64x256 tiles
+    (m64n256 wgmmas read less shared memory per FLOP than 2 x m64n128) and wider panels."""
+    return {**_pp_groups("pp", gemm, lin, [_cfg(128, 128, 64, 6, pipe="pingpong"), _cfg(128, 128, 64, 7, pipe="pingpong"), _cfg(128, 192, 64, 5, pipe="pingpong"),
+                                          _cfg(128, 128, 64, 6, sw=16, pipe="pingpong"), _cfg(128, 128, 64, 3, th=128, mb=2, pipe="async")]),
+            **_pp_groups("pp2", gemm, lin, [_cfg(64, 256, 64, 5, pipe="pingpong"), _cfg(64, 256, 64, 5, sw=16, pipe="pingpong"),
+                                           _cfg(128, 192, 64, 5, sw=16, pipe="pingpong"), _cfg(128, 128, 64, 7, sw=16, pipe="pingpong")])}
+
+
+def _pp_groups(prefix, gemm, lin, pp):
     from tilelang_ops.ops import gemm as G
 
-    pp = [_cfg(128, 128, 64, 6, pipe="pingpong"), _cfg(128, 128, 64, 7, pipe="pingpong"), _cfg(128, 192, 64, 5, pipe="pingpong"),
-          _cfg(128, 128, 64, 6, sw=16, pipe="pingpong"), _cfg(128, 128, 64, 3, th=128, mb=2, pipe="async")]
     ms = [1024, 4096, 16384]
-    spec = {f"pp_nn_{n}_{k}": (dict(gemm, n=n, k=k), [("gemm", m) for m in ms]) for n, k in ((4096, 4096), (14336, 4096), (4096, 14336), (11008, 4096), (3072, 768))}
-    spec["pp_nn_8192_8192"] = (dict(gemm, n=8192, k=8192), [("gemm", 8192)])
-    spec["pp_nn_4096_14336"][1].append(("gemm", 8192))  # the MLP's dX of the down projection
-    spec.update({f"pp_lin_{n}_{k}": (dict(lin, n=n, k=k), [("linear", m) for m in ms]) for n, k in ((4096, 4096), (14336, 4096), (4096, 14336), (11008, 4096), (3072, 768))})
-    spec["pp_tn_4096x14336"] = (dict(gemm, layout="tn", rows=4096, n=14336, k=0), [("wgrad", 8192)])
-    spec["pp_tn_14336x4096"] = (dict(gemm, layout="tn", rows=14336, n=4096, k=0), [("wgrad", 8192)])
+    spec = {f"{prefix}_nn_{n}_{k}": (dict(gemm, n=n, k=k), [("gemm", m) for m in ms]) for n, k in ((4096, 4096), (14336, 4096), (4096, 14336), (11008, 4096), (3072, 768))}
+    spec[f"{prefix}_nn_8192_8192"] = (dict(gemm, n=8192, k=8192), [("gemm", 8192)])
+    spec[f"{prefix}_nn_4096_14336"][1].append(("gemm", 8192))  # the MLP's dX of the down projection
+    spec.update({f"{prefix}_lin_{n}_{k}": (dict(lin, n=n, k=k), [("linear", m) for m in ms]) for n, k in ((4096, 4096), (14336, 4096), (4096, 14336), (11008, 4096), (3072, 768))})
+    spec[f"{prefix}_tn_4096x14336"] = (dict(gemm, layout="tn", rows=4096, n=14336, k=0), [("wgrad", 8192)])
+    spec[f"{prefix}_tn_14336x4096"] = (dict(gemm, layout="tn", rows=14336, n=4096, k=0), [("wgrad", 8192)])
     out = {}
     for name, (static, shapes) in spec.items():
         defaults = [G.config_for(static["layout"], static["n"], static["k"], DT, ARCH, rows=static["rows"], m=m) for _, m in shapes]
