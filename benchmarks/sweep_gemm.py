@@ -116,11 +116,7 @@ def _pingpong_groups(gemm, lin):
     return {**_pp_groups("pp", gemm, lin, [_cfg(128, 128, 64, 6, pipe="pingpong"), _cfg(128, 128, 64, 7, pipe="pingpong"), _cfg(128, 192, 64, 5, pipe="pingpong"),
                                           _cfg(128, 128, 64, 6, sw=16, pipe="pingpong"), _cfg(128, 128, 64, 3, th=128, mb=2, pipe="async")]),
             **_pp_groups("pp2", gemm, lin, [_cfg(64, 256, 64, 5, pipe="pingpong"), _cfg(64, 256, 64, 5, sw=16, pipe="pingpong"),
-                                           _cfg(128, 192, 64, 5, sw=16, pipe="pingpong"), _cfg(128, 128, 64, 7, sw=16, pipe="pingpong")]),
-            # "pc_*": the cooperative persistent loop (both warpgroups on each tile, the next tile's
-            # loads under this tile's epilogue)
-            **_pp_groups("pc", gemm, lin, [_cfg(128, 256, 64, 4, pipe="persistent"), _cfg(128, 256, 64, 4, pol="FullRow", pipe="persistent"),
-                                          _cfg(128, 256, 64, 4, sw=16, pipe="persistent"), _cfg(256, 128, 64, 4, pipe="persistent")])}
+                                           _cfg(128, 192, 64, 5, sw=16, pipe="pingpong"), _cfg(128, 128, 64, 7, sw=16, pipe="pingpong")])}
 
 
 def _pp_groups(prefix, gemm, lin, pp):

@@ -296,11 +296,6 @@ ASYNC_CASES = [
     (dict(block_N=128, num_stages=7, swizzle=16, pipeline="pingpong"), dict(layout="nt", n=200, k=1000, bias=True, activation="relu"), [700, 5000]),
     (dict(block_N=128, num_stages=6, pipeline="pingpong", swizzle=0), dict(layout="tn", n=136, k=0, rows=200), [1, 1000]),
     (dict(block_N=128, num_stages=6, pipeline="pingpong"), dict(layout="nn", n=128, k=72, dtype="float16", batched=True), [17, 300, 2000]),
-    # persistent, both consumer warpgroups on each tile
-    (dict(num_stages=4, pipeline="persistent"), dict(layout="nn", n=3072, k=768), [1, 1000, 4097]),
-    (dict(num_stages=4, pipeline="persistent"), dict(layout="nt", n=200, k=1000, bias=True, activation="gelu_tanh", save_preact=True), [7, 700, 5000]),
-    (dict(num_stages=4, pipeline="persistent", swizzle=0), dict(layout="tn", n=136, k=0, rows=200), [1, 1000]),
-    (dict(block_M=256, block_N=128, num_stages=4, pipeline="persistent"), dict(layout="nn", n=128, k=72, dtype="float16", batched=True), [17, 2000]),
 ]
 
 

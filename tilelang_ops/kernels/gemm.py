@@ -52,9 +52,7 @@ class GemmConfig:
     # k-step's wgmma in flight while the next is issued, releasing a stage only after its wgmma
     # retired (sm_90 only; see `body_async` in `matmul_kernel`). "pingpong": async, persistent
     # (one CTA per SM walks the tiles), each consumer warpgroup a whole block_M x block_N tile of
-    # its own, so one warpgroup's epilogue overlaps the other's main loop. "persistent": async and
-    # persistent, both consumer warpgroups on one tile (as "auto"), the producer already loading
-    # the next tile while they run the epilogue (`body_persistent`).
+    # its own, so one warpgroup's epilogue overlaps the other's main loop (`body_pingpong`).
     pipeline: str = "auto"
 
     @property
@@ -261,7 +259,6 @@ def matmul_kernel(
 
     hand_sync = config.pipeline != "auto"
     pingpong = config.pipeline == "pingpong"
-    persistent = config.pipeline in ("pingpong", "persistent")
     consumers = config.threads
     if pingpong and consumers != 256:
         raise ValueError(f"pipeline 'pingpong' takes threads=256 (two consumer warpgroups), got {consumers}")
@@ -278,10 +275,10 @@ def matmul_kernel(
 
     # Async pipeline only: when its stages and a C tile do not both fit in the CTA's share of 227 KB
     # of shared memory, C leaves straight from registers. (The auto pipeline overlaps its C tile
-    # with the stages.) The persistent loops always store from registers: their stores overlap
-    # the other warpgroup's main loop or the next tile's loads, and the shared memory goes to stages.
+    # with the stages.) Ping-pong always stores from registers: its stores overlap the other
+    # warpgroup's main loop, and the shared memory goes to stages.
     smem_budget = 227 * 1024 // max(config.min_blocks, 1)
-    direct_store = persistent or (hand_sync and config.num_stages * (bm * bk + bk * bn) * 2 + bm * bn * 2 > smem_budget)  # 16-bit dtypes
+    direct_store = pingpong or (hand_sync and config.num_stages * (bm * bk + bk * bn) * 2 + bm * bn * 2 > smem_budget)  # 16-bit dtypes
 
     @T.macro
     def store(C_f, C_s, dst, reuse_after):
@@ -383,15 +380,13 @@ def matmul_kernel(
                 T.sync_threads(1, consumers)
             epilogue(C_f, C_s, Bias, C, Z, ix, bx, by)
 
-    # Persistent loops: PERSISTENT_CTAS CTAs (one per SM) walk the output tiles. The producer
-    # loads every tile's k-steps, in tile order, into one ring of S stages, so stage number
-    # g = i*nk + kk (the CTA's i-th tile) is known to both sides. Ping-pong: consumer warpgroup w
-    # computes the tiles i = w, w + 2, ... (each a whole bm x bn tile: 128 threads, bm*bn/128 fp32
-    # accumulators each); while one runs its epilogue (bias, activation, stores from registers),
-    # the other's k-steps keep the tensor cores busy, so the epilogue and the tile's pipeline fill
-    # no longer sit between two main loops (what bounds the non-persistent kernels at K=768).
-    # "persistent": both warpgroups on every tile, as in the auto pipeline, the producer running
-    # ahead into the next tile while they store this one.
+    # Persistent ping-pong: PERSISTENT_CTAS CTAs (one per SM) walk the output tiles. The producer
+    # loads every tile's k-steps, in tile order, into one ring of S stages; consumer warpgroup w
+    # computes the tiles i = w, w + 2, ... of its CTA (each a whole bm x bn tile: 128 threads,
+    # bm*bn/128 fp32 accumulators each), so stage number g = i*nk + kk is known to both sides.
+    # While one warpgroup runs its epilogue (bias, activation, stores from registers), the
+    # other's k-steps keep the tensor cores busy: the epilogue and the tile's pipeline fill no
+    # longer sit between two main loops (what bounds the non-persistent kernels at K=768).
     TURN = 2  # named barriers 2 and 3 (0: __syncthreads, 1: the async pipeline's consumers)
     m_tiles = m_blocks * n_blocks
     n_tiles = m_tiles * Bt if batched else m_tiles
@@ -416,37 +411,6 @@ def matmul_kernel(
             tc[1] = T.truncdiv(r, n_blocks)
 
     @T.macro
-    def mainloop(A_s, B_s, full, empty, C_f, i, nk):
-        """The CTA's i-th tile's k-steps: one wgmma batch left in flight, each stage released once
-        the batch that read it retired (the tile's last stage: `finish_tile`)."""
-        for kk in T.serial(nk):
-            g = i * nk + kk
-            T.mbarrier_wait_parity(full[g % S], (g // S) & 1)
-            T.wgmma_gemm(A_s[g % S, :, :], B_s[g % S, :, :], C_f, transpose_A=trans_a, transpose_B=trans_b, policy=policy)
-            T.wait_wgmma(1)
-            if kk > 0:
-                T.mbarrier_arrive(empty[(g + S - 1) % S])
-
-    @T.macro
-    def finish_tile(empty, C_f, tc, Bias, C, Z, i, nk):
-        T.wait_wgmma(0)
-        T.mbarrier_arrive(empty[(i * nk + nk - 1) % S])  # the tile's last stage
-        epilogue(C_f, None, Bias, C, Z, (tc[2],) if batched else (), tc[0], tc[1])
-
-    @T.macro
-    def producer(A, B, A_s, B_s, full, empty, tc, bid, n_mine, nk):
-        T.dec_max_nreg(PRODUCER_REGS)
-        for i in T.serial(n_mine):
-            set_tile(tc, bid + i * grid)
-            ix = (tc[2],) if batched else ()
-            for kk in T.serial(nk):
-                g = i * nk + kk
-                T.mbarrier_wait_parity(empty[g % S], ((g // S) & 1) ^ 1)
-                T.tma_copy(a_src(A, ix, tc[1], kk), A_s[g % S, :, :], barrier=full[g % S])
-                T.tma_copy(b_src(B, ix, tc[0], kk), B_s[g % S, :, :], barrier=full[g % S])
-                T.mbarrier_arrive(full[g % S])
-
-    @T.macro
     def consumer(A_s, B_s, full, empty, C_f, tc, Bias, C, Z, bid, w, n_mine, nk):
         # The two warpgroups take turns at the main loop (named barriers TURN + w: bar.sync on
         # one's own, bar.arrive on the other's once its k-steps are issued). Besides keeping one
@@ -464,41 +428,46 @@ def matmul_kernel(
             set_tile(tc, bid + i * grid)
             T.clear(C_f)
             T.sync_threads(TURN + w, 256)
-            mainloop(A_s, B_s, full, empty, C_f, i, nk)
+            for kk in T.serial(nk):
+                g = i * nk + kk
+                T.mbarrier_wait_parity(full[g % S], (g // S) & 1)
+                T.wgmma_gemm(A_s[g % S, :, :], B_s[g % S, :, :], C_f, transpose_A=trans_a, transpose_B=trans_b, policy=policy)
+                T.wait_wgmma(1)
+                if kk > 0:
+                    T.mbarrier_arrive(empty[(g + S - 1) % S])
             if i + 1 < n_mine:
                 T.named_barrier_arrive(TURN + 1 - w, 256)
-            finish_tile(empty, C_f, tc, Bias, C, Z, i, nk)
+            T.wait_wgmma(0)
+            T.mbarrier_arrive(empty[(i * nk + nk - 1) % S])  # the tile's last stage
+            epilogue(C_f, None, Bias, C, Z, (tc[2],) if batched else (), tc[0], tc[1])
 
     @T.macro
-    def body_persistent(A, B, Bias, C, Z, bid):
+    def body_pingpong(A, B, Bias, C, Z, bid):
         T.annotate_min_blocks_per_sm(1)
         A_s = T.alloc_shared((S,) + a_tile, dtype)
         B_s = T.alloc_shared((S,) + b_tile, dtype)
+        C0 = T.alloc_fragment((bm, bn), accum)  # warpgroup 0's tile
+        C1 = T.alloc_fragment((bm, bn), accum)  # warpgroup 1's
         tc = T.alloc_local((3,), "int32")  # the current tile's (bx, by, bz), per thread
         full = T.alloc_barrier([128] * S)
-        # ping-pong: one consumer warpgroup reads a stage; otherwise all of them
-        empty = T.alloc_barrier([128 if pingpong else consumers] * S)
+        empty = T.alloc_barrier([128] * S)  # one consumer warpgroup reads a stage
         nk = T.ceildiv(K, bk)
         n_mine = T.truncdiv(n_tiles - bid + grid - 1, grid)  # tiles bid, bid + grid, ...
-        with T.ws(len(cwg)):
-            producer(A, B, A_s, B_s, full, empty, tc, bid, n_mine, nk)
-        if pingpong:
-            C0 = T.alloc_fragment((bm, bn), accum)  # warpgroup 0's tile
-            C1 = T.alloc_fragment((bm, bn), accum)  # warpgroup 1's
-            with T.ws(0):
-                consumer(A_s, B_s, full, empty, C0, tc, Bias, C, Z, bid, 0, n_mine, nk)
-            with T.ws(1):
-                consumer(A_s, B_s, full, empty, C1, tc, Bias, C, Z, bid, 1, n_mine, nk)
-        else:
-            # Both warpgroups consume every stage in order, so neither can run a lap ahead.
-            C_f = T.alloc_fragment((bm, bn), accum)
-            with T.ws(*cwg):
-                T.inc_max_nreg(warpgroup_regs(consumers))
-                for i in T.serial(n_mine):
-                    set_tile(tc, bid + i * grid)
-                    T.clear(C_f)
-                    mainloop(A_s, B_s, full, empty, C_f, i, nk)
-                    finish_tile(empty, C_f, tc, Bias, C, Z, i, nk)
+        with T.ws(2):
+            T.dec_max_nreg(PRODUCER_REGS)
+            for i in T.serial(n_mine):
+                set_tile(tc, bid + i * grid)
+                ix = (tc[2],) if batched else ()
+                for kk in T.serial(nk):
+                    g = i * nk + kk
+                    T.mbarrier_wait_parity(empty[g % S], ((g // S) & 1) ^ 1)
+                    T.tma_copy(a_src(A, ix, tc[1], kk), A_s[g % S, :, :], barrier=full[g % S])
+                    T.tma_copy(b_src(B, ix, tc[0], kk), B_s[g % S, :, :], barrier=full[g % S])
+                    T.mbarrier_arrive(full[g % S])
+        with T.ws(0):
+            consumer(A_s, B_s, full, empty, C0, tc, Bias, C, Z, bid, 0, n_mine, nk)
+        with T.ws(1):
+            consumer(A_s, B_s, full, empty, C1, tc, Bias, C, Z, bid, 1, n_mine, nk)
 
     body = body_async if hand_sync else body_auto
     # T.Pipelined adds its producer warpgroup itself; the async pipelines declare it.
@@ -506,9 +475,9 @@ def matmul_kernel(
 
     @T.macro
     def launch(A, B, Bias, C, Z):
-        if persistent:
-            with T.Kernel(grid, threads=cta_threads) as bid:
-                body_persistent(A, B, Bias, C, Z, bid)
+        if pingpong:
+            with T.Kernel(grid, threads=384) as bid:
+                body_pingpong(A, B, Bias, C, Z, bid)
         elif batched:
             with T.Kernel(n_blocks, m_blocks, Bt, threads=cta_threads) as (bx, by, bz):
                 body(A, B, Bias, C, Z, bx, by, bz)
