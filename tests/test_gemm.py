@@ -469,6 +469,14 @@ def test_config_table_and_search_space():
 
 
 
+def test_tune_space_leaves_out_newer_schedules(monkeypatch):
+    """`tileops tune` on an Ampere GPU must not try the Hopper-only (wgmma/TMA/setmaxnreg) schedules."""
+    for arch, want_pingpong in (("sm_80", False), ("sm_90a", True), ("sm_100a", True)):
+        monkeypatch.setattr(G, "_default_arch", lambda arch=arch: arch)
+        space = G._tune_space(None, None)
+        assert space and any(c.pipeline == "pingpong" for c in space) == want_pingpong, arch
+
+
 def test_m_buckets_select_configs(monkeypatch):
     """The symbolic token count picks one of three buckets; each resolves (and caches) its own
     kernel; DEFAULT_OVERRIDES and set_config(bucket=) apply per bucket; tuning keys name it.

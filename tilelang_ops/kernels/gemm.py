@@ -17,6 +17,12 @@ columns are zero-filled, so ragged tiles need no guards in the main loop) and T.
 and warp-specializes the loop: `threads` counts consumer threads only; a 128-thread producer
 warpgroup is added. TMA needs every row stride to be a multiple of 16 bytes: the op layer pads
 K and N to multiples of 8 elements before calling these kernels.
+
+Three Hopper main loops (`GemmConfig.pipeline`): "auto" (that T.Pipelined loop), "async" (our own
+producer/consumer mbarrier ring, one wgmma batch in flight) and "pingpong" (the async ring made
+persistent: one CTA per SM walks the tiles, each consumer warpgroup computes its own tiles and
+the two take turns at the main loop, so one's epilogue runs under the other's k-steps). Which
+one serves a shape is measured: DEFAULT_OVERRIDES.
 """
 # No `from __future__ import annotations`: TileLang evaluates the T.Tensor annotations below
 # against the closure, and string annotations would not see shapes used only there.

@@ -110,8 +110,8 @@ def _tune_default(shape, dtype):
 def _tune_space(shape, dtype):
     from ..kernels import gemm as K
 
-    sm = int(_default_arch()[3:5])  # "sm_90a" -> 90: Hopper-only schedules are left out elsewhere
-    return [c for c in K.SEARCH_SPACE if c.min_sm <= sm]
+    sm = int("".join(ch for ch in _default_arch()[3:] if ch.isdigit()))  # "sm_90a" -> 90
+    return [c for c in K.SEARCH_SPACE if c.min_sm <= sm]  # Hopper-only schedules left out elsewhere
 
 
 def _bucket_name(shape) -> str:
