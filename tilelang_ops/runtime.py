@@ -14,6 +14,7 @@ from typing import Any, Callable
 _LOCK = threading.Lock()
 _COMPILED: dict[tuple, Any] = {}
 _ARCH_BY_DEVICE: dict[int, str] = {}
+_SMS_BY_DEVICE: dict[int, int] = {}
 
 
 def _tilelang():
@@ -37,6 +38,18 @@ def arch_for_device(device) -> str:
     if arch is None:
         arch = _ARCH_BY_DEVICE[index] = arch_for_capability(*torch.cuda.get_device_capability(index))
     return arch
+
+
+def sm_count(device) -> int:
+    """Streaming multiprocessors of a CUDA device (index or torch.device), cached per index: the
+    grid of the persistent GEMM."""
+    import torch
+
+    index = device if isinstance(device, int) else (device.index if device.index is not None else torch.cuda.current_device())
+    n = _SMS_BY_DEVICE.get(index)
+    if n is None:
+        n = _SMS_BY_DEVICE[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return n
 
 
 # Hopper warp specialization: a 128-thread TMA producer warpgroup beside the consumers.

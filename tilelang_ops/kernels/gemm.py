@@ -35,7 +35,7 @@ import tilelang.language as T
 from ..runtime import PRODUCER_REGS, kernel, warpgroup_regs
 
 DTYPES = ("float16", "bfloat16")
-PERSISTENT_CTAS = 132  # the "pingpong" grid: one CTA per SM of an H100 SXM / H200
+PERSISTENT_CTAS = 132  # the "pingpong" grid by default: one CTA per SM of an H100 SXM / H200 (`ctas`)
 ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu")
 LAYOUTS = ("nn", "nt", "tn")
 
@@ -225,8 +225,12 @@ def matmul_kernel(
     bias: bool = False,
     activation: str = "none",
     save_preact: bool = False,
+    ctas: int = PERSISTENT_CTAS,
 ):
     """C = act(op(A) @ op(B) + bias), fp32 accumulation, output in `dtype`.
+
+    ctas: the "pingpong" pipeline's grid, one CTA per SM (the op passes the device's SM count
+    when it is not PERSISTENT_CTAS; other pipelines ignore it).
 
     Static: n (C columns), k (reduction for "nn"/"nt"), rows (C rows, "tn" only). Symbolic: M
     (C rows for "nn"/"nt"), K (reduction for "tn"), batch. Arguments in order:
@@ -396,7 +400,7 @@ def matmul_kernel(
     TURN = 2  # named barriers 2 and 3 (0: __syncthreads, 1: the async pipeline's consumers)
     m_tiles = m_blocks * n_blocks
     n_tiles = m_tiles * Bt if batched else m_tiles
-    grid = T.min(n_tiles, PERSISTENT_CTAS)
+    grid = T.min(n_tiles, ctas)
 
     @T.macro
     def set_tile(tc, t):

@@ -159,6 +159,8 @@ def _matmul_kernel(device, layout, n, k, dtype, rows=0, batched=False, bias=Fals
             shape = (layout, rows, n, rep) if layout == "tn" else (layout, rep, n, k)
             cfg = tuning.resolve_config(TUNABLE, shape, dtype, device)
         static = dict(layout=layout, n=n, k=k, rows=rows, dtype=TL_DTYPE[dtype], batched=batched, bias=bias, activation=activation, save_preact=save_preact)
+        if cfg.pipeline == "pingpong" and runtime.sm_count(device) != K.PERSISTENT_CTAS:
+            static["ctas"] = runtime.sm_count(device)  # one CTA per SM: a wider grid would run in two waves
         hit = _kernels[key] = (runtime.launcher(K.matmul_kernel.compile(cfg, arch, **static)), ("matmul", cfg, static))
     _last["matmul"] = hit[1]
     return hit[0]
