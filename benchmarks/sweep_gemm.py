@@ -65,6 +65,7 @@ def candidates():
     asy_two = [_cfg(128, 128, 64, 2, mb=2, pipe="async"), _cfg(128, 128, 32, 4, mb=2, pipe="async")]
     return {
         **_pingpong_groups(gemm, lin),
+        **_gpt_groups(gemm, lin, nt_plain),
         "async_nn_8192_8192": (dict(gemm, n=8192, k=8192), [C0] + asy, [("gemm", 8192)]),
         "async_nn_4096_4096": (dict(gemm, n=4096, k=4096), [C0, _cfg(128, 256, 64, 4)] + asy + asy_two, [("gemm", 1024), ("gemm", 4096), ("gemm", 16384)]),
         "async_nn_3072_768": (dict(gemm, n=3072, k=768), [C0, _cfg(128, 128, 32, 4, mb=2)] + asy + asy_two, [("gemm", 1024), ("gemm", 4096), ("gemm", 16384)]),
@@ -117,6 +118,28 @@ def _pingpong_groups(gemm, lin):
                                           _cfg(128, 128, 64, 6, sw=16, pipe="pingpong"), _cfg(128, 128, 64, 3, th=128, mb=2, pipe="async")]),
             **_pp_groups("pp2", gemm, lin, [_cfg(64, 256, 64, 5, pipe="pingpong"), _cfg(64, 256, 64, 5, sw=16, pipe="pingpong"),
                                            _cfg(128, 192, 64, 5, sw=16, pipe="pingpong"), _cfg(128, 128, 64, 7, sw=16, pipe="pingpong")])}
+
+
+def _gpt_groups(gemm, lin, nt_plain):
+    """examples/train_gpt.py's GEMMs (GPT-2 small: d=768, 16 x 1024 tokens), forward and backward,
+    so one sweep tells whether its other Linears (qkv, proj, MLP down; still nn.Linear) would gain
+    from ours. Groups "gpt_*"; the forward rows of qkv/proj/down are timed without their bias."""
+    from tilelang_ops.ops import gemm as G
+
+    cands = [_cfg(128, 256, 64, 3), _cfg(128, 256, 64, 4), _cfg(128, 128, 64, 4), _cfg(128, 128, 64, 6, pipe="pingpong"),
+             _cfg(128, 128, 64, 7, sw=16, pipe="pingpong"), _cfg(128, 192, 64, 5, pipe="pingpong")]
+    m = 16384
+    spec = {}
+    for name, out_f, in_f in (("qkv", 2304, 768), ("proj", 768, 768), ("up", 3072, 768), ("down", 768, 3072)):
+        fwd = dict(lin, n=out_f, k=in_f) if name == "up" else dict(nt_plain, n=out_f, k=in_f)
+        spec[f"gpt_{name}_fwd"] = (fwd, [("linear" if name == "up" else "linear_noepi", m)])
+        spec[f"gpt_{name}_dx"] = (dict(gemm, n=in_f, k=out_f), [("gemm", m)])  # dX = dY @ W
+        spec[f"gpt_{name}_dw"] = (dict(gemm, layout="tn", rows=out_f, n=in_f, k=0), [("wgrad", m)])  # dW = dYᵀ X
+    out = {}
+    for gname, (static, shapes) in spec.items():
+        defaults = [G.config_for(static["layout"], static["n"], static["k"], DT, ARCH, rows=static["rows"], m=mm) for _, mm in shapes]
+        out[gname] = (static, list(dict.fromkeys(defaults + cands)), shapes)
+    return out
 
 
 def _pp_groups(prefix, gemm, lin, pp):
