@@ -105,8 +105,8 @@ DEFAULT_OVERRIDES: dict[tuple, GemmConfig] = {
     # the other's main loop. "pingpong": persistent, each consumer warpgroup its own tile, the
     # epilogue of one overlapping the main loop of the other — wins where the epilogue (bias +
     # gelu_tanh, or K=768's short main loops) weighs; loses at M=1024 (about one tile per
-    # warpgroup: the turns serialize) and at deep K without an epilogue (128x128 tiles read more
-    # shared memory per FLOP than the auto pipeline's 128x256). Eleventh session: `session11/call1`.
+    # warpgroup: the turns serialize) and at deep K without an epilogue (not explained: see
+    # docs/benchmarks.md). Eleventh session: `session11/call1` and `call3`.
     # 1024x3072x768: 490-495 TFLOP/s in two sweeps vs 439-444 for the former two-CTA override (1.11x);
     # 0.96x cuBLAS in bench_gemm's interleaved GPU time (cuBLAS moves 403-516 between runs here) (sixth session)
     ("sm_9", "nn", 0, 3072, 768): GemmConfig(128, 192, 64, 4, 256, 8, "Square", 0, "async"),
