@@ -29,4 +29,10 @@ if ((${#tests[@]})); then
   echo "pytest ${tests[*]}: rc=$rc  $(tail -1 "$OUT/pytest.log")"
 fi
 grep -E "FAILED|Error" "$OUT/pytest.log" 2>/dev/null | head -30
+# Kernels compiled here cost device time (the tma softmax kernels ~20-80 s of nvcc each): say so,
+# so the next call carries them (warm on the CPU machine: benchmarks/warm_all.sh, pack_cache.sh).
+for log in "$OUT"/*.log; do
+  n=$(grep -c "begins to compile" "$log" 2>/dev/null); n=${n:-0}
+  ((n)) && echo "NOTE: $(basename "$log"): $n kernels compiled on this host (not in the carried cache)"
+done
 exit $status
