@@ -124,8 +124,6 @@ def _gpt_groups(gemm, lin, nt_plain):
     """examples/train_gpt.py's GEMMs (GPT-2 small: d=768, 16 x 1024 tokens), forward and backward,
     so one sweep tells whether its other Linears (qkv, proj, MLP down; still nn.Linear) would gain
     from ours. Groups "gpt_*"; the forward rows of qkv/proj/down are timed without their bias."""
-    from tilelang_ops.ops import gemm as G
-
     cands = [_cfg(128, 256, 64, 3), _cfg(128, 256, 64, 4), _cfg(128, 128, 64, 4), _cfg(128, 128, 64, 6, pipe="pingpong"),
              _cfg(128, 128, 64, 7, sw=16, pipe="pingpong"), _cfg(128, 192, 64, 5, pipe="pingpong")]
     m = 16384
@@ -135,16 +133,10 @@ def _gpt_groups(gemm, lin, nt_plain):
         spec[f"gpt_{name}_fwd"] = (fwd, [("linear" if name == "up" else "linear_noepi", m)])
         spec[f"gpt_{name}_dx"] = (dict(gemm, n=in_f, k=out_f), [("gemm", m)])  # dX = dY @ W
         spec[f"gpt_{name}_dw"] = (dict(gemm, layout="tn", rows=out_f, n=in_f, k=0), [("wgrad", m)])  # dW = dYᵀ X
-    out = {}
-    for gname, (static, shapes) in spec.items():
-        defaults = [G.config_for(static["layout"], static["n"], static["k"], DT, ARCH, rows=static["rows"], m=mm) for _, mm in shapes]
-        out[gname] = (static, list(dict.fromkeys(defaults + cands)), shapes)
-    return out
+    return _beside_defaults(spec, cands)
 
 
 def _pp_groups(prefix, gemm, lin, pp):
-    from tilelang_ops.ops import gemm as G
-
     ms = [1024, 4096, 16384]
     spec = {f"{prefix}_nn_{n}_{k}": (dict(gemm, n=n, k=k), [("gemm", m) for m in ms]) for n, k in ((4096, 4096), (14336, 4096), (4096, 14336), (11008, 4096), (3072, 768))}
     spec[f"{prefix}_nn_8192_8192"] = (dict(gemm, n=8192, k=8192), [("gemm", 8192)])
@@ -152,10 +144,18 @@ def _pp_groups(prefix, gemm, lin, pp):
     spec.update({f"{prefix}_lin_{n}_{k}": (dict(lin, n=n, k=k), [("linear", m) for m in ms]) for n, k in ((4096, 4096), (14336, 4096), (4096, 14336), (11008, 4096), (3072, 768))})
     spec[f"{prefix}_tn_4096x14336"] = (dict(gemm, layout="tn", rows=4096, n=14336, k=0), [("wgrad", 8192)])
     spec[f"{prefix}_tn_14336x4096"] = (dict(gemm, layout="tn", rows=14336, n=4096, k=0), [("wgrad", 8192)])
+    return _beside_defaults(spec, pp)
+
+
+def _beside_defaults(spec, cands):
+    """{group: (static, shapes)} -> {group: (static, configs, shapes)}: each shape's current
+    default (what the op runs for its M bucket) first, then the candidates, each once."""
+    from tilelang_ops.ops import gemm as G
+
     out = {}
     for name, (static, shapes) in spec.items():
         defaults = [G.config_for(static["layout"], static["n"], static["k"], DT, ARCH, rows=static["rows"], m=m) for _, m in shapes]
-        out[name] = (static, list(dict.fromkeys(defaults + pp)), shapes)
+        out[name] = (static, list(dict.fromkeys(defaults + cands)), shapes)
     return out
 
 

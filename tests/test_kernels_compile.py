@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from tilelang_ops.ops import all_kernels
-from tilelang_ops.runtime import config_str
+from tilelang_ops.runtime import config_str, sm_of
 
 KERNELS = all_kernels()
 
@@ -15,7 +15,7 @@ KERNELS = all_kernels()
 def test_kernel_compiles(entry, arch):
     kdef, config, static = entry
     need = kdef.min_sm_for(config)
-    if int(arch[3:5]) < need:
+    if sm_of(arch) < need:
         pytest.skip(f"{kdef.name} {config_str(config)} needs sm_{need}+ (clusters or a Hopper-only schedule)")
     src = kdef.source(config, arch, **static)
     assert "__global__" in src

@@ -29,25 +29,41 @@ def arch_for_capability(major: int, minor: int) -> str:
     return f"sm_{major}{minor}" + ("a" if major == 9 else "")
 
 
-def arch_for_device(device) -> str:
-    """Arch of a CUDA device (index or torch.device), cached per device index."""
+def _device_index(device) -> int:
+    """CUDA device index of an index or torch.device (no index: the current device)."""
+    if isinstance(device, int):
+        return device
+    if device.index is not None:
+        return device.index
     import torch
 
-    index = device if isinstance(device, int) else (device.index if device.index is not None else torch.cuda.current_device())
+    return torch.cuda.current_device()
+
+
+def arch_for_device(device) -> str:
+    """Arch of a CUDA device (index or torch.device), cached per device index."""
+    index = _device_index(device)
     arch = _ARCH_BY_DEVICE.get(index)
     if arch is None:
+        import torch
+
         arch = _ARCH_BY_DEVICE[index] = arch_for_capability(*torch.cuda.get_device_capability(index))
     return arch
+
+
+def sm_of(arch: str) -> int:
+    """The SM number of an arch string: "sm_90a" -> 90, "sm_100a" -> 100."""
+    return int("".join(ch for ch in arch[3:] if ch.isdigit()))
 
 
 def sm_count(device) -> int:
     """Streaming multiprocessors of a CUDA device (index or torch.device), cached per index: the
     grid of the persistent GEMM."""
-    import torch
-
-    index = device if isinstance(device, int) else (device.index if device.index is not None else torch.cuda.current_device())
+    index = _device_index(device)
     n = _SMS_BY_DEVICE.get(index)
     if n is None:
+        import torch
+
         n = _SMS_BY_DEVICE[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return n
 

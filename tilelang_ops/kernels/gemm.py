@@ -345,6 +345,41 @@ def matmul_kernel(
 
     S = config.num_stages
     cwg = tuple(range(consumers // 128))  # consumer warpgroups; the producer is the next one
+
+    # The async pipelines' two loops over one tile's k-steps. Stage number g = g0 + kk runs on
+    # across the tiles of a persistent CTA (g0: the tile's first; None: 0, a single tile) and
+    # picks the ring slot g % S and the phase parity (g // S) & 1. (Expressions, not names bound
+    # in the macros: binding the loop variable to a new name would rename it in the generated
+    # code, and with it every kernel's cache key.)
+    def stage(g0, kk):
+        return kk if g0 is None else g0 + kk
+
+    def slot(g0, kk):
+        return stage(g0, kk) % S
+
+    def parity(g0, kk):
+        return (stage(g0, kk) // S) & 1
+
+    @T.macro
+    def load_k_steps(A, B, A_s, B_s, full, empty, ix, xy, g0, nk):
+        # xy: the tile's (bx, by), indexed where used (a buffer stays a load in place, not a copy)
+        for kk in T.serial(nk):
+            T.mbarrier_wait_parity(empty[slot(g0, kk)], parity(g0, kk) ^ 1)
+            T.tma_copy(a_src(A, ix, xy[1], kk), A_s[slot(g0, kk), :, :], barrier=full[slot(g0, kk)])
+            T.tma_copy(b_src(B, ix, xy[0], kk), B_s[slot(g0, kk), :, :], barrier=full[slot(g0, kk)])
+            T.mbarrier_arrive(full[slot(g0, kk)])
+
+    @T.macro
+    def mma_k_steps(A_s, B_s, full, empty, C_f, g0, nk):
+        # k-step kk-1's stage is released once its wgmma batch retired (see body_async); the
+        # tile's last stage is the caller's to release.
+        for kk in T.serial(nk):
+            T.mbarrier_wait_parity(full[slot(g0, kk)], parity(g0, kk))
+            T.wgmma_gemm(A_s[slot(g0, kk), :, :], B_s[slot(g0, kk), :, :], C_f, transpose_A=trans_a, transpose_B=trans_b, policy=policy)
+            T.wait_wgmma(1)
+            if kk > 0:
+                T.mbarrier_arrive(empty[(stage(g0, kk) + S - 1) % S])
+
     @T.macro
     def body_async(A, B, Bias, C, Z, bx, by, bz):
         # CUTLASS-style warp specialization with explicit mbarriers: full[s] completes when the
@@ -367,22 +402,11 @@ def matmul_kernel(
         # the consumers' registers: it spills under setmaxnreg.dec).
         with T.ws(len(cwg)):
             T.dec_max_nreg(PRODUCER_REGS)
-            for kk in T.serial(nk):
-                s = kk % S
-                T.mbarrier_wait_parity(empty[s], ((kk // S) & 1) ^ 1)
-                T.tma_copy(a_src(A, ix, by, kk), A_s[s, :, :], barrier=full[s])
-                T.tma_copy(b_src(B, ix, bx, kk), B_s[s, :, :], barrier=full[s])
-                T.mbarrier_arrive(full[s])
+            load_k_steps(A, B, A_s, B_s, full, empty, ix, (bx, by), None, nk)
         with T.ws(*cwg):
             T.inc_max_nreg(warpgroup_regs(consumers, max(config.min_blocks, 1)))
             T.clear(C_f)
-            for kk in T.serial(nk):
-                s = kk % S
-                T.mbarrier_wait_parity(full[s], (kk // S) & 1)
-                T.wgmma_gemm(A_s[s, :, :], B_s[s, :, :], C_f, transpose_A=trans_a, transpose_B=trans_b, policy=policy)
-                T.wait_wgmma(1)
-                if kk > 0:
-                    T.mbarrier_arrive(empty[(kk + S - 1) % S])
+            mma_k_steps(A_s, B_s, full, empty, C_f, None, nk)
             T.wait_wgmma(0)
             if not direct_store:
                 # If the shared-memory planner ever lets C_s overlap the stages, the other
@@ -438,13 +462,7 @@ def matmul_kernel(
             set_tile(tc, bid + i * grid)
             T.clear(C_f)
             T.sync_threads(TURN + w, 256)
-            for kk in T.serial(nk):
-                g = i * nk + kk
-                T.mbarrier_wait_parity(full[g % S], (g // S) & 1)
-                T.wgmma_gemm(A_s[g % S, :, :], B_s[g % S, :, :], C_f, transpose_A=trans_a, transpose_B=trans_b, policy=policy)
-                T.wait_wgmma(1)
-                if kk > 0:
-                    T.mbarrier_arrive(empty[(g + S - 1) % S])
+            mma_k_steps(A_s, B_s, full, empty, C_f, i * nk, nk)
             if i + 1 < n_mine:
                 T.named_barrier_arrive(TURN + 1 - w, 256)
             T.wait_wgmma(0)
@@ -467,13 +485,7 @@ def matmul_kernel(
             T.dec_max_nreg(PRODUCER_REGS)
             for i in T.serial(n_mine):
                 set_tile(tc, bid + i * grid)
-                ix = (tc[2],) if batched else ()
-                for kk in T.serial(nk):
-                    g = i * nk + kk
-                    T.mbarrier_wait_parity(empty[g % S], ((g // S) & 1) ^ 1)
-                    T.tma_copy(a_src(A, ix, tc[1], kk), A_s[g % S, :, :], barrier=full[g % S])
-                    T.tma_copy(b_src(B, ix, tc[0], kk), B_s[g % S, :, :], barrier=full[g % S])
-                    T.mbarrier_arrive(full[g % S])
+                load_k_steps(A, B, A_s, B_s, full, empty, (tc[2],) if batched else (), tc, i * nk, nk)
         with T.ws(0):
             consumer(A_s, B_s, full, empty, C0, tc, Bias, C, Z, bid, 0, n_mine, nk)
         with T.ws(1):

@@ -110,8 +110,8 @@ def _tune_default(shape, dtype):
 def _tune_space(shape, dtype):
     from ..kernels import gemm as K
 
-    sm = int("".join(ch for ch in _default_arch()[3:] if ch.isdigit()))  # "sm_90a" -> 90
-    return [c for c in K.SEARCH_SPACE if c.min_sm <= sm]  # Hopper-only schedules left out elsewhere
+    sm = runtime.sm_of(_default_arch())
+    return [c for c in K.SEARCH_SPACE if K.matmul_kernel.min_sm_for(c) <= sm]  # Hopper-only schedules left out elsewhere
 
 
 def _bucket_name(shape) -> str:
@@ -159,8 +159,9 @@ def _matmul_kernel(device, layout, n, k, dtype, rows=0, batched=False, bias=Fals
             shape = (layout, rows, n, rep) if layout == "tn" else (layout, rep, n, k)
             cfg = tuning.resolve_config(TUNABLE, shape, dtype, device)
         static = dict(layout=layout, n=n, k=k, rows=rows, dtype=TL_DTYPE[dtype], batched=batched, bias=bias, activation=activation, save_preact=save_preact)
-        if cfg.pipeline == "pingpong" and runtime.sm_count(device) != K.PERSISTENT_CTAS:
-            static["ctas"] = runtime.sm_count(device)  # one CTA per SM: a wider grid would run in two waves
+        sms = runtime.sm_count(device) if cfg.pipeline == "pingpong" else K.PERSISTENT_CTAS
+        if sms != K.PERSISTENT_CTAS:
+            static["ctas"] = sms  # one CTA per SM: a wider grid would run in two waves
         hit = _kernels[key] = (runtime.launcher(K.matmul_kernel.compile(cfg, arch, **static)), ("matmul", cfg, static))
     _last["matmul"] = hit[1]
     return hit[0]
