@@ -1,12 +1,13 @@
-"""Attention forward configs side by side: the default and candidates (e.g. the async pipeline), per
+"""Attention configs side by side: the default and candidates (e.g. the async pipelines), per
 shape of the benchmark set, timed in turns in one process. Each candidate's output is checked
-against the default's first (max abs difference and LSE difference printed), so a fast but wrong
-kernel shows.
+against the default's first (max abs difference printed: out and LSE, or dq/dk/dv), so a fast but
+wrong kernel shows.
 
-    python -m benchmarks.sweep_attention --warm      # CPU machine: compile every candidate (sm_90a)
-    python -m benchmarks.sweep_attention             # H200: TFLOP/s table, JSON under $OUT
+    python -m benchmarks.sweep_attention --warm [--bwd]  # CPU machine: compile every candidate (sm_90a)
+    python -m benchmarks.sweep_attention [--bwd]         # H200: TFLOP/s table, JSON under $OUT
 
-Forward FLOPs = 4 * B * H * S^2 * D, halved when causal (as bench_attention).
+Forward FLOPs = 4 * B * H * S^2 * D, halved when causal; backward 2.5x that (as bench_attention).
+--bwd times the backward as the op runs it (`flash_bwd_fused`: preprocess, main kernel, dQ cast).
 """
 from __future__ import annotations
 
@@ -30,7 +31,19 @@ def candidates(headdim: int):
     return []
 
 
-def jobs():
+def bwd_candidates(headdim: int):
+    """BwdConfigs to time beside the default backward (the async pipeline at D=64/128): TileLang's
+    T.Pipelined kernel at its former defaults, and the async pipeline's other tiles."""
+    from tilelang_ops.kernels.attention import BwdConfig
+
+    if headdim == 128:
+        return [BwdConfig(128, 64, 2, 256), BwdConfig(128, 64, 3, 256, pipeline="async")]
+    if headdim == 64:
+        return [BwdConfig(128, 128, 1, 256), BwdConfig(128, 64, 2, 256, pipeline="async")]
+    return []
+
+
+def jobs(bwd: bool = False):
     """(config, static) of every kernel the sweep runs: default and candidates, causal and not."""
     from tilelang_ops.kernels import attention as K
 
@@ -38,24 +51,74 @@ def jobs():
     for B, H, HK, S, D in SHAPES:
         for causal in (False, True):
             static = dict(headdim=D, dtype="bfloat16", causal=causal, groups=H // HK, scale=K.default_scale(D))
-            for cfg in [K.fwd_default_config(D, causal)] + candidates(D):
+            if bwd:
+                cfgs = [K.bwd_default_config(D, causal)] + bwd_candidates(D)
+            else:
+                cfgs = [K.fwd_default_config(D, causal)] + candidates(D)
+            for cfg in cfgs:
                 if (cfg, static) not in [(c, s) for c, s in out]:
                     out.append((cfg, static))
     return out
 
 
-def warm() -> int:
+def warm(bwd: bool = False) -> int:
     from tilelang_ops.kernels import attention as K
 
     failed = 0
-    for cfg, static in jobs():
+    for cfg, static in jobs(bwd):
         try:
-            K.flash_fwd_kernel.compile(cfg, "sm_90a", **static)
+            (K.flash_bwd_fused_kernel if bwd else K.flash_fwd_kernel).compile(cfg, "sm_90a", **static)
             print("ok", cfg, static["headdim"], static["causal"], static["groups"])
         except Exception as e:  # a candidate may not fit; report and go on
             failed += 1
             print("FAILED", cfg, static, type(e).__name__, str(e).splitlines()[0][:200])
     return failed
+
+
+def main_bwd() -> None:
+    import torch
+
+    from tilelang_ops import runtime
+    from tilelang_ops.kernels import attention as K
+
+    from ._timing import bench, interleaved, table, write_json
+
+    arch = runtime.arch_for_device(torch.device("cuda", torch.cuda.current_device()))
+    rows = []
+    for B, H, HK, S, D in SHAPES:
+        for causal in (False, True):
+            static = dict(headdim=D, dtype="bfloat16", causal=causal, groups=H // HK, scale=K.default_scale(D))
+            shape = f"{B}x{H}/{HK}x{S}x{D}"
+            q = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16)
+            k, v = (torch.randn(B, S, HK, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            out, lse = torch.ops.tileops.flash_attn_with_lse(q, k, v, causal)
+            dout = torch.randn_like(out)
+            sqp = (S + 3) // 4 * 4
+            delta, lse2 = (torch.empty(B, H, sqp, device="cuda") for _ in range(2))
+            dq_acc = torch.empty(B, S, H, D, device="cuda")
+            fns, names, checks, ref = [], [], [], None
+            for cfg in [K.bwd_default_config(D, causal, arch)] + bwd_candidates(D):
+                grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+                try:
+                    kern = runtime.launcher(K.flash_bwd_fused_kernel.compile(cfg, arch, **static))
+                    run = lambda kern=kern, g=grads: kern(q, k, v, out, dout, lse, delta, lse2, dq_acc, *g)
+                    run()
+                    torch.cuda.synchronize()
+                except Exception as e:
+                    rows.append(dict(shape=shape, causal=causal, config=str(cfg), error=str(e).splitlines()[0][:80]))
+                    continue
+                ref = ref or [g.float() for g in grads]
+                checks.append(max((g.float() - r).abs().max().item() for g, r in zip(grads, ref)))
+                fns.append(run)
+                names.append(cfg)
+            flops = 2.5 * 4.0 * B * H * S * S * D / (2 if causal else 1)
+            times = interleaved(lambda f: bench(f, warmup=5, rep=30), fns)
+            for cfg, t, err in zip(names, times, checks):
+                rows.append(dict(shape=shape, causal=causal, config=f"{cfg.block_m}x{cfg.block_n}/{cfg.num_stages}/{cfg.threads}/{cfg.pipeline}",
+                                 ms=t, tflops=flops / t / 1e9, vs_default=times[0] / t, max_abs_diff=err))
+            print(f"done bwd {shape} causal={causal}", flush=True)
+    write_json("sweep_attention_bwd", rows)
+    print(table(rows, ["shape", "causal", "config", "ms", "tflops", "vs_default", "max_abs_diff", "error"]))
 
 
 def main() -> None:
@@ -110,7 +173,8 @@ def main() -> None:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--warm", action="store_true", help="compile every candidate for sm_90a (no GPU needed)")
+    ap.add_argument("--bwd", action="store_true", help="the backward's configs instead of the forward's")
     args = ap.parse_args()
     if args.warm:
-        sys.exit(1 if warm() else 0)
-    main()
+        sys.exit(1 if warm(args.bwd) else 0)
+    main_bwd() if args.bwd else main()

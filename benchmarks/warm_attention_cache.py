@@ -67,6 +67,12 @@ def _jobs(quick: bool) -> list[tuple]:
         job = ("fwd", st["headdim"], st["dtype"], st["causal"], st["groups"], st["scale"], cfg)
         if job not in jobs:
             jobs.append(job)
+    # the same for the backward: the async-backward GPU tests, sweep_attention --bwd
+    extra = [] if quick else __import__("tests.test_attention", fromlist=["async_bwd_kernels"]).async_bwd_kernels()
+    for kind, cfg, st in extra + [("bwd_fused", c, s) for c, s in sweep_jobs(bwd=True)]:
+        job = (kind, st["headdim"], st["dtype"], st["causal"], st["groups"], st["scale"], cfg)
+        if job not in jobs:
+            jobs.append(job)
     return jobs
 
 

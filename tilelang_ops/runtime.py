@@ -84,8 +84,14 @@ def warpgroup_regs(threads: int, min_blocks: int = 1) -> int:
 
 
 def config_str(config) -> str:
-    """Canonical name of a config dataclass: `block1024_threads256`. Names kernels in every cache."""
-    return "_".join(f"{f.name.replace('_', '')}{getattr(config, f.name)}" for f in dataclasses.fields(config))
+    """Canonical name of a config dataclass: `block1024_threads256`. Names kernels in every cache.
+    A field added later with `metadata={"omit_default": True}` is named only when it differs from
+    its default, so the kernels that existed before it keep their names."""
+    return "_".join(
+        f"{f.name.replace('_', '')}{getattr(config, f.name)}"
+        for f in dataclasses.fields(config)
+        if not (f.metadata.get("omit_default") and getattr(config, f.name) == f.default)
+    )
 
 
 @dataclasses.dataclass(frozen=True)

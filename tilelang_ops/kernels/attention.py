@@ -508,19 +508,34 @@ class BwdConfig:
     # P^T and dS^T as register operands of the dV/dK GEMMs (saves shared traffic); False stages
     # them in shared memory, needed when the dK/dV GEMMs split N over warps (D=256, 8 warps).
     rs_gemm: bool = True
+    # "auto": TileLang's warp-specialized T.Pipelined; every T.gemm waits for its wgmma.
+    # "async": our own TMA producer and mbarrier ring (as the forward's), and the consumer
+    # warpgroups keep wgmmas in flight: S^T and dP^T issued back to back, P^T computed while
+    # dP^T runs, dS^T while dV += P^T dO runs, dK += dS^T Q under the dS store (sm_90 only).
+    pipeline: str = dataclasses.field(default="auto", metadata={"omit_default": True})
 
     def for_arch(self, arch: str) -> "BwdConfig":
-        return self if _is_hopper(arch) else dataclasses.replace(self, num_stages=1, tma_dq=False)
+        return self if _is_hopper(arch) else dataclasses.replace(self, num_stages=1, tma_dq=False, pipeline="auto")
+
+    @property
+    def min_sm(self) -> int:
+        return 0 if self.pipeline == "auto" else 90
+
+    def pass_configs(self) -> dict:
+        return {} if self.pipeline == "auto" else FwdConfig(pipeline="async").pass_configs()
 
 
 def bwd_default_config(headdim: int, causal: bool, arch: str = "sm_90a") -> BwdConfig:
     hopper = _is_hopper(arch)
     if not hopper and headdim <= 128:  # Ampere: one stage, see fwd_default_config
         return BwdConfig(128, 64, 1, 256, False)
-    if headdim <= 64:  # tuned on the H200 (B16 H32 S2048): one stage 1.02-1.03x two
-        return BwdConfig(128, 128, 1, 256)
+    # The async pipeline, H200 2026-12-01 (benchmarks/sweep_attention.py --bwd, three runs):
+    # 1.05-1.11x the T.Pipelined kernel at D=128 (128 keys x 64 queries, 2 or 3 stages alike),
+    # 1.03-1.05x at D=64 with 128-query steps (64-query steps: 0.96x).
+    if headdim <= 64:
+        return BwdConfig(128, 128, 2, 256, pipeline="async")
     if headdim <= 128:
-        return BwdConfig(128, 64, 2, 256)
+        return BwdConfig(128, 64, 2, 256, pipeline="async")
     # D=256: two stages of Q/dO plus an fp32 dQ tile would not fit in shared memory, and 64x256
     # fp32 dK plus dV need 8 warps to stay in registers.
     return BwdConfig(64, 64, 1, 256, hopper, False) if hopper else BwdConfig(64, 32, 1, 256, False, False)
@@ -537,7 +552,7 @@ BWD_SEARCH_SPACE = [
         (64, 64, 256, False),
     )
     for st in (1, 2)
-]
+] + [BwdConfig(128, bn, st, 256, pipeline="async") for bn in (64, 128) for st in (2, 3)]
 
 
 def _bwd_dims():
@@ -640,7 +655,124 @@ def _bwd_body(config: BwdConfig, headdim: int, dtype: str, causal: bool, groups:
             T.copy(dk, dk_s)
             T.copy(dk_s, dK[bz, bx * bm : (bx + 1) * bm, by, :])
 
-    return body
+    S = config.num_stages
+    consumers = config.threads
+
+    def head_and_block(it, kvh, q_start, n_q):
+        """Query head and query block of step `it` (a GQA group walks head by head)."""
+        if groups == 1:
+            return kvh, q_start + it
+        return kvh * groups + it // n_q, q_start + it % n_q
+
+    @T.macro
+    def body_async(Q, K, V, dO, LSE2, Delta, dQacc, dK, dV):
+        # Producer warpgroup (the last one): K and V of this key block once, then Q, dO, lse2 and
+        # Delta of every query step into an S-stage ring (full: the bytes landed; empty: every
+        # consumer thread is done with the stage). The consumer warpgroups together own the
+        # block's bm keys (FullRow: warpgroup w has keys w*64..), as the T.Pipelined kernel.
+        with T.Kernel(T.ceildiv(Sk, bm), HK, B, threads=consumers + 128) as (bx, by, bz):
+            k_s = T.alloc_shared((bm, D), dtype)
+            v_s = T.alloc_shared((bm, D), dtype)
+            q_s = T.alloc_shared((S, bn, D), dtype)
+            do_s = T.alloc_shared((S, bn, D), dtype)
+            lse_s = T.alloc_shared((S, bn), acc)
+            delta_s = T.alloc_shared((S, bn), acc)
+            ds_s = T.alloc_shared((bm, bn), dtype)
+            dq_s = T.alloc_shared((bn, D), acc) if with_dq else None
+            sT = T.alloc_fragment((bm, bn), acc)
+            dpT = T.alloc_fragment((bm, bn), acc)
+            pT = T.alloc_fragment((bm, bn), dtype)
+            dsT = T.alloc_fragment((bm, bn), dtype)
+            dq = T.alloc_fragment((bn, D), acc) if with_dq else None
+            dk = T.alloc_fragment((bm, D), acc)
+            dv = T.alloc_fragment((bm, D), acc)
+            kv_full = T.alloc_barrier([128])
+            full = T.alloc_barrier([128] * S)
+            empty = T.alloc_barrier([consumers] * S)
+
+            offset = Sk - Sq
+            q_start = T.max(T.floordiv(bx * bm - offset, bn), 0) if causal else 0
+            n_q = T.max(T.ceildiv(Sq, bn) - q_start, 0)
+
+            with T.ws(consumers // 128):
+                T.dec_max_nreg(PRODUCER_REGS)
+                T.tma_copy(K[bz, bx * bm : (bx + 1) * bm, by, :], k_s, barrier=kv_full)
+                T.tma_copy(V[bz, bx * bm : (bx + 1) * bm, by, :], v_s, barrier=kv_full)
+                T.mbarrier_arrive(kv_full)
+                for it in T.serial(groups * n_q):
+                    st = it % S
+                    h, qb = head_and_block(it, by, q_start, n_q)
+                    T.mbarrier_wait_parity(empty[st], ((it // S) & 1) ^ 1)
+                    T.tma_copy(Q[bz, qb * bn : (qb + 1) * bn, h, :], q_s[st, :, :], barrier=full[st])
+                    T.tma_copy(dO[bz, qb * bn : (qb + 1) * bn, h, :], do_s[st, :, :], barrier=full[st])
+                    # (tensor-map loads: rows past SqP are clipped, the stage's tail filled with 0)
+                    T.tma_copy(LSE2[bz, h, qb * bn : (qb + 1) * bn], lse_s[st, :], barrier=full[st])
+                    T.tma_copy(Delta[bz, h, qb * bn : (qb + 1) * bn], delta_s[st, :], barrier=full[st])
+                    T.mbarrier_arrive(full[st])
+            with T.ws(*range(consumers // 128)):
+                T.inc_max_nreg(warpgroup_regs(consumers))
+                T.clear(dk)
+                T.clear(dv)
+                T.mbarrier_wait_parity(kv_full, 0)  # also before the epilogue reuses k_s/v_s
+                for it in T.serial(groups * n_q):
+                    st = it % S
+                    h, qb = head_and_block(it, by, q_start, n_q)
+                    T.mbarrier_wait_parity(full[st], (it // S) & 1)
+                    # Zeroed here rather than by the wgmma's scale-d flag: the accumulators are
+                    # then dead between steps, which ptxas cannot see through the asm operands.
+                    T.clear(sT)
+                    T.clear(dpT)
+                    T.wgmma_gemm(k_s, q_s[st, :, :], sT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                    T.wgmma_gemm(v_s, do_s[st, :, :], dpT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                    T.wait_wgmma(1)  # S^T landed; dP^T may still run
+                    for i, j in T.Parallel(bm, bn):
+                        if causal:
+                            sT[i, j] = T.if_then_else(
+                                (bx * bm + i < Sk) & (qb * bn + j < Sq) & (bx * bm + i <= qb * bn + j + offset),
+                                T.exp2(sT[i, j] * scale_log2 - lse_s[st, j]),
+                                0,
+                            )
+                        else:
+                            sT[i, j] = T.if_then_else(
+                                (bx * bm + i < Sk) & (qb * bn + j < Sq), T.exp2(sT[i, j] * scale_log2 - lse_s[st, j]), 0
+                            )
+                    T.copy(sT, pT)
+                    T.wgmma_gemm(pT, do_s[st, :, :], dv, policy=T.GemmWarpPolicy.FullRow)  # dV += P^T dO
+                    T.wait_wgmma(1)  # dP^T landed; dV may still run
+                    for i, j in T.Parallel(bm, bn):
+                        dsT[i, j] = sT[i, j] * (dpT[i, j] - delta_s[st, j]) * scale
+                    T.wgmma_gemm(dsT, q_s[st, :, :], dk, policy=T.GemmWarpPolicy.FullRow)  # dK += dS^T Q
+                    if with_dq:
+                        # dQ = dS K sums over all bm keys: every warpgroup's dS^T goes through
+                        # shared memory first (generic-proxy writes, then read by the async proxy).
+                        # ds_s is free: every warpgroup's previous dQ wgmma retired before the
+                        # dQ barrier below.
+                        T.copy(dsT, ds_s)
+                        T.fence_proxy_async()
+                        T.sync_threads(1, consumers)
+                        T.clear(dq)
+                        T.wgmma_gemm(ds_s, k_s, dq, transpose_A=True)
+                    T.wait_wgmma(0)
+                    T.mbarrier_arrive(empty[st])
+                    if with_dq:
+                        # dq_s is free: the thread that issued the previous reduce-add waited for
+                        # its read before it reached the dS barrier every thread has passed since.
+                        # (Issuing this barrier and reduce-add under the next step's S^T and dP^T
+                        # wgmmas measured no faster, H200 2026-12-01.)
+                        T.copy(dq, dq_s)
+                        T.fence_proxy_async()
+                        T.sync_threads(1, consumers)
+                        T.atomic_add(dQacc[bz, qb * bn : (qb + 1) * bn, h, :], dq_s, use_tma=True)
+                # K and V are no longer read (every wgmma has retired): dK, dV leave through them.
+                T.sync_threads(1, consumers)
+                T.copy(dv, v_s)
+                T.copy(dk, k_s)
+                T.fence_proxy_async()
+                T.sync_threads(1, consumers)
+                T.copy(v_s, dV[bz, bx * bm : (bx + 1) * bm, by, :])
+                T.copy(k_s, dK[bz, bx * bm : (bx + 1) * bm, by, :])
+
+    return body if config.pipeline == "auto" else body_async
 
 
 @kernel("attention", "flash_bwd", pass_configs=_PASS_CONFIGS)
