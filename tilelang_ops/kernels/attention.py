@@ -757,8 +757,10 @@ def _bwd_body(config: BwdConfig, headdim: int, dtype: str, causal: bool, groups:
                     if with_dq:
                         # dq_s is free: the thread that issued the previous reduce-add waited for
                         # its read before it reached the dS barrier every thread has passed since.
-                        # (Issuing this barrier and reduce-add under the next step's S^T and dP^T
-                        # wgmmas measured no faster, H200 2026-12-01.)
+                        # (Measured no faster, H200 2026-12-01: this barrier and reduce-add issued
+                        # under the next step's S^T/dP^T wgmmas; 80-query steps with dQ^T = K^T dS^T,
+                        # FlashAttention-3's hdim-128 tile, whose transposed dS/dQ stores cost more
+                        # than the wider wgmmas gain.)
                         T.copy(dq, dq_s)
                         T.fence_proxy_async()
                         T.sync_threads(1, consumers)
