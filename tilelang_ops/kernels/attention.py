@@ -117,10 +117,13 @@ FWD_SEARCH_SPACE = [
     for st in (1, 2)
 ] + [
     # The hand-synchronized pipelines at their best measured tiles (benchmarks/sweep_attention.py,
-    # H200, 2026-11-30): within -7%..+5% of the default, ahead only on some causal D=128 runs.
-    # Three consumer warpgroups do not fit them (160 registers: s, p and o spill).
+    # H200, 2026-11-30 and 2026-12-01): within -7%..+5% of the default, ahead only on causal D=128
+    # (128x176, FlashAttention-3's tile: 1.01-1.03x causal, 0.94-0.96x not). Three consumer
+    # warpgroups do not fit them (160 registers: s, p and o spill).
     FwdConfig(128, 128, 2, 256, "async"),
     FwdConfig(128, 128, 2, 256, "pingpong"),
+    FwdConfig(128, 176, 2, 256, "async"),
+    FwdConfig(128, 176, 2, 256, "pingpong"),
 ]
 
 
@@ -570,6 +573,20 @@ def _bwd_body(config: BwdConfig, headdim: int, dtype: str, causal: bool, groups:
     scale_log2 = scale * LOG2E
     with_dq = dq  # the dQ fragment below is named `dq`, as in the exported kernels
 
+    def head_and_block(it, kvh, q_start, n_q):
+        """Query head and query block of step `it` (a GQA group walks head by head)."""
+        if groups == 1:
+            return kvh, q_start + it
+        return kvh * groups + it // n_q, q_start + it % n_q
+
+    def prob_T(s, i, j, lse2, bx, qb, offset):
+        """P^T[i, j] from the score S^T[i, j] (key i, query j of the tiles) and the query's base-2
+        LSE: a select, not a multiply, since lse2 is -inf for rows that see no key (exp2 -> inf)."""
+        visible = (bx * bm + i < Sk) & (qb * bn + j < Sq)
+        if causal:
+            visible = visible & (bx * bm + i <= qb * bn + j + offset)
+        return T.if_then_else(visible, T.exp2(s * scale_log2 - lse2), 0)
+
     @T.macro
     def body(Q, K, V, dO, LSE2, Delta, dQacc, dK, dV):
         with T.Kernel(T.ceildiv(Sk, bm), HK, B, threads=config.threads) as (bx, by, bz):
@@ -602,12 +619,7 @@ def _bwd_body(config: BwdConfig, headdim: int, dtype: str, causal: bool, groups:
             n_q = T.max(T.ceildiv(Sq, bn) - q_start, 0)
 
             for it in T.Pipelined(groups * n_q, num_stages=config.num_stages):
-                if groups == 1:
-                    h = by
-                    qb = q_start + it
-                else:
-                    h = by * groups + it // n_q
-                    qb = q_start + it % n_q
+                h, qb = head_and_block(it, by, q_start, n_q)
                 T.copy(Q[bz, qb * bn : (qb + 1) * bn, h, :], q_s)
                 T.copy(dO[bz, qb * bn : (qb + 1) * bn, h, :], do_s)
                 T.copy(LSE2[bz, h, qb * bn : (qb + 1) * bn], lse_s)
@@ -615,17 +627,7 @@ def _bwd_body(config: BwdConfig, headdim: int, dtype: str, causal: bool, groups:
                 T.gemm(k_s, q_s, sT, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
                 T.gemm(v_s, do_s, dpT, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
                 for i, j in T.Parallel(bm, bn):
-                    # select, not multiply: lse2 is -inf for rows that see no key (exp2 -> inf there)
-                    if causal:
-                        sT[i, j] = T.if_then_else(
-                            (bx * bm + i < Sk) & (qb * bn + j < Sq) & (bx * bm + i <= qb * bn + j + offset),
-                            T.exp2(sT[i, j] * scale_log2 - lse_s[j]),
-                            0,
-                        )
-                    else:
-                        sT[i, j] = T.if_then_else(
-                            (bx * bm + i < Sk) & (qb * bn + j < Sq), T.exp2(sT[i, j] * scale_log2 - lse_s[j]), 0
-                        )
+                    sT[i, j] = prob_T(sT[i, j], i, j, lse_s[j], bx, qb, offset)
                 if config.rs_gemm:
                     T.copy(sT, pT)
                     T.gemm(pT, do_s, dv, policy=T.GemmWarpPolicy.FullRow)  # dV += P^T dO
@@ -657,12 +659,6 @@ def _bwd_body(config: BwdConfig, headdim: int, dtype: str, causal: bool, groups:
 
     S = config.num_stages
     consumers = config.threads
-
-    def head_and_block(it, kvh, q_start, n_q):
-        """Query head and query block of step `it` (a GQA group walks head by head)."""
-        if groups == 1:
-            return kvh, q_start + it
-        return kvh * groups + it // n_q, q_start + it % n_q
 
     @T.macro
     def body_async(Q, K, V, dO, LSE2, Delta, dQacc, dK, dV):
@@ -726,16 +722,7 @@ def _bwd_body(config: BwdConfig, headdim: int, dtype: str, causal: bool, groups:
                     T.wgmma_gemm(v_s, do_s[st, :, :], dpT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                     T.wait_wgmma(1)  # S^T landed; dP^T may still run
                     for i, j in T.Parallel(bm, bn):
-                        if causal:
-                            sT[i, j] = T.if_then_else(
-                                (bx * bm + i < Sk) & (qb * bn + j < Sq) & (bx * bm + i <= qb * bn + j + offset),
-                                T.exp2(sT[i, j] * scale_log2 - lse_s[st, j]),
-                                0,
-                            )
-                        else:
-                            sT[i, j] = T.if_then_else(
-                                (bx * bm + i < Sk) & (qb * bn + j < Sq), T.exp2(sT[i, j] * scale_log2 - lse_s[st, j]), 0
-                            )
+                        sT[i, j] = prob_T(sT[i, j], i, j, lse_s[st, j], bx, qb, offset)
                     T.copy(sT, pT)
                     T.wgmma_gemm(pT, do_s[st, :, :], dv, policy=T.GemmWarpPolicy.FullRow)  # dV += P^T dO
                     T.wait_wgmma(1)  # dP^T landed; dV may still run
@@ -1049,6 +1036,8 @@ REPRESENTATIVE = [
     (flash_fwd_kernel, fwd_default_config(128, False), dict(headdim=128, dtype="bfloat16", causal=False, groups=1, scale=default_scale(128), lse=False)),
     (flash_bwd_prep_kernel, PrepConfig(), dict(headdim=128, dtype="bfloat16")),
     (flash_bwd_kernel, bwd_default_config(128, True), dict(headdim=128, dtype="bfloat16", causal=True, groups=1, scale=default_scale(128))),
+    # D=256 keeps TileLang's T.Pipelined backward (the async one needs 64 keys per warpgroup)
+    (flash_bwd_kernel, bwd_default_config(256, False), dict(headdim=256, dtype="bfloat16", causal=False, groups=1, scale=default_scale(256))),
     (cast_f32_kernel, CastConfig(), dict(dtype="bfloat16")),
     # the default backward in one host call (preprocess + main + dQ conversion)
     (flash_bwd_fused_kernel, bwd_default_config(128, False), dict(headdim=128, dtype="bfloat16", causal=False, groups=1, scale=default_scale(128))),
