@@ -75,6 +75,20 @@ def warm(bwd: bool = False) -> int:
     return failed
 
 
+def _cases():
+    """(B, H, HK, S, D, causal, static args, q, k, v) per shape of SHAPES, non-causal and causal."""
+    import torch
+
+    from tilelang_ops.kernels import attention as K
+
+    for B, H, HK, S, D in SHAPES:
+        for causal in (False, True):
+            static = dict(headdim=D, dtype="bfloat16", causal=causal, groups=H // HK, scale=K.default_scale(D))
+            q = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16)
+            k, v = (torch.randn(B, S, HK, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            yield B, H, HK, S, D, causal, static, q, k, v
+
+
 def main_bwd() -> None:
     import torch
 
@@ -85,38 +99,34 @@ def main_bwd() -> None:
 
     arch = runtime.arch_for_device(torch.device("cuda", torch.cuda.current_device()))
     rows = []
-    for B, H, HK, S, D in SHAPES:
-        for causal in (False, True):
-            static = dict(headdim=D, dtype="bfloat16", causal=causal, groups=H // HK, scale=K.default_scale(D))
-            shape = f"{B}x{H}/{HK}x{S}x{D}"
-            q = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16)
-            k, v = (torch.randn(B, S, HK, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-            out, lse = torch.ops.tileops.flash_attn_with_lse(q, k, v, causal)
-            dout = torch.randn_like(out)
-            sqp = (S + 3) // 4 * 4
-            delta, lse2 = (torch.empty(B, H, sqp, device="cuda") for _ in range(2))
-            dq_acc = torch.empty(B, S, H, D, device="cuda")
-            fns, names, checks, ref = [], [], [], None
-            for cfg in [K.bwd_default_config(D, causal, arch)] + bwd_candidates(D):
-                grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
-                try:
-                    kern = runtime.launcher(K.flash_bwd_fused_kernel.compile(cfg, arch, **static))
-                    run = lambda kern=kern, g=grads: kern(q, k, v, out, dout, lse, delta, lse2, dq_acc, *g)
-                    run()
-                    torch.cuda.synchronize()
-                except Exception as e:
-                    rows.append(dict(shape=shape, causal=causal, config=str(cfg), error=str(e).splitlines()[0][:80]))
-                    continue
-                ref = ref or [g.float() for g in grads]
-                checks.append(max((g.float() - r).abs().max().item() for g, r in zip(grads, ref)))
-                fns.append(run)
-                names.append(cfg)
-            flops = 2.5 * 4.0 * B * H * S * S * D / (2 if causal else 1)
-            times = interleaved(lambda f: bench(f, warmup=5, rep=30), fns)
-            for cfg, t, err in zip(names, times, checks):
-                rows.append(dict(shape=shape, causal=causal, config=f"{cfg.block_m}x{cfg.block_n}/{cfg.num_stages}/{cfg.threads}/{cfg.pipeline}",
-                                 ms=t, tflops=flops / t / 1e9, vs_default=times[0] / t, max_abs_diff=err))
-            print(f"done bwd {shape} causal={causal}", flush=True)
+    for B, H, HK, S, D, causal, static, q, k, v in _cases():
+        shape = f"{B}x{H}/{HK}x{S}x{D}"
+        out, lse = torch.ops.tileops.flash_attn_with_lse(q, k, v, causal)
+        dout = torch.randn_like(out)
+        sqp = (S + 3) // 4 * 4
+        delta, lse2 = (torch.empty(B, H, sqp, device="cuda") for _ in range(2))
+        dq_acc = torch.empty(B, S, H, D, device="cuda")
+        fns, names, checks, ref = [], [], [], None
+        for cfg in [K.bwd_default_config(D, causal, arch)] + bwd_candidates(D):
+            grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+            try:
+                kern = runtime.launcher(K.flash_bwd_fused_kernel.compile(cfg, arch, **static))
+                run = lambda kern=kern, g=grads: kern(q, k, v, out, dout, lse, delta, lse2, dq_acc, *g)
+                run()
+                torch.cuda.synchronize()
+            except Exception as e:
+                rows.append(dict(shape=shape, causal=causal, config=str(cfg), error=str(e).splitlines()[0][:80]))
+                continue
+            ref = ref or [g.float() for g in grads]
+            checks.append(max((g.float() - r).abs().max().item() for g, r in zip(grads, ref)))
+            fns.append(run)
+            names.append(cfg)
+        flops = 2.5 * 4.0 * B * H * S * S * D / (2 if causal else 1)
+        times = interleaved(lambda f: bench(f, warmup=5, rep=30), fns)
+        for cfg, t, err in zip(names, times, checks):
+            rows.append(dict(shape=shape, causal=causal, config=f"{cfg.block_m}x{cfg.block_n}/{cfg.num_stages}/{cfg.threads}/{cfg.pipeline}",
+                             ms=t, tflops=flops / t / 1e9, vs_default=times[0] / t, max_abs_diff=err))
+        print(f"done bwd {shape} causal={causal}", flush=True)
     write_json("sweep_attention_bwd", rows)
     print(table(rows, ["shape", "causal", "config", "ms", "tflops", "vs_default", "max_abs_diff", "error"]))
 
@@ -131,41 +141,37 @@ def main() -> None:
 
     arch = runtime.arch_for_device(torch.device("cuda", torch.cuda.current_device()))
     rows = []
-    for B, H, HK, S, D in SHAPES:
-        for causal in (False, True):
-            static = dict(headdim=D, dtype="bfloat16", causal=causal, groups=H // HK, scale=K.default_scale(D))
-            q = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16)
-            k, v = (torch.randn(B, S, HK, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-            cfgs = [K.fwd_default_config(D, causal, arch)] + candidates(D)
-            fns, names, checks = [], [], []
-            ref = None
-            for cfg in cfgs:
-                try:
-                    kern = runtime.launcher(K.flash_fwd_kernel.compile(cfg, arch, **static))
-                except Exception as e:
-                    rows.append(dict(shape=f"{B}x{H}/{HK}x{S}x{D}", causal=causal, config=str(cfg), error=str(e)[:80]))
-                    continue
-                out = torch.full_like(q, float("nan"))
-                lse = torch.full((B, H, S), float("nan"), device="cuda")
-                try:
-                    kern(q, k, v, out, lse)
-                    torch.cuda.synchronize()
-                except Exception as e:  # e.g. more shared memory than the SM has
-                    rows.append(dict(shape=f"{B}x{H}/{HK}x{S}x{D}", causal=causal, config=str(cfg), error=str(e).splitlines()[0][:80]))
-                    continue
-                if ref is None:
-                    ref = (out.float(), lse)
-                err = (out.float() - ref[0]).abs().max().item()
-                lerr = (lse - ref[1]).abs().max().item()
-                checks.append((err, lerr))
-                fns.append(lambda kern=kern, out=out, lse=lse: kern(q, k, v, out, lse))
-                names.append(cfg)
-            flops = 4.0 * B * H * S * S * D / (2 if causal else 1)
-            times = interleaved(lambda f: bench(f, warmup=5, rep=30), fns)
-            for cfg, t, (err, lerr) in zip(names, times, checks):
-                rows.append(dict(shape=f"{B}x{H}/{HK}x{S}x{D}", causal=causal, config=f"{cfg.block_m}x{cfg.block_n}/{cfg.num_stages}/{cfg.threads}/{cfg.pipeline}",
-                                 ms=t, tflops=flops / t / 1e9, vs_default=times[0] / t, max_abs_diff=err, lse_diff=lerr))
-            print(f"done {B}x{H}/{HK}x{S}x{D} causal={causal}", flush=True)
+    for B, H, HK, S, D, causal, static, q, k, v in _cases():
+        cfgs = [K.fwd_default_config(D, causal, arch)] + candidates(D)
+        fns, names, checks = [], [], []
+        ref = None
+        for cfg in cfgs:
+            try:
+                kern = runtime.launcher(K.flash_fwd_kernel.compile(cfg, arch, **static))
+            except Exception as e:
+                rows.append(dict(shape=f"{B}x{H}/{HK}x{S}x{D}", causal=causal, config=str(cfg), error=str(e)[:80]))
+                continue
+            out = torch.full_like(q, float("nan"))
+            lse = torch.full((B, H, S), float("nan"), device="cuda")
+            try:
+                kern(q, k, v, out, lse)
+                torch.cuda.synchronize()
+            except Exception as e:  # e.g. more shared memory than the SM has
+                rows.append(dict(shape=f"{B}x{H}/{HK}x{S}x{D}", causal=causal, config=str(cfg), error=str(e).splitlines()[0][:80]))
+                continue
+            if ref is None:
+                ref = (out.float(), lse)
+            err = (out.float() - ref[0]).abs().max().item()
+            lerr = (lse - ref[1]).abs().max().item()
+            checks.append((err, lerr))
+            fns.append(lambda kern=kern, out=out, lse=lse: kern(q, k, v, out, lse))
+            names.append(cfg)
+        flops = 4.0 * B * H * S * S * D / (2 if causal else 1)
+        times = interleaved(lambda f: bench(f, warmup=5, rep=30), fns)
+        for cfg, t, (err, lerr) in zip(names, times, checks):
+            rows.append(dict(shape=f"{B}x{H}/{HK}x{S}x{D}", causal=causal, config=f"{cfg.block_m}x{cfg.block_n}/{cfg.num_stages}/{cfg.threads}/{cfg.pipeline}",
+                             ms=t, tflops=flops / t / 1e9, vs_default=times[0] / t, max_abs_diff=err, lse_diff=lerr))
+        print(f"done {B}x{H}/{HK}x{S}x{D} causal={causal}", flush=True)
     write_json("sweep_attention", rows)
     print(table(rows, ["shape", "causal", "config", "ms", "tflops", "vs_default", "max_abs_diff", "lse_diff", "error"]))
 

@@ -281,13 +281,18 @@ ASYNC_FWD_SHAPES = [
 ]
 
 
-def _async_fwd_cases():
+def _config_cases(configs: dict, name) -> list:
+    """pytest params (shape, config tuple) of every config (by head dim) over ASYNC_FWD_SHAPES."""
     return [
-        pytest.param((b, sq, sk, h, hk, d), cfg, id=f"d{d}-{'x'.join(map(str, cfg))}-{b}x{sq}x{sk}x{h}/{hk}")
-        for d, cfgs in ASYNC_FWD_CONFIGS.items()
+        pytest.param((b, sq, sk, h, hk, d), cfg, id=f"d{d}-{name(cfg)}-{b}x{sq}x{sk}x{h}/{hk}")
+        for d, cfgs in configs.items()
         for cfg in cfgs
         for b, sq, sk, h, hk, _ in ASYNC_FWD_SHAPES
     ]
+
+
+def _async_fwd_cases():
+    return _config_cases(ASYNC_FWD_CONFIGS, lambda cfg: "x".join(map(str, cfg)))
 
 
 def async_fwd_kernel(shape, cfg, causal):
@@ -368,12 +373,7 @@ ASYNC_BWD_CONFIGS = {
 
 
 def _async_bwd_cases():
-    return [
-        pytest.param((b, sq, sk, h, hk, d), cfg, id=f"d{d}-{cfg[0]}x{cfg[1]}x{cfg[2]}{cfg[6]}-{b}x{sq}x{sk}x{h}/{hk}")
-        for d, cfgs in ASYNC_BWD_CONFIGS.items()
-        for cfg in cfgs
-        for b, sq, sk, h, hk, _ in ASYNC_FWD_SHAPES
-    ]
+    return _config_cases(ASYNC_BWD_CONFIGS, lambda cfg: f"{cfg[0]}x{cfg[1]}x{cfg[2]}{cfg[6]}")
 
 
 def async_bwd_kernels():
