@@ -365,10 +365,10 @@ def test_flash_fwd_async_pipelines_match_reference(shape, cfg, causal):
 
 # The async backward (BwdConfig.pipeline="async": our own TMA producer and mbarrier ring, wgmmas
 # kept in flight across the softmax-gradient math; the default on Hopper at D=64/128, which every
-# other GPU test runs) at the other tiles of the tuner's search space.
+# other GPU test runs) at the tiles of the tuner's search space, defaults included.
 ASYNC_BWD_CONFIGS = {
-    64: [(128, 64, 2, 256, True, True, "async"), (128, 128, 3, 256, True, True, "async")],
-    128: [(128, 64, 3, 256, True, True, "async")],
+    64: [(128, 64, 2, 256, True, True, "async"), (128, 128, 3, 256, True, True, "async"), (128, 128, 2, 256, True, True, "async")],
+    128: [(128, 64, 3, 256, True, True, "async"), (128, 64, 2, 256, True, True, "async")],
 }
 
 

@@ -156,23 +156,43 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_bwd_kernel(__grid_con
         tl::warpgroup_fence_operand(reinterpret_cast<float*>(dpT + 0), 64);
       }
       tl::wait_wgmma<1>();
-      #pragma unroll
-      for (int i_8 = 0; i_8 < 32; ++i_8) {
-        float condval;
-        if ((((((((((int)blockIdx.x) * 128) + ((((int)threadIdx.x) >> 5) * 16)) + (((i_8 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < Sk) & ((((((max(((((int)blockIdx.x) * 2) + ((Sq - Sk) >> 6)), 0) * 64) + (it_1 * 64)) + ((i_8 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_8 & 1)) < Sq)) & (((((((int)blockIdx.x) * 128) + ((((int)threadIdx.x) >> 5) * 16)) + (((i_8 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= (((((((max(((((int)blockIdx.x) * 2) + ((Sq - Sk) >> 6)), 0) * 64) + (it_1 * 64)) + ((i_8 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + Sk) + (i_8 & 1)) - Sq)))) {
-          condval = exp2f(((sT[i_8] * 0x1.0527dbd87e24dp-3f/*1.275174e-01*/) - ((float*)lse_s)[(((((it_1 & 1) * 64) + ((i_8 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_8 & 1))]));
-        } else {
-          condval = 0x0p+0f/*0.000000e+00*/;
+      if (((((((int)blockIdx.x) * 128) + 128) <= Sk) & ((((max(((((int)blockIdx.x) * 2) + ((Sq - Sk) >> 6)), 0) * 64) + (it_1 * 64)) + 64) <= Sq)) & (((((int)blockIdx.x) * 128) + 127) <= ((((max(((((int)blockIdx.x) * 2) + ((Sq - Sk) >> 6)), 0) * 64) + (it_1 * 64)) + Sk) - Sq))) {
+        #pragma unroll
+        for (int i_8 = 0; i_8 < 16; ++i_8) {
+          float broadcast_var_4 = 0x1.0527dbd87e24dp-3f/*1.275174e-01*/;
+          float2 __1;
+          float2 __2;
+            float2 __3;
+              float2 v_ = *(float2*)(sT + (i_8 * 2));
+              float2 v__1 = make_float2(broadcast_var_4, broadcast_var_4);
+              __3.x = (v_.x*v__1.x);
+              __3.y = (v_.y*v__1.y);
+            float2 v__2 = *(float2*)(((float*)lse_s) + ((((it_1 & 1) * 64) + ((i_8 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
+            __2.x = (__3.x-v__2.x);
+            __2.y = (__3.y-v__2.y);
+          __1.x = exp2f(__2.x);
+          __1.y = exp2f(__2.y);
+          *(float2*)(sT + (i_8 * 2)) = __1;
         }
-        sT[i_8] = condval;
+      } else {
+        #pragma unroll
+        for (int i_9 = 0; i_9 < 32; ++i_9) {
+          float condval;
+          if ((((((((((int)blockIdx.x) * 128) + ((((int)threadIdx.x) >> 5) * 16)) + (((i_9 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < Sk) & ((((((max(((((int)blockIdx.x) * 2) + ((Sq - Sk) >> 6)), 0) * 64) + (it_1 * 64)) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1)) < Sq)) & (((((((int)blockIdx.x) * 128) + ((((int)threadIdx.x) >> 5) * 16)) + (((i_9 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= (((((((max(((((int)blockIdx.x) * 2) + ((Sq - Sk) >> 6)), 0) * 64) + (it_1 * 64)) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + Sk) + (i_9 & 1)) - Sq)))) {
+            condval = exp2f(((sT[i_9] * 0x1.0527dbd87e24dp-3f/*1.275174e-01*/) - ((float*)lse_s)[(((((it_1 & 1) * 64) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1))]));
+          } else {
+            condval = 0x0p+0f/*0.000000e+00*/;
+          }
+          sT[i_9] = condval;
+        }
       }
       #pragma unroll
-      for (int i_9 = 0; i_9 < 8; ++i_9) {
-        uint2 __1;
-        float4 v_ = *(float4*)(sT + (i_9 * 4));
-        (reinterpret_cast<__nv_bfloat162*>(&__1))[0] = __float22bfloat162_rn(((float2*)(&v_))[0]);
-        (reinterpret_cast<__nv_bfloat162*>(&__1))[1] = __float22bfloat162_rn(((float2*)(&v_))[1]);
-        *(uint2*)(pT + (i_9 * 4)) = __1;
+      for (int i_10 = 0; i_10 < 8; ++i_10) {
+        uint2 __4;
+        float4 v__3 = *(float4*)(sT + (i_10 * 4));
+        (reinterpret_cast<__nv_bfloat162*>(&__4))[0] = __float22bfloat162_rn(((float2*)(&v__3))[0]);
+        (reinterpret_cast<__nv_bfloat162*>(&__4))[1] = __float22bfloat162_rn(((float2*)(&v__3))[1]);
+        *(uint2*)(pT + (i_10 * 4)) = __4;
       }
       {
         tl::GmmaDescriptor desc_b_2;
@@ -191,26 +211,26 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_bwd_kernel(__grid_con
       }
       tl::wait_wgmma<1>();
       #pragma unroll
-      for (int i_10 = 0; i_10 < 16; ++i_10) {
+      for (int i_11 = 0; i_11 < 16; ++i_11) {
         float delta_s_local_cast[2];
-        *(float2*)(delta_s_local_cast + 0) = *(float2*)(((float*)delta_s) + ((((it_1 & 1) * 64) + ((i_10 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
-        float broadcast_var_4 = 0x1.6a09e667f3bccp-4f/*8.838835e-02*/;
-        uint1 __2;
-        float2 __3;
-          float2 __4;
-            float2 v__1 = *(float2*)(sT + (i_10 * 2));
-            float2 __5;
-              float2 v__2 = *(float2*)(dpT + (i_10 * 2));
-              float2 v__3 = *(float2*)(delta_s_local_cast + 0);
-              __5.x = (v__2.x-v__3.x);
-              __5.y = (v__2.y-v__3.y);
-            __4.x = (v__1.x*__5.x);
-            __4.y = (v__1.y*__5.y);
-          float2 v__4 = make_float2(broadcast_var_4, broadcast_var_4);
-          __3.x = (__4.x*v__4.x);
-          __3.y = (__4.y*v__4.y);
-        (reinterpret_cast<__nv_bfloat162*>(&__2))[0] = __float22bfloat162_rn(((float2*)(&__3))[0]);
-        *(uint1*)(dsT + (i_10 * 2)) = __2;
+        *(float2*)(delta_s_local_cast + 0) = *(float2*)(((float*)delta_s) + ((((it_1 & 1) * 64) + ((i_11 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
+        float broadcast_var_5 = 0x1.6a09e667f3bccp-4f/*8.838835e-02*/;
+        uint1 __5;
+        float2 __6;
+          float2 __7;
+            float2 v__4 = *(float2*)(sT + (i_11 * 2));
+            float2 __8;
+              float2 v__5 = *(float2*)(dpT + (i_11 * 2));
+              float2 v__6 = *(float2*)(delta_s_local_cast + 0);
+              __8.x = (v__5.x-v__6.x);
+              __8.y = (v__5.y-v__6.y);
+            __7.x = (v__4.x*__8.x);
+            __7.y = (v__4.y*__8.y);
+          float2 v__7 = make_float2(broadcast_var_5, broadcast_var_5);
+          __6.x = (__7.x*v__7.x);
+          __6.y = (__7.y*v__7.y);
+        (reinterpret_cast<__nv_bfloat162*>(&__5))[0] = __float22bfloat162_rn(((float2*)(&__6))[0]);
+        *(uint1*)(dsT + (i_11 * 2)) = __5;
       }
       {
         tl::GmmaDescriptor desc_b_3;
@@ -232,25 +252,25 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_bwd_kernel(__grid_con
     }
     tl::__sync_thread_partial(1, 256);
     #pragma unroll
-    for (int i_11 = 0; i_11 < 8; ++i_11) {
-      tl::ptx_stmatrix_m8n8_x4((&(((bfloat16_t*)v_s)[(((((((i_11 >> 2) * 8192) + ((((int)threadIdx.x) >> 5) * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_11 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_11 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), __pack_half2(((bfloat16_t)dv[(i_11 * 8)]), ((bfloat16_t)dv[((i_11 * 8) + 1)])), __pack_half2(((bfloat16_t)dv[((i_11 * 8) + 2)]), ((bfloat16_t)dv[((i_11 * 8) + 3)])), __pack_half2(((bfloat16_t)dv[((i_11 * 8) + 4)]), ((bfloat16_t)dv[((i_11 * 8) + 5)])), __pack_half2(((bfloat16_t)dv[((i_11 * 8) + 6)]), ((bfloat16_t)dv[((i_11 * 8) + 7)])));
+    for (int i_12 = 0; i_12 < 8; ++i_12) {
+      tl::ptx_stmatrix_m8n8_x4((&(((bfloat16_t*)v_s)[(((((((i_12 >> 2) * 8192) + ((((int)threadIdx.x) >> 5) * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_12 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_12 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), __pack_half2(((bfloat16_t)dv[(i_12 * 8)]), ((bfloat16_t)dv[((i_12 * 8) + 1)])), __pack_half2(((bfloat16_t)dv[((i_12 * 8) + 2)]), ((bfloat16_t)dv[((i_12 * 8) + 3)])), __pack_half2(((bfloat16_t)dv[((i_12 * 8) + 4)]), ((bfloat16_t)dv[((i_12 * 8) + 5)])), __pack_half2(((bfloat16_t)dv[((i_12 * 8) + 6)]), ((bfloat16_t)dv[((i_12 * 8) + 7)])));
     }
     #pragma unroll
-    for (int i_12 = 0; i_12 < 8; ++i_12) {
-      tl::ptx_stmatrix_m8n8_x4((&(((bfloat16_t*)k_s)[(((((((i_12 >> 2) * 8192) + ((((int)threadIdx.x) >> 5) * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_12 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_12 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), __pack_half2(((bfloat16_t)dk[(i_12 * 8)]), ((bfloat16_t)dk[((i_12 * 8) + 1)])), __pack_half2(((bfloat16_t)dk[((i_12 * 8) + 2)]), ((bfloat16_t)dk[((i_12 * 8) + 3)])), __pack_half2(((bfloat16_t)dk[((i_12 * 8) + 4)]), ((bfloat16_t)dk[((i_12 * 8) + 5)])), __pack_half2(((bfloat16_t)dk[((i_12 * 8) + 6)]), ((bfloat16_t)dk[((i_12 * 8) + 7)])));
+    for (int i_13 = 0; i_13 < 8; ++i_13) {
+      tl::ptx_stmatrix_m8n8_x4((&(((bfloat16_t*)k_s)[(((((((i_13 >> 2) * 8192) + ((((int)threadIdx.x) >> 5) * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_13 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_13 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), __pack_half2(((bfloat16_t)dk[(i_13 * 8)]), ((bfloat16_t)dk[((i_13 * 8) + 1)])), __pack_half2(((bfloat16_t)dk[((i_13 * 8) + 2)]), ((bfloat16_t)dk[((i_13 * 8) + 3)])), __pack_half2(((bfloat16_t)dk[((i_13 * 8) + 4)]), ((bfloat16_t)dk[((i_13 * 8) + 5)])), __pack_half2(((bfloat16_t)dk[((i_13 * 8) + 6)]), ((bfloat16_t)dk[((i_13 * 8) + 7)])));
     }
     tl::fence_proxy_async();
     tl::__sync_thread_partial(1, 256);
     if (tl::tl_shuffle_elect<256>()) {
       #pragma unroll
-      for (int i_13 = 0; i_13 < 2; ++i_13) {
-        tl::tma_store(dV_desc, (&(((bfloat16_t*)v_s)[(i_13 * 8192)])), (i_13 * 64), (((int)blockIdx.x) * 128), ((int)blockIdx.y), ((int)blockIdx.z));
+      for (int i_14 = 0; i_14 < 2; ++i_14) {
+        tl::tma_store(dV_desc, (&(((bfloat16_t*)v_s)[(i_14 * 8192)])), (i_14 * 64), (((int)blockIdx.x) * 128), ((int)blockIdx.y), ((int)blockIdx.z));
       }
       tl::tma_store_arrive();
       tl::tma_store_wait<0, true>();
       #pragma unroll
-      for (int i_14 = 0; i_14 < 2; ++i_14) {
-        tl::tma_store(dK_desc, (&(((bfloat16_t*)k_s)[(i_14 * 8192)])), (i_14 * 64), (((int)blockIdx.x) * 128), ((int)blockIdx.y), ((int)blockIdx.z));
+      for (int i_15 = 0; i_15 < 2; ++i_15) {
+        tl::tma_store(dK_desc, (&(((bfloat16_t*)k_s)[(i_15 * 8192)])), (i_15 * 64), (((int)blockIdx.x) * 128), ((int)blockIdx.y), ((int)blockIdx.z));
       }
       tl::tma_store_arrive();
       tl::tma_store_wait<0, true>();
