@@ -94,6 +94,7 @@ def main_bwd() -> None:
 
     from tilelang_ops import runtime
     from tilelang_ops.kernels import attention as K
+    from tilelang_ops.ops.attention import lse_rows
 
     from ._timing import bench, interleaved, table, write_json
 
@@ -103,8 +104,7 @@ def main_bwd() -> None:
         shape = f"{B}x{H}/{HK}x{S}x{D}"
         out, lse = torch.ops.tileops.flash_attn_with_lse(q, k, v, causal)
         dout = torch.randn_like(out)
-        sqp = (S + 3) // 4 * 4
-        delta, lse2 = (torch.empty(B, H, sqp, device="cuda") for _ in range(2))
+        delta, lse2 = (torch.empty(B, H, lse_rows(S), device="cuda") for _ in range(2))
         dq_acc = torch.empty(B, S, H, D, device="cuda")
         fns, names, checks, ref = [], [], [], None
         for cfg in [K.bwd_default_config(D, causal, arch)] + bwd_candidates(D):

@@ -58,18 +58,16 @@ def _jobs(quick: bool) -> list[tuple]:
         jobs.append(("prep_nodq", d, dt, False, 1, 0.0))
     for dt in ("bfloat16",) if quick else ("bfloat16", "float16"):
         jobs.append(("cast", 0, dt, False, 1, 0.0))
-    # forward configs run by config rather than by the op: the async-pipeline GPU tests and the
-    # candidates of benchmarks/sweep_attention.py
+    # kernels run by config rather than by the op: the async-pipeline GPU tests (forward and
+    # backward) and the candidates of benchmarks/sweep_attention.py (and its --bwd)
     from benchmarks.sweep_attention import jobs as sweep_jobs
 
-    extra = [] if quick else __import__("tests.test_attention", fromlist=["async_fwd_kernels"]).async_fwd_kernels()
-    for cfg, st in extra + sweep_jobs():
-        job = ("fwd", st["headdim"], st["dtype"], st["causal"], st["groups"], st["scale"], cfg)
-        if job not in jobs:
-            jobs.append(job)
-    # the same for the backward: the async-backward GPU tests, sweep_attention --bwd
-    extra = [] if quick else __import__("tests.test_attention", fromlist=["async_bwd_kernels"]).async_bwd_kernels()
-    for kind, cfg, st in extra + [("bwd_fused", c, s) for c, s in sweep_jobs(bwd=True)]:
+    by_config = [("fwd", c, s) for c, s in sweep_jobs()] + [("bwd_fused", c, s) for c, s in sweep_jobs(bwd=True)]
+    if not quick:
+        import tests.test_attention as t
+
+        by_config += [("fwd", c, s) for c, s in t.async_fwd_kernels()] + t.async_bwd_kernels()
+    for kind, cfg, st in by_config:
         job = (kind, st["headdim"], st["dtype"], st["causal"], st["groups"], st["scale"], cfg)
         if job not in jobs:
             jobs.append(job)

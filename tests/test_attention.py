@@ -427,6 +427,7 @@ def test_flash_bwd_async_pipelines_match_reference(shape, cfg, causal):
     may run with the config: the fused default path and the deterministic path's dK/dV kernel."""
     from tilelang_ops import runtime
     from tilelang_ops.kernels import attention as K
+    from tilelang_ops.ops.attention import lse_rows
 
     B, Sq, Sk, H, HK, D = shape
     dtype = torch.bfloat16
@@ -436,8 +437,7 @@ def test_flash_bwd_async_pipelines_match_reference(shape, cfg, causal):
     ref_out, ref_lse, ref_grads = _ref(q, k, v, causal, dout=dout)
     static = dict(headdim=D, dtype="bfloat16", causal=causal, groups=H // HK, scale=K.default_scale(D))
     config = K.BwdConfig(*cfg)
-    sqp = (Sq + 3) // 4 * 4
-    delta, lse2 = (torch.empty(B, H, sqp, device="cuda") for _ in range(2))
+    delta, lse2 = (torch.empty(B, H, lse_rows(Sq), device="cuda") for _ in range(2))
     dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
     fused = runtime.launcher(K.flash_bwd_fused_kernel.compile(config, "sm_90a", **static))
     fused(q, k, v, out, dout, lse, delta, lse2, torch.empty(q.shape, device="cuda"), dq, dk, dv)

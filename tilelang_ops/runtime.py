@@ -69,6 +69,11 @@ def sm_count(device) -> int:
 
 
 # Hopper warp specialization: a 128-thread TMA producer warpgroup beside the consumers.
+# Pass configs of a hand-synchronized producer/consumer pipeline (mbarriers and named barriers
+# order its threads): TileLang's storage-sync pass would add CTA-wide __syncthreads inside the
+# producer/consumer branches, which deadlock (the producer never reaches the consumers' barrier),
+# and the buffer-init check cannot see T.tma_copy's writes to the stages.
+HAND_SYNC_PASS_CONFIGS = {"tl.disable_thread_storage_sync": True, "tl.disable_buffer_init_check": True}
 PRODUCER_REGS = 24  # setmaxnreg of the producer warpgroup (TileLang's own choice)
 
 

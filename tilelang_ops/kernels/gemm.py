@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import tilelang.language as T
 
-from ..runtime import PRODUCER_REGS, kernel, warpgroup_regs
+from ..runtime import HAND_SYNC_PASS_CONFIGS, PRODUCER_REGS, kernel, warpgroup_regs
 
 DTYPES = ("float16", "bfloat16")
 PERSISTENT_CTAS = 132  # the "pingpong" grid by default: one CTA per SM of an H100 SXM / H200 (`ctas`)
@@ -66,11 +66,7 @@ class GemmConfig:
         return 90 if self.pipeline != "auto" else 0  # wgmma + TMA + setmaxnreg: no sm_80 form
 
     def pass_configs(self) -> dict:
-        # The async pipeline orders its threads with mbarriers and named barriers itself; the
-        # storage-sync pass would add CTA-wide __syncthreads inside the producer/consumer
-        # branches, which deadlock (the producer never reaches the consumers' barrier).
-        # (The buffer-init check cannot see T.tma_copy's writes to the stages either.)
-        return {"tl.disable_thread_storage_sync": True, "tl.disable_buffer_init_check": True} if self.pipeline != "auto" else {}
+        return HAND_SYNC_PASS_CONFIGS if self.pipeline != "auto" else {}
 
 
 # Defaults per (arch, shape class). The static dims (N, K; output rows for "tn") are baked into

@@ -180,6 +180,12 @@ def _fwd_runner(config, shape, dtype, device):
     return lambda: kern(q, k, v, out, lse)
 
 
+def lse_rows(sq: int) -> int:
+    """Rows of the preprocess's lse2/Delta buffers, (B, H, lse_rows(Sq)) fp32: Sq padded to a
+    multiple of 4, since TMA needs 16-byte global strides (the padding is written as 0)."""
+    return (sq + 3) // 4 * 4
+
+
 def _bwd_inputs(shape, dtype, device, prep: str):
     """q, k, v, static, dout and the prep kernel's delta/lse2 (and zeroed dQ accumulator when
     prep == "prep") for timing a backward kernel alone."""
@@ -187,7 +193,7 @@ def _bwd_inputs(shape, dtype, device, prep: str):
     out, lse = torch.ops.tileops.flash_attn_with_lse(q, k, v, static["causal"])
     dout = torch.randn_like(out)
     B, S, H, D = q.shape
-    delta = torch.empty(B, H, (S + 3) // 4 * 4, dtype=torch.float32, device=device)
+    delta = torch.empty(B, H, lse_rows(S), dtype=torch.float32, device=device)
     lse2 = torch.empty_like(delta)
     extra = (torch.empty(q.shape, dtype=torch.float32, device=device),) if prep == "prep" else ()
     _kernel(prep, dtype, device, D)(out, dout, lse, delta, lse2, *extra)
@@ -334,7 +340,7 @@ def _flash_bwd_cuda(dout, q, k, v, out, lse, causal=False, softmax_scale=None, d
         return q.new_zeros(q.shape), dk.zero_(), dv.zero_()
     dev, dtype, groups = q.device, q.dtype, H // HK
     dout = ready(dout)
-    sqp = (Sq + 3) // 4 * 4  # lse2/delta rows padded: TMA needs 16-byte global strides
+    sqp = lse_rows(Sq)
     delta = torch.empty(B, H, sqp, dtype=torch.float32, device=dev)
     lse2 = torch.empty(B, H, sqp, dtype=torch.float32, device=dev)
     # The flag is read when the backward runs (it is not in the schema): eager calls and
