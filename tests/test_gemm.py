@@ -518,7 +518,7 @@ def test_m_buckets_select_configs(monkeypatch):
 
 def test_pingpong_grid_is_the_device_sm_count(monkeypatch):
     """The persistent grid is one CTA per SM: the op compiles a ping-pong kernel for the device's
-    SM count when it is not the default 132 (an H100 PCIe has 114), and the kernel's grid is it."""
+    SM count (132 on an H200, 114 on an H100 PCIe), and the kernel's grid is it."""
     from tilelang_ops.kernels import gemm as K
 
     seen = []
@@ -530,14 +530,14 @@ def test_pingpong_grid_is_the_device_sm_count(monkeypatch):
     monkeypatch.setattr(G, "_kernels", {})
     monkeypatch.setattr(G, "TUNED", {})
     dev = torch.device("cuda", 0)
-    for sms, want in ((132, None), (114, 114)):
+    for sms in (132, 114):
         monkeypatch.setattr(G.runtime, "sm_count", lambda d, sms=sms: sms)
         G._kernels.clear()
         G._matmul_kernel(dev, "nt", 3072, 768, torch.bfloat16, bias=True, activation="gelu_tanh", m=16384)  # a ping-pong default
         G._matmul_kernel(dev, "nn", 8192, 8192, torch.bfloat16, m=16384)  # an auto default: never ctas
         (pp_cfg, pp_st), (auto_cfg, auto_st) = seen[-2:]
         assert pp_cfg.pipeline == "pingpong" and auto_cfg.pipeline == "auto"
-        assert pp_st.get("ctas") == want and "ctas" not in auto_st
+        assert pp_st.get("ctas") == sms and "ctas" not in auto_st
     monkeypatch.undo()  # the real compile
     src = K.matmul_kernel.source(K._PP, "sm_90a", layout="nn", n=3072, k=768, rows=0, dtype="bfloat16", batched=False, bias=False, activation="none", save_preact=False, ctas=114)
     assert "min((((M + 127) >> 7) * 24), 114)" in src

@@ -225,8 +225,8 @@ def matmul_kernel(
 ):
     """C = act(op(A) @ op(B) + bias), fp32 accumulation, output in `dtype`.
 
-    ctas: the "pingpong" pipeline's grid, one CTA per SM (the op passes the device's SM count
-    when it is not PERSISTENT_CTAS; other pipelines ignore it).
+    ctas: the "pingpong" pipeline's grid, one CTA per SM (the op passes the device's SM count;
+    other pipelines ignore it).
 
     Static: n (C columns), k (reduction for "nn"/"nt"), rows (C rows, "tn" only). Symbolic: M
     (C rows for "nn"/"nt"), K (reduction for "tn"), batch. Arguments in order:

@@ -159,9 +159,10 @@ def _matmul_kernel(device, layout, n, k, dtype, rows=0, batched=False, bias=Fals
             shape = (layout, rows, n, rep) if layout == "tn" else (layout, rep, n, k)
             cfg = tuning.resolve_config(TUNABLE, shape, dtype, device)
         static = dict(layout=layout, n=n, k=k, rows=rows, dtype=TL_DTYPE[dtype], batched=batched, bias=bias, activation=activation, save_preact=save_preact)
-        sms = runtime.sm_count(device) if cfg.pipeline == "pingpong" else K.PERSISTENT_CTAS
-        if sms != K.PERSISTENT_CTAS:
-            static["ctas"] = sms  # one CTA per SM: a wider grid would run in two waves
+        if cfg.pipeline == "pingpong":
+            # One CTA per SM: a wider grid would run in two waves. (A static the kernel does not
+            # change at its default leaves TileLang's disk cache key alone: that hashes the PrimFunc.)
+            static["ctas"] = runtime.sm_count(device)
         hit = _kernels[key] = (runtime.launcher(K.matmul_kernel.compile(cfg, arch, **static)), ("matmul", cfg, static))
     _last["matmul"] = hit[1]
     return hit[0]
