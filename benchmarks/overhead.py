@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import tilelang_ops  # noqa: F401
 from benchmarks._timing import host_us, table, write_json
 from tilelang_ops import runtime
-from tilelang_ops.ops import attention, elementwise, gemm, softmax
+from tilelang_ops.ops import attention, elementwise, gemm, norm, softmax
 
 CUDA = torch._C.DispatchKey.CUDA
 
@@ -36,6 +36,7 @@ def cases():
     q = torch.randn(1, 128, 8, 128, device=dev, dtype=bf)
     qt = q.transpose(1, 2)
     out, lse = ops.flash_attn_with_lse(q, q, q)
+    _, ln_mean, ln_rstd = ops.layer_norm(x, bias, bias)
     xr = x.detach().clone().requires_grad_()
     qr = q.detach().clone().requires_grad_()
     # (name, custom op, args, torch peer)
@@ -54,10 +55,13 @@ def cases():
     yield "flash_attn", attention.flash_attn, (q, q, q), lambda: F.scaled_dot_product_attention(qt, qt, qt)
     yield "flash_attn_with_lse", attention.flash_attn_with_lse, (q, q, q), None
     yield "flash_attn_backward", attention.flash_attn_backward, (g.new_empty(q.shape).normal_(), q, q, q, out, lse), None
+    yield "layer_norm", norm.layer_norm, (x, bias, bias), lambda: F.layer_norm(x, (1024,), bias, bias)
+    yield "layer_norm_backward", norm.layer_norm_backward, (g, x, bias, ln_mean, ln_rstd), lambda: torch.ops.aten.native_layer_norm_backward(g, x, (1024,), ln_mean, ln_rstd, bias, bias, [True, True, True])
     # with autograd recording: the forward a training step pays
     yield "softmax (grad)", softmax.softmax, (xr, -1), lambda: torch.softmax(xr, -1)
     yield "linear (grad)", gemm.linear, (xr, w, bias, "none"), lambda: F.linear(xr, w, bias)
     yield "flash_attn (grad)", attention.flash_attn, (qr, q, q), lambda: F.scaled_dot_product_attention(qr.transpose(1, 2), qt, qt)
+    yield "layer_norm (grad)", norm.layer_norm, (xr, bias, bias), lambda: F.layer_norm(xr, (1024,), bias, bias)
 
 
 class _Recorder:
@@ -78,7 +82,7 @@ class _Recorder:
 
 
 def _clear_op_caches() -> None:
-    for cache in (elementwise._kernels, gemm._kernels, softmax._plans, attention._kernels):
+    for cache in (elementwise._kernels, gemm._kernels, softmax._plans, attention._kernels, norm._kernels):
         cache.clear()
 
 

@@ -4,7 +4,9 @@ Modes (one model definition, one seeded init, one data order, so loss curves are
   torch            nn.Linear + GELU(tanh) + F.scaled_dot_product_attention, eager
   tileops          MLP up-projection -> tilelang_ops.nn.Linear(activation="gelu_tanh") (one fused
                    kernel, via tilelang_ops.nn.fuse_linear_activations), attention ->
-                   tilelang_ops.flash_attn; LayerNorm, embeddings, other Linears stay PyTorch
+                   tilelang_ops.flash_attn, LayerNorm -> tilelang_ops.nn.LayerNorm writing bf16
+                   (each feeds a Linear under bf16 autocast: the cast kernel goes away);
+                   embeddings and the other Linears stay PyTorch
   torch-compile    torch, then torch.compile(model, fullgraph=True)
   tileops-compile  tileops, then torch.compile(model, fullgraph=True)
 
@@ -128,7 +130,9 @@ def to_tileops(model: GPT) -> None:
     """Swap in tilelang_ops in place; the parameters are the same objects, so the init is unchanged.
 
     Only where fusion saves memory traffic: Linear+GELU becomes one kernel (no separate GELU pass
-    over the 4*dim activations) and attention never materialises S x S scores. The other
+    over the 4*dim activations), attention never materialises S x S scores, and each LayerNorm
+    reads the fp32 residual stream and writes the bf16 its Linear takes under autocast (one
+    kernel instead of layer_norm + cast; its backward reads the bf16 gradient directly). The other
     Linears are plain GEMMs at d=768 (K=768), a shape where cuBLAS is faster than our kernel
     (docs/benchmarks.md: 16384x3072x768 at 0.85x cuBLAS), so they stay nn.Linear.
     """
@@ -136,6 +140,9 @@ def to_tileops(model: GPT) -> None:
     assert len(report.fused) == len(model.blocks), str(report)
     for blk in model.blocks:
         blk.attn.use_flash = True
+        blk.ln1 = tilelang_ops.nn.LayerNorm.from_layer_norm(blk.ln1, out_dtype=torch.bfloat16)
+        blk.ln2 = tilelang_ops.nn.LayerNorm.from_layer_norm(blk.ln2, out_dtype=torch.bfloat16)
+    model.ln_f = tilelang_ops.nn.LayerNorm.from_layer_norm(model.ln_f, out_dtype=torch.bfloat16)
 
 
 # ---------------------------------------------------------------- training

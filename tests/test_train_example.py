@@ -11,6 +11,7 @@ import math
 import pathlib
 
 import pytest
+import torch
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("train_gpt", ROOT / "examples" / "train_gpt.py")
@@ -65,6 +66,8 @@ def test_tileops_swap_uses_the_ops():
 
     assert all(isinstance(b.mlp[0], tilelang_ops.nn.Linear) and b.mlp[0].activation == "gelu_tanh" for b in model.blocks)
     assert all(b.attn.use_flash for b in model.blocks)
+    lns = [m for b in model.blocks for m in (b.ln1, b.ln2)] + [model.ln_f]
+    assert all(isinstance(m, tilelang_ops.nn.LayerNorm) and m.out_dtype is torch.bfloat16 for m in lns)
     assert {n: p for n, p in model.named_parameters()} == before  # same parameter objects: same init
 
 

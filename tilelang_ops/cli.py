@@ -84,13 +84,15 @@ def _rows_table(rows, header) -> str:
     return "\n".join([fmt.format(*header), fmt.format(*("-" * w for w in widths))] + [fmt.format(*r) for r in rows])
 
 
-def _check_ops(device: str) -> tuple[list, bool]:
+def _check_ops(device: str, only=None) -> tuple[list, bool]:
     import torch
 
     from .ops import ALL_OPS
 
     rows, ok = [], True
     for case in ALL_OPS:
+        if only and case.name not in only:
+            continue
         for dtype in case.dtypes:
             for shape in case.shapes:
                 try:
@@ -114,12 +116,16 @@ def cmd_check(args) -> int:
     import tilelang_ops  # noqa: F401  (registers the ops)
 
     from . import runtime
-    from .ops import all_kernels
+    from .ops import ALL_OPS, all_kernels
 
+    unknown = set(args.op or ()) - {c.name for c in ALL_OPS}
+    if unknown:
+        print(f"tileops check: unknown --op {', '.join(sorted(unknown))}; ops: {', '.join(c.name for c in ALL_OPS)}", file=sys.stderr)
+        return 2
     if torch.cuda.is_available():
         dev = torch.cuda.current_device()
         print(f"device: {torch.cuda.get_device_name(dev)} ({runtime.arch_for_device(dev)}); torch {torch.__version__}; tilelang {runtime.tilelang_version()}")
-        rows, ok = _check_ops("cuda")
+        rows, ok = _check_ops("cuda", args.op)
         print(_rows_table(rows, ("op", "shape", "dtype", "max err", "verdict")))
         print("all kernels ran and matched the reference." if ok else "FAILED: see the table above.")
         return 0 if ok else 1
@@ -226,6 +232,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="tileops", description="tilelang_ops: TileLang kernels as PyTorch ops")
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("check", help="run every op against the reference (GPU) or compile every kernel (no GPU)")
+    p.add_argument("--op", action="append", help="on a GPU, check only this op (repeatable; names as in the table)")
     p.set_defaults(func=cmd_check)
     p = sub.add_parser("export", help="write the generated CUDA source of every shipped kernel")
     p.add_argument("--check", action="store_true", help="fail if the directory is stale instead of writing")

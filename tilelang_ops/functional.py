@@ -195,3 +195,38 @@ def scaled_dot_product_attention(
         )
     out = torch.ops.tileops.flash_attn(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), is_causal, scale)
     return out.transpose(1, 2)
+
+
+def layer_norm(
+    x: torch.Tensor,
+    normalized_shape,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``F.layer_norm(x, normalized_shape, weight, bias, eps)`` in one kernel, optionally writing
+    its output in another dtype.
+
+    Args:
+        x: (..., *normalized_shape), float32 / float16 / bfloat16.
+        normalized_shape: int or tuple, the trailing dims normalized over (flattened into one; a
+            non-contiguous x is copied). Rows up to 16384 elements on CUDA.
+        weight, bias: normalized_shape-shaped, x's dtype or float32, or None.
+        eps: added to the (biased) variance.
+        out_dtype: dtype of the result (None: x's). E.g. ``torch.bfloat16`` for an fp32 residual
+            stream that feeds a Linear under bf16 autocast: the Linear would cast it anyway, so
+            the result is the same and the separate cast kernel is gone.
+
+    Returns:
+        Tensor of x's shape. Math in float32; differentiable in x, weight and bias (backward: one
+        host call, deterministic). Autocast does not change this op's dtypes.
+    """
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    if not shape or tuple(x.shape[x.dim() - len(shape):]) != shape:
+        raise ValueError(f"normalized_shape: {shape} does not match the trailing dims of x's shape {tuple(x.shape)}")
+    if len(shape) == 1:
+        return torch.ops.tileops.layer_norm(x, weight, bias, eps, out_dtype)[0]
+    flat = lambda t: None if t is None else t.reshape(-1)  # noqa: E731
+    y = torch.ops.tileops.layer_norm(x.reshape(*x.shape[: x.dim() - len(shape)], -1), flat(weight), flat(bias), eps, out_dtype)[0]
+    return y.view(x.shape)

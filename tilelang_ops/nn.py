@@ -166,3 +166,36 @@ class LogSoftmax(torch.nn.LogSoftmax):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _F.log_softmax(x, self.dim)
+
+
+# ---------------------------------------------------------------- LayerNorm
+
+
+class LayerNorm(torch.nn.LayerNorm):
+    """Drop-in for ``torch.nn.LayerNorm`` running ``tilelang_ops.functional.layer_norm``.
+
+    Same constructor, parameters and state_dict keys. ``out_dtype`` (default None: x's dtype, as
+    ``nn.LayerNorm`` outside autocast) writes the output in another dtype: ``torch.bfloat16`` for
+    an fp32 residual stream feeding a Linear under bf16 autocast saves the cast kernel (the Linear
+    would cast to the same values).
+    """
+
+    def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True,
+                 device=None, dtype=None, out_dtype: torch.dtype | None = None) -> None:
+        super().__init__(normalized_shape, eps, elementwise_affine, bias, device, dtype)
+        self.out_dtype = out_dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps, self.out_dtype)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (f", out_dtype={self.out_dtype}" if self.out_dtype is not None else "")
+
+    @classmethod
+    def from_layer_norm(cls, ln: torch.nn.LayerNorm, out_dtype: torch.dtype | None = None) -> "LayerNorm":
+        """A module sharing `ln`'s parameters (no copy)."""
+        new = cls.__new__(cls)
+        torch.nn.Module.__init__(new)
+        new.normalized_shape, new.eps, new.elementwise_affine = ln.normalized_shape, ln.eps, ln.elementwise_affine
+        new.weight, new.bias, new.out_dtype = ln.weight, ln.bias, out_dtype
+        return new

@@ -197,3 +197,40 @@ def softmax_backward(grad: torch.Tensor, y: torch.Tensor, dim: int) -> torch.Ten
 def log_softmax_backward(grad: torch.Tensor, y: torch.Tensor, dim: int) -> torch.Tensor:
     g, yf = grad.float(), y.float()
     return (g - yf.exp() * g.sum(dim, keepdim=True)).to(y.dtype).contiguous()
+
+
+# ---------------------------------------------------------------- layer_norm
+# Max error vs a float64 reference: y is O(1) after normalization, so one rounding to the output
+# dtype dominates (bf16 2^-8, fp16 2^-11); fp32 adds the row sums' ~sqrt(n) * 2^-24.
+LAYER_NORM_ATOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+LAYER_NORM_RTOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def layer_norm(x, weight, bias, eps: float, out_dtype=None):
+    """(y in out_dtype or x.dtype, mean, rstd) over the last dim, float32 math (as the kernels)."""
+    xf = x.float()
+    mean = xf.mean(-1) if x.shape[-1] else torch.full(x.shape[:-1], float("nan"), device=x.device)
+    var = (xf - mean.unsqueeze(-1)).square().mean(-1) if x.shape[-1] else mean.clone()
+    rstd = torch.rsqrt(var + eps)
+    y = (xf - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)
+    if weight is not None:
+        y = y * weight.float()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype or x.dtype).contiguous(), mean.contiguous(), rstd.contiguous()
+
+
+def layer_norm_backward(dy, x, weight, mean, rstd):
+    """(dx in x.dtype, dweight, dbias in weight's dtype or x's): float32 math."""
+    n = x.shape[-1]
+    xhat = (x.float() - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)
+    dyf = dy.float()
+    g = dyf * weight.float() if weight is not None else dyf
+    c1 = (g * xhat).mean(-1, keepdim=True) if n else g.sum(-1, keepdim=True)
+    c2 = g.mean(-1, keepdim=True) if n else g.sum(-1, keepdim=True)
+    dx = rstd.unsqueeze(-1) * (g - xhat * c1 - c2)
+    wdtype = x.dtype if weight is None else weight.dtype
+    lead = tuple(range(x.dim() - 1))
+    dw = (dyf * xhat).sum(lead) if lead else dyf * xhat
+    db = dyf.sum(lead) if lead else dyf
+    return dx.to(x.dtype).contiguous(), dw.to(wdtype).contiguous(), db.to(wdtype).contiguous()

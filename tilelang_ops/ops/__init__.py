@@ -15,6 +15,7 @@ from . import elementwise
 from . import gemm
 from . import attention
 from . import softmax
+from . import norm
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,17 @@ ALL_OPS = [
         atol=reference.LOG_SOFTMAX_ATOL,
         rtol=reference.LOG_SOFTMAX_RTOL,
     ),
+    # layer_norm: shapes are (M, n); each distinct n is a compiled kernel (M is symbolic).
+    OpCase(
+        "layer_norm",
+        lambda x, w, b: torch.ops.tileops.layer_norm(x, w, b)[0],
+        lambda s, dt, dev: (torch.randn(s, dtype=dt, device=dev) * 2 + 1, torch.randn(s[-1], dtype=dt, device=dev), torch.randn(s[-1], dtype=dt, device=dev)),
+        lambda x, w, b: torch.nn.functional.layer_norm(x.double(), x.shape[-1:], w.double(), b.double()),
+        shapes=((1, 1), (17, 768), (4, 4097), (1000, 4096)),  # one element; GPT-2 width; odd n; Llama width
+        dtypes=norm.DTYPES,
+        atol=reference.LAYER_NORM_ATOL,
+        rtol=reference.LAYER_NORM_RTOL,
+    ),
 ]
 
 
@@ -114,7 +126,7 @@ ALL_OPS = [
 TUNABLES = {t.op: t for t in [elementwise.TUNABLE, gemm.TUNABLE, attention.TUNABLES["fwd"], attention.TUNABLES["bwd"], attention.TUNABLES["dq"], *softmax.TUNABLES.values()]}
 
 # Kernel families whose REPRESENTATIVE lists `tileops export` / `tileops check` compile.
-KERNEL_FAMILIES = ["elementwise", "gemm", "attention", "softmax"]
+KERNEL_FAMILIES = ["elementwise", "gemm", "attention", "softmax", "norm"]
 
 
 def all_kernels():

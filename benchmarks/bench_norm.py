@@ -1,0 +1,164 @@
+"""LayerNorm forward and backward vs the copy-bandwidth ceiling, eager torch and torch.compile.
+
+    python -m benchmarks.bench_norm            # the table (~1 min on an H200)
+    python -m benchmarks.bench_norm --sweep    # also time the fitting search-space configs
+
+Cases (M rows of n, x dtype -> output dtype): the training example's fp32 residual stream into
+bf16 under autocast (eager PyTorch: `layer_norm` in fp32, then the cast kernel; its backward casts
+dy back to fp32 first), and 16-bit models' rows. Bytes moved: forward reads x, writes y (+ 8 bytes
+per row of statistics); backward reads dy and x, writes dx. The ceiling is `out.copy_(x)` on the
+forward's read size; "% copy" is our TB/s over copy's. L2 is flushed before every timed run.
+Peers in the same run, taking turns: eager PyTorch and `torch.compile` of the same math (inductor
+fuses the normalization and the cast; its backward is timed through the compiled forward+backward
+minus its forward).
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+import tilelang_ops  # noqa: F401  (registers torch.ops.tileops.*)
+
+from ._timing import bench, interleaved, table, write_json
+
+BF, F32 = torch.bfloat16, torch.float32
+# (M, n, x dtype, output dtype)
+CASES = [
+    (16384, 768, F32, BF),  # GPT-2 small, batch 16 x 1024, fp32 residual stream under bf16 autocast
+    (16384, 768, BF, BF),
+    (16384, 4096, BF, BF),  # Llama-7B width
+    (8192, 8192, BF, BF),
+    (65536, 1024, F32, F32),
+]
+
+
+def _tbps(nbytes: int, ms: float) -> float:
+    return nbytes / (ms * 1e-3) / 1e12
+
+
+def _eager_fwd(x, w, b, od):
+    y = F.layer_norm(x, x.shape[-1:], w, b)
+    return y if y.dtype == od else y.to(od)
+
+
+def _eager_bwd(dy, x, w, b, mean, rstd):
+    # what autograd runs for layer_norm(+ cast): dy back to x's dtype, then aten's backward
+    return torch.ops.aten.native_layer_norm_backward(dy.to(x.dtype), x, x.shape[-1:], mean, rstd, w, b, [True, True, True])
+
+
+def _compiled(fn):
+    torch._dynamo.reset()
+    return torch.compile(fn, dynamic=False, fullgraph=True)
+
+
+def run_case(m: int, n: int, dt: torch.dtype, od: torch.dtype, with_compiled: bool) -> list[dict]:
+    x = torch.randn(m, n, device="cuda", dtype=dt) * 2 + 0.5
+    w = torch.randn(n, device="cuda", dtype=dt)
+    b = torch.randn(n, device="cuda", dtype=dt)
+    dy = torch.randn(m, n, device="cuda", dtype=od)
+    es, eo = x.element_size(), torch.finfo(od).bits // 8
+    fwd_bytes = m * n * (es + eo) + 8 * m
+    bwd_bytes = m * n * (eo + 2 * es) + 8 * m
+    out = torch.empty_like(x)
+    timer = lambda fn: bench(fn, flush_l2=True)  # noqa: E731
+    label = f"{m}x{n} {str(dt)[6:]}->{str(od)[6:]}"
+
+    fns = [lambda: out.copy_(x), lambda: torch.ops.tileops.layer_norm(x, w, b, 1e-5, od), lambda: _eager_fwd(x, w, b, od)]
+    if with_compiled:
+        cf = _compiled(lambda x, w, b: _eager_fwd(x, w, b, od))
+        fns.append(lambda: cf(x, w, b))
+    copy_ms, ours, eager, *comp = interleaved(timer, fns)
+    copy_bw = _tbps(2 * m * n * es, copy_ms)
+    rows = [_row(label, "fwd", fwd_bytes, copy_bw, ours, eager, comp[0] if comp else None)]
+
+    _, mean, rstd = torch.ops.tileops.layer_norm(x, w, b, 1e-5, od)
+    fns = [lambda: torch.ops.tileops.layer_norm_backward(dy, x, w, mean, rstd), lambda: _eager_bwd(dy, x, w, b, mean, rstd)]
+    comp_bwd = None
+    if with_compiled:
+        xs, ws, bs = (t.detach().clone().requires_grad_() for t in (x, w, b))
+        cf = _compiled(lambda x, w, b: _eager_fwd(x, w, b, od))
+
+        def step():  # compiled forward + backward (AOT autograd's fused kernels)
+            xs.grad = ws.grad = bs.grad = None
+            cf(xs, ws, bs).backward(dy)
+
+        fns.append(step)
+    ours, eager, *comp = interleaved(timer, fns)
+    if comp:  # compiled forward+backward minus its forward: the backward's share
+        comp_bwd = max(comp[0] - rows[0]["compiled ms"], 1e-6) if rows[0]["compiled ms"] else None
+    rows.append(_row(label, "bwd", bwd_bytes, copy_bw, ours, eager, comp_bwd))
+    return rows
+
+
+def _row(label, direction, nbytes, copy_bw, ours, eager, comp) -> dict:
+    bw = _tbps(nbytes, ours)
+    return {
+        "case": label, "dir": direction, "copy TB/s": copy_bw, "ours TB/s": bw, "% copy": 100 * bw / copy_bw,
+        "ours ms": ours, "torch TB/s": _tbps(nbytes, eager), "compiled TB/s": _tbps(nbytes, comp) if comp else None,
+        "x torch": eager / ours, "x compiled": comp / ours if comp else None, "compiled ms": comp,
+    }
+
+
+def sweep_case(m: int, n: int, dt: torch.dtype, od: torch.dtype) -> list[dict]:
+    """Every fitting search-space config, forward (ctas_per_sm does not apply) and backward."""
+    from tilelang_ops import runtime
+    from tilelang_ops.kernels import norm as K
+    from tilelang_ops.ops._checks import TL_DTYPE
+
+    arch, dev = runtime.arch_for_device(0), torch.device("cuda", 0)
+    x = torch.randn(m, n, device="cuda", dtype=dt)
+    w = torch.randn(n, device="cuda", dtype=dt)
+    y = torch.empty(m, n, device="cuda", dtype=od)
+    dx, dy = torch.empty_like(x), torch.randn_like(y)
+    mean, rstd = torch.empty(m, device="cuda"), torch.empty(m, device="cuda")
+    default = K.default_config(n, TL_DTYPE[dt])
+    rows = []
+    for cfg in sweep_configs(n, TL_DTYPE[dt]):
+        st = dict(n=n, dtype=TL_DTYPE[dt], wdtype=TL_DTYPE[dt])
+        name = runtime.config_str(cfg) + (" *" if cfg == default else "")
+        if cfg.ctas_per_sm == default.ctas_per_sm:
+            f = runtime.launcher(K.layer_norm_fwd.compile(cfg, arch, odtype=TL_DTYPE[od], eps=1e-5, **st))
+            ms = bench(lambda: f(x, w, w, y, mean, rstd), flush_l2=True)
+            rows.append({"case": f"{m}x{n}", "dir": "fwd", "config": name, "TB/s": _tbps(m * n * (x.element_size() + y.element_size()), ms)})
+        g = runtime.launcher(K.layer_norm_bwd.compile(cfg, arch, dydtype=TL_DTYPE[od], **st))
+        grid = min(runtime.sm_count(dev) * cfg.ctas_per_sm, -(-m // cfg.block_m))
+        parts, dw, db = torch.empty(2, grid, n, device="cuda"), torch.empty_like(w), torch.empty_like(w)
+        ms = bench(lambda: g(dy, x, w, mean, rstd, dx, parts, dw, db), flush_l2=True)
+        rows.append({"case": f"{m}x{n}", "dir": "bwd", "config": name, "TB/s": _tbps(m * n * (2 * x.element_size() + dy.element_size()), ms)})
+    return rows
+
+
+def sweep_configs(n: int, dtype: str) -> list:
+    """What --sweep times (the cache-warming script compiles the same list)."""
+    from tilelang_ops.kernels import norm as K
+
+    return [c for c in K.search_space(n, dtype) if c.ctas_per_sm in (2, 4)]
+
+
+SWEEP_CASES = [(16384, 768, F32, BF), (16384, 4096, BF, BF)]
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--sweep", action="store_true", help="also time the search-space configs of SWEEP_CASES")
+    p.add_argument("--no-compiled", action="store_true", help="skip the torch.compile baseline")
+    args = p.parse_args(argv)
+    t0 = time.time()
+    rows = []
+    for case in CASES:
+        rows += run_case(*case, not args.no_compiled)
+        print(f"  {case[:2]} done ({time.time() - t0:.0f} s)", flush=True)
+    extra = {}
+    if args.sweep:
+        sweep = [r for case in SWEEP_CASES for r in sweep_case(*case)]
+        extra["sweep"] = sweep
+        print(table(sweep, ["case", "dir", "config", "TB/s"]))
+    print("JSON:", write_json("bench_norm", rows, extra))
+    print(table(rows, ["case", "dir", "copy TB/s", "ours TB/s", "% copy", "torch TB/s", "compiled TB/s", "x torch", "x compiled"]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,245 @@
+"""LayerNorm over the last dim of an (M, n) tensor, forward and backward.
+
+M (rows) is symbolic: one compiled kernel per (n, dtypes, eps, config) serves every batch. A row
+lives in registers: a CTA takes `block_m` rows at a time, `threads // block_m` lanes per row, each
+lane `vec` contiguous elements (16 bytes of x) per access, `k` accesses per row. Rows are padded in
+registers to k * lanes * vec with zeros, so any n compiles; padded lanes are masked out of every
+sum and store.
+
+* forward: one read of x, one write of y (in `odtype`: e.g. bf16 from an fp32 residual stream,
+  the cast a following Linear under autocast would do anyway) and of the per-row mean and
+  1/std (fp32). mean and variance are exact two-pass sums over the row held in registers.
+* backward: `grid` CTAs (a few per SM) walk the row blocks, each reading dy, x once and writing
+  dx; g = dy * w, xhat = (x - mean) * rstd, dx = rstd * (g - mean(g * xhat) * xhat - mean(g)).
+  Each CTA keeps its dw (= sum dy * xhat) and db (= sum dy) column sums in registers across the
+  rows it visits, folds its row slots through shared memory and writes one fp32 partial row per
+  CTA; a second kernel of the same prim_func (one host call) folds the grid's partials in a fixed
+  order: deterministic, no atomics, 2 * grid * n * 4 bytes of extra traffic (~1% at n=768).
+
+All math in fp32.
+"""
+
+from dataclasses import dataclass
+
+import tilelang.language as T
+
+from ..runtime import kernel
+
+DTYPES = ("float32", "float16", "bfloat16")
+_ACC = "float32"
+_ESIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+MAX_N = 16384  # longest row held in registers (fp32: 16 values per thread per array at 1024 threads)
+_PER_THREAD = 16  # values per thread per row array: the backward holds four such arrays
+
+
+@dataclass(frozen=True)
+class NormConfig:
+    block_m: int = 8  # rows per CTA step; threads // block_m lanes share a row
+    threads: int = 256
+    ctas_per_sm: int = 4  # backward: the grid is SMs * this (one dw/db partial row per CTA)
+
+
+def vec_width(n: int, dtype: str) -> int:
+    """Elements per 16-byte access of x, shrunk to a power of two dividing n (rows stay aligned)."""
+    v = 16 // _ESIZE[dtype]
+    while n % v:
+        v //= 2
+    return v
+
+
+def row_tile(config: NormConfig, n: int, dtype: str) -> tuple[int, int]:
+    """(k, w): a row is k slices of w = lanes * vec elements, slice kk at kk * w."""
+    w = max(config.threads // config.block_m, 1) * vec_width(n, dtype)
+    return -(-n // w), w
+
+
+def default_config(n: int, dtype: str) -> NormConfig:
+    """A warp per row while a lane holds <= _PER_THREAD values of it; longer rows take more lanes
+    (a CTA-wide reduction), up to 1024 threads per row."""
+    vec = vec_width(n, dtype)
+    lanes = 32
+    while lanes < 1024 and -(-n // (lanes * vec)) * vec > _PER_THREAD:
+        lanes *= 2
+    threads = max(lanes, 256)
+    return NormConfig(block_m=threads // lanes, threads=threads)
+
+
+SEARCH_SPACE = [NormConfig(b, t, c) for t in (128, 256, 512) for b in (1, 2, 4, 8, 16) if b <= t // 32 for c in (1, 2, 4)]
+
+
+def fits(config: NormConfig, n: int, dtype: str) -> bool:
+    """Whether `config` holds rows of n in registers without idle lanes (a warp per row at least)."""
+    k, w = row_tile(config, n, dtype)
+    lanes = config.threads // config.block_m
+    return lanes >= 32 and (lanes == 32 or w < 2 * n) and k * vec_width(n, dtype) <= 2 * _PER_THREAD
+
+
+def search_space(n: int, dtype: str) -> list[NormConfig]:
+    return [c for c in SEARCH_SPACE if fits(c, n, dtype)]
+
+
+# ---------------------------------------------------------------------------------------------
+# forward
+# ---------------------------------------------------------------------------------------------
+@kernel("norm", "layer_norm_fwd")
+def layer_norm_fwd(config: NormConfig, n: int, dtype: str, wdtype: str, odtype: str, eps: float):
+    """Y = (X - mean) * rstd * W + B; Mean, Rstd per row (fp32)."""
+    M = T.dynamic("M")
+    bm, threads = config.block_m, config.threads
+    k, w = row_tile(config, n, dtype)
+
+    @T.prim_func
+    def fwd(
+        X: T.Tensor((M, n), dtype), W: T.Tensor((n,), wdtype), B: T.Tensor((n,), wdtype),
+        Y: T.Tensor((M, n), odtype), Mean: T.Tensor((M,), _ACC), Rstd: T.Tensor((M,), _ACC),
+    ):
+        with T.Kernel(T.ceildiv(M, bm), threads=threads) as bx:
+            x = T.alloc_fragment((k, bm, w), _ACC)
+            part = T.alloc_fragment((bm, w), _ACC)
+            mu = T.alloc_fragment((bm,), _ACC)
+            rs = T.alloc_fragment((bm,), _ACC)
+            for kk, i, j in T.Parallel(k, bm, w):  # reads bm * n
+                x[kk, i, j] = T.if_then_else((bx * bm + i < M) and (kk * w + j < n), T.Cast(_ACC, X[bx * bm + i, kk * w + j]), 0.0)
+            T.reduce_sum(x, part, dim=0)
+            T.reduce_sum(part, mu, dim=1)
+            for i in T.Parallel(bm):
+                mu[i] = mu[i] * (1.0 / n)
+            for kk, i, j in T.Parallel(k, bm, w):  # centred; padding stays 0 for the variance
+                x[kk, i, j] = T.if_then_else(kk * w + j < n, x[kk, i, j] - mu[i], 0.0)
+            _row_sq_sum(x, part, rs, k, w)
+            for i in T.Parallel(bm):
+                rs[i] = T.rsqrt(rs[i] * (1.0 / n) + eps)
+            for kk, i, j in T.Parallel(k, bm, w):  # writes bm * n
+                if (bx * bm + i < M) and (kk * w + j < n):
+                    Y[bx * bm + i, kk * w + j] = T.Cast(
+                        odtype, x[kk, i, j] * rs[i] * T.Cast(_ACC, W[kk * w + j]) + T.Cast(_ACC, B[kk * w + j])
+                    )
+            for i in T.Parallel(bm):
+                if bx * bm + i < M:
+                    Mean[bx * bm + i] = mu[i]
+                    Rstd[bx * bm + i] = rs[i]
+
+    return fwd
+
+
+@T.macro
+def _row_sq_sum(x, part, out, k: int, w: int):
+    """out[i] = sum over the row of x^2: each lane's squares first (no k-sized temporary), then
+    one reduction per row."""
+    T.clear(part)
+    for i, j in T.Parallel(part.shape[0], w):
+        for kk in T.serial(k):
+            part[i, j] = part[i, j] + x[kk, i, j] * x[kk, i, j]
+    T.reduce_sum(part, out, dim=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# backward
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class FoldConfig:
+    block_rows: int = 32  # partial rows folded per step
+    block_n: int = 128
+    threads: int = 256
+
+
+@T.macro
+def _fold_rows(acc, red, col, P, t: int, bx, n: int, k: int, bm: int, w: int):
+    """P[t, bx, :] = acc summed over its bm row slots (a fixed order)."""
+    for kk, i, j in T.Parallel(k, bm, w):
+        red[kk, i, j] = acc[kk, i, j]
+    T.clear(col)
+    for kk, j in T.Parallel(k, w):
+        for i in T.serial(bm):
+            col[kk, j] = col[kk, j] + red[kk, i, j]
+    for kk, j in T.Parallel(k, w):
+        if kk * w + j < n:
+            P[t, bx, kk * w + j] = col[kk, j]
+
+
+@kernel("norm", "layer_norm_bwd")
+def layer_norm_bwd(config: NormConfig, n: int, dtype: str, wdtype: str, dydtype: str):
+    """DX from DY, X, W, Mean, Rstd; DW, DB through per-CTA partials P[0] (dw), P[1] (db)."""
+    M = T.dynamic("M")
+    G = T.dynamic("G")  # CTAs of the row pass = partial rows; the op sizes P (2, G, n)
+    bm, threads = config.block_m, config.threads
+    k, w = row_tile(config, n, dtype)
+    fold = FoldConfig()
+    rb, fbn = fold.block_rows, fold.block_n
+
+    @T.prim_func
+    def bwd(
+        DY: T.Tensor((M, n), dydtype), X: T.Tensor((M, n), dtype), W: T.Tensor((n,), wdtype),
+        Mean: T.Tensor((M,), _ACC), Rstd: T.Tensor((M,), _ACC),
+        DX: T.Tensor((M, n), dtype), P: T.Tensor((2, G, n), _ACC), DW: T.Tensor((n,), wdtype), DB: T.Tensor((n,), wdtype),
+    ):
+        with T.Kernel(G, threads=threads) as bx:
+            x = T.alloc_fragment((k, bm, w), _ACC)
+            g = T.alloc_fragment((k, bm, w), _ACC)
+            dw = T.alloc_fragment((k, bm, w), _ACC)
+            db = T.alloc_fragment((k, bm, w), _ACC)
+            part = T.alloc_fragment((bm, w), _ACC)
+            c1 = T.alloc_fragment((bm,), _ACC)
+            c2 = T.alloc_fragment((bm,), _ACC)
+            mu = T.alloc_fragment((bm,), _ACC)
+            rs = T.alloc_fragment((bm,), _ACC)
+            red = T.alloc_shared((k, bm, w), _ACC)
+            col = T.alloc_fragment((k, w), _ACC)
+            T.clear(dw)
+            T.clear(db)
+            for it in T.serial(T.ceildiv(T.ceildiv(M, bm) - bx, G)):
+                r0 = (bx + it * G) * bm
+                for i in T.Parallel(bm):
+                    mu[i] = T.if_then_else(r0 + i < M, Mean[r0 + i], 0.0)
+                    rs[i] = T.if_then_else(r0 + i < M, Rstd[r0 + i], 0.0)
+                # One load per loop: with two in one loop TileLang vectorizes them to 8 bytes.
+                for kk, i, j in T.Parallel(k, bm, w):
+                    g[kk, i, j] = T.if_then_else((r0 + i < M) and (kk * w + j < n), T.Cast(_ACC, DY[r0 + i, kk * w + j]), 0.0)
+                for kk, i, j in T.Parallel(k, bm, w):
+                    x[kk, i, j] = T.if_then_else((r0 + i < M) and (kk * w + j < n), T.Cast(_ACC, X[r0 + i, kk * w + j]), 0.0)
+                for kk, i, j in T.Parallel(k, bm, w):
+                    x[kk, i, j] = (x[kk, i, j] - mu[i]) * rs[i]  # xhat (rows past M: dy = 0 below)
+                    db[kk, i, j] = db[kk, i, j] + g[kk, i, j]
+                    dw[kk, i, j] = dw[kk, i, j] + g[kk, i, j] * x[kk, i, j]
+                    g[kk, i, j] = g[kk, i, j] * T.if_then_else(kk * w + j < n, T.Cast(_ACC, W[kk * w + j]), 0.0)
+                T.reduce_sum(g, part, dim=0)
+                T.reduce_sum(part, c2, dim=1)
+                T.clear(part)
+                for i, j in T.Parallel(bm, w):
+                    for kk in T.serial(k):
+                        part[i, j] = part[i, j] + g[kk, i, j] * x[kk, i, j]
+                T.reduce_sum(part, c1, dim=1)
+                for kk, i, j in T.Parallel(k, bm, w):  # writes bm * n
+                    if (r0 + i < M) and (kk * w + j < n):
+                        DX[r0 + i, kk * w + j] = T.Cast(dtype, rs[i] * (g[kk, i, j] - (x[kk, i, j] * c1[i] + c2[i]) * (1.0 / n)))
+            # Fold the CTA's bm row slots through shared memory: one partial row per CTA.
+            _fold_rows(dw, red, col, P, 0, bx, n, k, bm, w)
+            _fold_rows(db, red, col, P, 1, bx, n, k, bm, w)
+
+        with T.Kernel(T.ceildiv(n, fbn), 2, threads=fold.threads) as (bx, by):
+            acc = T.alloc_fragment((rb, fbn), _ACC)
+            total = T.alloc_fragment((fbn,), _ACC)
+            T.clear(acc)
+            for it in T.serial(T.ceildiv(G, rb)):
+                for i, j in T.Parallel(rb, fbn):
+                    acc[i, j] += T.if_then_else((it * rb + i < G) and (bx * fbn + j < n), P[by, it * rb + i, bx * fbn + j], 0.0)
+            T.reduce_sum(acc, total, dim=0)
+            for j in T.Parallel(fbn):
+                if bx * fbn + j < n:
+                    if by == 0:
+                        DW[bx * fbn + j] = T.Cast(wdtype, total[j])
+                    else:
+                        DB[bx * fbn + j] = T.Cast(wdtype, total[j])
+
+    return bwd
+
+
+# (kernel, config, static) that `tileops export` writes and `tileops check` / the compile tests
+# build: GPT-2's width from an fp32 residual stream into bf16 (the training example), and a
+# 16-bit model's row at Llama width.
+REPRESENTATIVE = [
+    (layer_norm_fwd, default_config(768, "float32"), dict(n=768, dtype="float32", wdtype="float32", odtype="bfloat16", eps=1e-5)),
+    (layer_norm_bwd, default_config(768, "float32"), dict(n=768, dtype="float32", wdtype="float32", dydtype="bfloat16")),
+    (layer_norm_fwd, default_config(4096, "bfloat16"), dict(n=4096, dtype="bfloat16", wdtype="bfloat16", odtype="bfloat16", eps=1e-5)),
+    (layer_norm_bwd, default_config(4096, "bfloat16"), dict(n=4096, dtype="bfloat16", wdtype="bfloat16", dydtype="bfloat16")),
+]
