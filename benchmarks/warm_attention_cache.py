@@ -96,10 +96,16 @@ def main(argv=None) -> int:
     p.add_argument("-j", type=int, default=1, help="parallel compiles")
     p.add_argument("--quick", action="store_true", help="only the benchmark's kernels")
     p.add_argument("--tune", action="store_true", help="the tuner's search spaces")
+    p.add_argument("--train", action="store_true", help="only examples/train_gpt.py's kernels (head dim 64, bf16, causal)")
     p.add_argument("--manifest", help="write the warmed kernels' cache directories to this file (one a line)")
     args = p.parse_args(argv)
     logging.getLogger("TileLang").setLevel(logging.WARNING)
-    jobs = _tune_jobs() if args.tune else _jobs(args.quick)
+    if args.train:
+        from tilelang_ops.kernels.attention import default_scale
+
+        jobs = [(kind, 64, "bfloat16", True, 1, default_scale(64)) for kind in ("fwd", "fwd_nolse", "bwd_fused")]
+    else:
+        jobs = _tune_jobs() if args.tune else _jobs(args.quick)
     t0 = time.time()
     dirs = []
     with ProcessPoolExecutor(args.j) as ex:

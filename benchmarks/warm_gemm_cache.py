@@ -3,7 +3,7 @@ and benchmarks/bench_gemm.py (table and --tune) will load, into $TILELANG_CACHE_
 host loads cubins instead of compiling.
 
     export TILELANG_CACHE_DIR=$PWD/.tl-cache
-    python -m benchmarks.warm_gemm_cache [--no-tune] [--only tests|check|bench|tune] [--arch sm_90a]
+    python -m benchmarks.warm_gemm_cache [--no-tune] [--only tests|check|bench|tune|train] [--arch sm_90a]
 
 Configs come from the op layer's own `config_for` (every symbolic-M bucket's, deduplicated), so the
 cache keys match what the ops request. benchmarks/sweep_gemm.py has its own `--warm`.
@@ -135,6 +135,18 @@ def bench_kernels():
     return out, [(h, bf, "gelu_tanh")]
 
 
+def train_kernels():
+    """examples/train_gpt.py's tileops mode at its defaults (GPT-2 small: d=768, hidden 3072): the
+    fused up-projection and its backward GEMMs, and act_grad."""
+    bf, d, h = "bfloat16", 768, 3072
+    mm = [
+        ("nt", h, d, 0, bf, False, True, "gelu_tanh", True),  # fc1 forward, z saved
+        ("nn", d, h, 0, bf, False, False, "none", False),  # fc1 dX = dZ @ W1
+        ("tn", d, 0, h, bf, False, False, "none", False),  # fc1 dW = dZᵀ @ X
+    ]
+    return mm, [(h, bf, "gelu_tanh")]
+
+
 def tune_kernels():
     """(config, static) pairs `bench_gemm --tune` / `tileops tune --op gemm` time (default preset)."""
     from tilelang_ops.kernels import gemm as K
@@ -164,7 +176,7 @@ def _static(t):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--arch", default="sm_90a")
-    p.add_argument("--only", choices=["tests", "check", "bench", "tune"], action="append")
+    p.add_argument("--only", choices=["tests", "check", "bench", "tune", "train"], action="append")
     p.add_argument("--no-tune", action="store_true")
     args = p.parse_args(argv)
     from tilelang_ops.kernels import gemm as K
@@ -177,6 +189,9 @@ def main(argv=None) -> int:
     if "bench" in want:
         b_mm, b_act = bench_kernels()
         mm, acts = mm + b_mm, acts + b_act
+    if "train" in want:
+        t_mm, t_act = train_kernels()
+        mm, acts = mm + t_mm, acts + t_act
     for t in dict.fromkeys(mm):
         s = _static(t)
         # one kernel per distinct config over the three symbolic-M buckets (usually just one)

@@ -144,17 +144,18 @@ class FoldConfig:
 
 
 @T.macro
-def _fold_rows(acc, red, col, P, t: int, bx, n: int, k: int, bm: int, w: int):
-    """P[t, bx, :] = acc summed over its bm row slots (a fixed order)."""
+def _fold_rows(acc, red, col, P, t: int, bx, n: int, k: int, bm: int, w: int, threads: int):
+    """P[t, bx, :] = acc summed over its bm row slots (a fixed order): through shared memory
+    (bm, k * w), then each thread folds one column at a time (any n, any thread count)."""
     for kk, i, j in T.Parallel(k, bm, w):
-        red[kk, i, j] = acc[kk, i, j]
-    T.clear(col)
-    for kk, j in T.Parallel(k, w):
-        for i in T.serial(bm):
-            col[kk, j] = col[kk, j] + red[kk, i, j]
-    for kk, j in T.Parallel(k, w):
-        if kk * w + j < n:
-            P[t, bx, kk * w + j] = col[kk, j]
+        red[i, kk * w + j] = acc[kk, i, j]
+    for c in T.serial(T.ceildiv(n, threads)):
+        for x in T.Parallel(threads):
+            col[x] = 0.0
+            if c * threads + x < n:
+                for i in T.serial(bm):
+                    col[x] = col[x] + red[i, c * threads + x]
+                P[t, bx, c * threads + x] = col[x]
 
 
 @kernel("norm", "layer_norm_bwd")
@@ -183,8 +184,8 @@ def layer_norm_bwd(config: NormConfig, n: int, dtype: str, wdtype: str, dydtype:
             c2 = T.alloc_fragment((bm,), _ACC)
             mu = T.alloc_fragment((bm,), _ACC)
             rs = T.alloc_fragment((bm,), _ACC)
-            red = T.alloc_shared((k, bm, w), _ACC)
-            col = T.alloc_fragment((k, w), _ACC)
+            red = T.alloc_shared((bm, k * w), _ACC)
+            col = T.alloc_fragment((threads,), _ACC)
             T.clear(dw)
             T.clear(db)
             for it in T.serial(T.ceildiv(T.ceildiv(M, bm) - bx, G)):
@@ -213,8 +214,8 @@ def layer_norm_bwd(config: NormConfig, n: int, dtype: str, wdtype: str, dydtype:
                     if (r0 + i < M) and (kk * w + j < n):
                         DX[r0 + i, kk * w + j] = T.Cast(dtype, rs[i] * (g[kk, i, j] - (x[kk, i, j] * c1[i] + c2[i]) * (1.0 / n)))
             # Fold the CTA's bm row slots through shared memory: one partial row per CTA.
-            _fold_rows(dw, red, col, P, 0, bx, n, k, bm, w)
-            _fold_rows(db, red, col, P, 1, bx, n, k, bm, w)
+            _fold_rows(dw, red, col, P, 0, bx, n, k, bm, w, threads)
+            _fold_rows(db, red, col, P, 1, bx, n, k, bm, w, threads)
 
         with T.Kernel(T.ceildiv(n, fbn), 2, threads=fold.threads) as (bx, by):
             acc = T.alloc_fragment((rb, fbn), _ACC)
