@@ -71,10 +71,8 @@ def _jobs(sweep: bool) -> list[tuple]:
     if sweep:
         for m, n, dt, od in bench_norm.SWEEP_CASES:
             a, o = _short(str(dt)), _short(str(od))
-            for cfg in bench_norm.sweep_configs(n, a):
-                out.append((("bwd", n, a, a, o, 0.0), cfg))
-                if cfg.ctas_per_sm == 4:
-                    out.append((("fwd", n, a, a, o, 1e-5), cfg))
+            for direction, cfg in bench_norm.sweep_jobs(n, a):
+                out.append(((direction, n, a, a, o, 1e-5 if direction == "fwd" else 0.0), cfg))
     return out
 
 
@@ -82,7 +80,7 @@ def _compile(job) -> str:
     from tilelang_ops.kernels import norm as K
 
     (direction, n, dt, wdt, od, eps), cfg = job
-    cfg = cfg or K.default_config(n, dt)
+    cfg = cfg or K.default_config(n, dt, direction == "bwd")
     try:
         if direction == "fwd":
             K.layer_norm_fwd.compile(cfg, ARCH, n=n, dtype=dt, wdtype=wdt, odtype=od, eps=eps)

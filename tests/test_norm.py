@@ -278,11 +278,15 @@ def test_kernels_compile_for_every_representative_row():
     # default configs hold a row in registers for every supported length without idle lanes
     for n in (1, 7, 64, 768, 1000, 4096, 4097, 8192, 16384):
         for dt in K.DTYPES:
-            cfg = K.default_config(n, dt)
-            k, w = K.row_tile(cfg, n, dt)
-            assert k * w >= n and k * K.vec_width(n, dt) <= 2 * K._PER_THREAD, (n, dt, cfg)
+            for backward in (False, True):
+                cfg = K.default_config(n, dt, backward)
+                k, w = K.row_tile(cfg, n, dt)
+                assert k * w >= n and k * K.vec_width(n, dt) <= 2 * K._PER_THREAD, (n, dt, cfg)
+                assert cfg.threads % cfg.block_m == 0 and cfg.threads // cfg.block_m >= 32
     assert all(K.fits(c, 768, "float32") for c in K.search_space(768, "float32"))
+    # the measured defaults are among the configs tune/sweep time
     assert K.default_config(768, "float32") in K.search_space(768, "float32")
+    assert K.default_config(4096, "bfloat16", True) in K.search_space(4096, "bfloat16")
 
 
 # ------------------------------------------------------------------------------------- GPU

@@ -29,14 +29,14 @@ DTYPES = ("float32", "float16", "bfloat16")
 _ACC = "float32"
 _ESIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 MAX_N = 16384  # longest row held in registers (fp32: 16 values per thread per array at 1024 threads)
-_PER_THREAD = 16  # values per thread per row array: the backward holds four such arrays
+_PER_THREAD = 16  # fits(): values per thread per row array, up to twice this
 
 
 @dataclass(frozen=True)
 class NormConfig:
     block_m: int = 8  # rows per CTA step; threads // block_m lanes share a row
     threads: int = 256
-    ctas_per_sm: int = 4  # backward: the grid is SMs * this (one dw/db partial row per CTA)
+    ctas_per_sm: int = 2  # backward: the grid is SMs * this (one dw/db partial row per CTA)
 
 
 def vec_width(n: int, dtype: str) -> int:
@@ -53,15 +53,17 @@ def row_tile(config: NormConfig, n: int, dtype: str) -> tuple[int, int]:
     return -(-n // w), w
 
 
-def default_config(n: int, dtype: str) -> NormConfig:
-    """A warp per row while a lane holds <= _PER_THREAD values of it; longer rows take more lanes
-    (a CTA-wide reduction), up to 1024 threads per row."""
+def default_config(n: int, dtype: str, backward: bool = False) -> NormConfig:
+    """A warp per row while a lane holds few enough values of it (forward 32, backward 24: it holds
+    four row arrays), more lanes (a CTA-wide reduction) for longer rows; >= 128 threads per CTA.
+    From bench_norm --sweep on an H200 (session 13: 16384 x 768 fp32, 16384 x 4096 bf16)."""
     vec = vec_width(n, dtype)
+    most = 24 if backward else 32
     lanes = 32
-    while lanes < 1024 and -(-n // (lanes * vec)) * vec > _PER_THREAD:
+    while lanes < 1024 and -(-n // (lanes * vec)) * vec > most:
         lanes *= 2
-    threads = max(lanes, 256)
-    return NormConfig(block_m=threads // lanes, threads=threads)
+    threads = max(lanes, 128)
+    return NormConfig(block_m=threads // lanes, threads=threads, ctas_per_sm=2)
 
 
 SEARCH_SPACE = [NormConfig(b, t, c) for t in (128, 256, 512) for b in (1, 2, 4, 8, 16) if b <= t // 32 for c in (1, 2, 4)]
@@ -139,7 +141,7 @@ def _row_sq_sum(x, part, out, k: int, w: int):
 @dataclass(frozen=True)
 class FoldConfig:
     block_rows: int = 32  # partial rows folded per step
-    block_n: int = 128
+    block_n: int = 32  # columns per CTA: n / 32 CTAs (24 at n = 768) share the fold
     threads: int = 256
 
 
@@ -217,20 +219,27 @@ def layer_norm_bwd(config: NormConfig, n: int, dtype: str, wdtype: str, dydtype:
             _fold_rows(dw, red, col, P, 0, bx, n, k, bm, w, threads)
             _fold_rows(db, red, col, P, 1, bx, n, k, bm, w, threads)
 
-        with T.Kernel(T.ceildiv(n, fbn), 2, threads=fold.threads) as (bx, by):
-            acc = T.alloc_fragment((rb, fbn), _ACC)
-            total = T.alloc_fragment((fbn,), _ACC)
-            T.clear(acc)
+        # Both sums in one CTA, stored unconditionally: with an if/else on the output, TileLang's
+        # 16-bit store vectorization hoisted both stores out of the branch (one of them from an
+        # uninitialized buffer: wrong bf16/fp16 dweight and dbias, caught by the GPU tests).
+        with T.Kernel(T.ceildiv(n, fbn), threads=fold.threads) as bx:
+            acc_w = T.alloc_fragment((rb, fbn), _ACC)
+            acc_b = T.alloc_fragment((rb, fbn), _ACC)
+            total_w = T.alloc_fragment((fbn,), _ACC)
+            total_b = T.alloc_fragment((fbn,), _ACC)
+            T.clear(acc_w)
+            T.clear(acc_b)
             for it in T.serial(T.ceildiv(G, rb)):
                 for i, j in T.Parallel(rb, fbn):
-                    acc[i, j] += T.if_then_else((it * rb + i < G) and (bx * fbn + j < n), P[by, it * rb + i, bx * fbn + j], 0.0)
-            T.reduce_sum(acc, total, dim=0)
+                    acc_w[i, j] += T.if_then_else((it * rb + i < G) and (bx * fbn + j < n), P[0, it * rb + i, bx * fbn + j], 0.0)
+                for i, j in T.Parallel(rb, fbn):
+                    acc_b[i, j] += T.if_then_else((it * rb + i < G) and (bx * fbn + j < n), P[1, it * rb + i, bx * fbn + j], 0.0)
+            T.reduce_sum(acc_w, total_w, dim=0)
+            T.reduce_sum(acc_b, total_b, dim=0)
             for j in T.Parallel(fbn):
                 if bx * fbn + j < n:
-                    if by == 0:
-                        DW[bx * fbn + j] = T.Cast(wdtype, total[j])
-                    else:
-                        DB[bx * fbn + j] = T.Cast(wdtype, total[j])
+                    DW[bx * fbn + j] = T.Cast(wdtype, total_w[j])
+                    DB[bx * fbn + j] = T.Cast(wdtype, total_b[j])
 
     return bwd
 
@@ -240,7 +249,7 @@ def layer_norm_bwd(config: NormConfig, n: int, dtype: str, wdtype: str, dydtype:
 # 16-bit model's row at Llama width.
 REPRESENTATIVE = [
     (layer_norm_fwd, default_config(768, "float32"), dict(n=768, dtype="float32", wdtype="float32", odtype="bfloat16", eps=1e-5)),
-    (layer_norm_bwd, default_config(768, "float32"), dict(n=768, dtype="float32", wdtype="float32", dydtype="bfloat16")),
+    (layer_norm_bwd, default_config(768, "float32", True), dict(n=768, dtype="float32", wdtype="float32", dydtype="bfloat16")),
     (layer_norm_fwd, default_config(4096, "bfloat16"), dict(n=4096, dtype="bfloat16", wdtype="bfloat16", odtype="bfloat16", eps=1e-5)),
-    (layer_norm_bwd, default_config(4096, "bfloat16"), dict(n=4096, dtype="bfloat16", wdtype="bfloat16", dydtype="bfloat16")),
+    (layer_norm_bwd, default_config(4096, "bfloat16", True), dict(n=4096, dtype="bfloat16", wdtype="bfloat16", dydtype="bfloat16")),
 ]

@@ -98,7 +98,7 @@ def _compile(name: str, n: int, device: torch.device, **dtypes_and_eps):
 
     static = {k: TL_DTYPE[v] if isinstance(v, torch.dtype) else v for k, v in dtypes_and_eps.items()}
     kdef = K.layer_norm_fwd if name == "fwd" else K.layer_norm_bwd
-    cfg = K.default_config(n, static["dtype"])
+    cfg = K.default_config(n, static["dtype"], name == "bwd")
     return cfg, runtime.launcher(kdef.compile(cfg, runtime.arch_for_device(device), n=n, **static))
 
 
