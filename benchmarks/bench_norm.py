@@ -76,7 +76,8 @@ def run_case(m: int, n: int, dt: torch.dtype, od: torch.dtype, with_compiled: bo
     rows = [_row(label, "fwd", fwd_bytes, copy_bw, ours, eager, comp[0] if comp else None)]
 
     _, mean, rstd = torch.ops.tileops.layer_norm(x, w, b, 1e-5, od)
-    fns = [lambda: torch.ops.tileops.layer_norm_backward(dy, x, w, mean, rstd), lambda: _eager_bwd(dy, x, w, b, mean, rstd)]
+    _, tmean, trstd = torch.native_layer_norm(x, (n,), w, b, 1e-5)  # aten's own statistics, its shapes
+    fns = [lambda: torch.ops.tileops.layer_norm_backward(dy, x, w, mean, rstd), lambda: _eager_bwd(dy, x, w, b, tmean, trstd)]
     ours, eager = interleaved(timer, fns)
     rows.append(_row(label, "bwd", bwd_bytes, copy_bw, ours, eager, None))
 
@@ -119,6 +120,7 @@ def sweep_case(m: int, n: int, dt: torch.dtype, od: torch.dtype) -> list[dict]:
     y = torch.empty(m, n, device="cuda", dtype=od)
     dx, dy = torch.empty_like(x), torch.randn_like(y)
     mean, rstd = torch.empty(m, device="cuda"), torch.empty(m, device="cuda")
+    rows = []
     for direction, cfg in sweep_jobs(n, TL_DTYPE[dt]):
         st = dict(n=n, dtype=TL_DTYPE[dt], wdtype=TL_DTYPE[dt])
         name = runtime.config_str(cfg) + (" *" if cfg == K.default_config(n, TL_DTYPE[dt], direction == "bwd") else "")

@@ -53,15 +53,16 @@ def test_torch_mode_trains(torch_run):
     _check_run(torch_run, torch_run)
 
 
-def test_tileops_mode_matches_torch(corpus, torch_run):
-    args = train_gpt.parse_args(TINY)
+@pytest.mark.parametrize("ln", ["torch", "tileops"])
+def test_tileops_mode_matches_torch(corpus, torch_run, ln):
+    args = train_gpt.parse_args(TINY + ["--ln", ln])
     _check_run(train_gpt.train(args, "tileops", *corpus), torch_run)
 
 
 def test_tileops_swap_uses_the_ops():
     model = train_gpt.GPT(layers=2, dim=128, heads=2, seq=64)
     before = {n: p for n, p in model.named_parameters()}
-    train_gpt.to_tileops(model)
+    train_gpt.to_tileops(model, layer_norm=True)
     import tilelang_ops
 
     assert all(isinstance(b.mlp[0], tilelang_ops.nn.Linear) and b.mlp[0].activation == "gelu_tanh" for b in model.blocks)
