@@ -32,8 +32,8 @@ def _train_gpt():
     return mod
 
 
-def _step_fn(tg, mode: str):
-    args = tg.parse_args(["--mode", mode])
+def _step_fn(tg, mode: str, extra=(), clip: bool = False):
+    args = tg.parse_args(["--mode", mode, *extra])
     model, step_fn = tg.build(args, mode)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     data, _ = tg.load_corpus()
@@ -44,14 +44,63 @@ def _step_fn(tg, mode: str):
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = step_fn(x, y)
         loss.backward()
+        if clip:  # as examples/train_gpt.py's loop
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
 
     return step
 
 
+def wall_ab(tg, variants, steps: int = 30, rounds: int = 3, freeze: bool = False) -> dict:
+    """Median wall ms per step (synchronized over `steps` steps) of each (label, mode, extra args)
+    variant, the variants taking turns for `rounds` rounds in one process: same host, same clocks.
+    freeze: gc.freeze() after the warm-up, so that Python's cyclic GC stops re-traversing the
+    models and compiled graphs built before (the collections a step's own garbage triggers then
+    cost what that garbage costs); prints the GC collections per generation during the timing."""
+    import gc
+    import statistics
+    import time
+
+    fns = {label: _step_fn(tg, mode, extra, clip=True) for label, mode, extra in variants}
+    for f in fns.values():
+        for _ in range(3):
+            f()
+    if freeze:
+        gc.collect()
+        gc.freeze()
+    before = [g["collections"] for g in gc.get_stats()]
+    times = {label: [] for label in fns}
+    for _ in range(rounds):
+        for label, f in fns.items():
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                f()
+            torch.cuda.synchronize()
+            times[label].append((time.perf_counter() - t0) / steps * 1e3)
+    after = [g["collections"] for g in gc.get_stats()]
+    print(f"GC collections per generation while timing (freeze={freeze}): {[a - b for a, b in zip(after, before)]}; {len(gc.get_objects())} tracked objects")
+    return {label: statistics.median(t) for label, t in times.items()}
+
+
 def profile_mode(tg, mode: str, steps: int) -> dict[str, float]:
     return kernel_ms(_step_fn(tg, mode), steps)
+
+
+def api_mode(tg, mode: str, steps: int = 3, top: int = 30) -> str:
+    """Host-side events of `steps` steps (torch.profiler, CPU + CUDA activities), by self CPU time:
+    aten ops, CUDA runtime/driver calls (launches, allocations, synchronizations)."""
+    step = _step_fn(tg, mode)
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=60)
 
 
 def host_mode(tg, mode: str, steps: int = 20, top: int = 25) -> dict:
@@ -90,9 +139,28 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--host", action="store_true", help="also the host time per step and a cProfile of it")
+    p.add_argument("--api", action="store_true", help="also the host-side profiler events (CUDA API calls, aten ops) by self CPU time")
+    p.add_argument("--ab", action="store_true", help="only: wall ms per step of torch, tileops and tileops --ln torch, taking turns")
+    p.add_argument("--compile", action="store_true", help="with --ab: also torch-compile and tileops-compile")
+    p.add_argument("--freeze", action="store_true", help="with --ab: gc.freeze() after the warm-up (see wall_ab)")
     a = p.parse_args()
     tg = _train_gpt()
     out = {}
+    if a.ab:
+        variants = [("torch", "torch", ()), ("tileops", "tileops", ()), ("tileops --ln torch", "tileops", ("--ln", "torch"))]
+        if a.compile:
+            variants += [("torch-compile", "torch-compile", ()), ("tileops-compile", "tileops-compile", ()), ("tileops-compile --ln torch", "tileops-compile", ("--ln", "torch"))]
+        res = wall_ab(tg, variants, freeze=a.freeze)
+        base = res["torch"]
+        for label, ms in res.items():
+            print(f"{label:28s} {ms:6.2f} ms per step  {16 * 1024 / ms * 1e3:9,.0f} tokens/s  x torch {base / ms:.3f}")
+        write_json("profile_train_ab", [dict(variant=k, ms_per_step=v) for k, v in res.items()])
+        return
+    if a.api:
+        for mode in ("torch", "tileops"):
+            print(f"\n{mode}: host-side events over 3 steps")
+            print(api_mode(tg, mode))
+            torch.cuda.empty_cache()
     if a.host:
         for mode in ("torch", "tileops"):
             h = host_mode(tg, mode)

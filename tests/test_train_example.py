@@ -62,7 +62,7 @@ def test_tileops_mode_matches_torch(corpus, torch_run, ln):
 def test_tileops_swap_uses_the_ops():
     model = train_gpt.GPT(layers=2, dim=128, heads=2, seq=64)
     before = {n: p for n, p in model.named_parameters()}
-    train_gpt.to_tileops(model, layer_norm=True)
+    train_gpt.to_tileops(model)
     import tilelang_ops
 
     assert all(isinstance(b.mlp[0], tilelang_ops.nn.Linear) and b.mlp[0].activation == "gelu_tanh" for b in model.blocks)

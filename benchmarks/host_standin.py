@@ -1,0 +1,114 @@
+"""Host cost of the ops' Python paths on a machine without a GPU: the CUDA implementations run on
+CPU tensors with kernel launches replaced by no-ops ("stand-in"), inside a real training step.
+
+    python -m benchmarks.host_standin [--steps 20] [--profile]
+
+Builds examples/train_gpt.py's GPT at full depth and width (12 layers, d=768) with a tiny batch
+(d=128, 1 x 32 tokens, so the CPU's own math is small; same op count per step), routes every tileops op's CPU dispatch to its
+CUDA implementation (allocations, checks, views, kernel lookup: everything but the GPU work), and
+times the step in the `torch` and `tileops` modes (and `tileops --ln tileops`). The difference is
+the Python path our ops add per step, the quantity that makes eager training host-bound on an
+H200 (benchmarks.profile_train --host). Outputs are garbage (no kernel runs): only times count.
+--profile prints a cProfile of the tileops step by own time.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import tilelang_ops
+from tilelang_ops import _library, runtime, tuning
+from tilelang_ops.runtime import KernelDef
+
+
+class _Stub:
+    """Stands in for a compiled kernel (runtime.launcher turns it into a no-op)."""
+
+
+def install_standin() -> None:
+    """Every tileops op's CPU kernel becomes its CUDA implementation with no-op launches."""
+    runtime.arch_for_device = lambda device: "sm_90a"
+    runtime.sm_count = lambda device: 132
+    runtime.launcher = lambda compiled: (lambda *args: None)
+    KernelDef.compile = lambda self, config, arch, **static: _Stub()
+    tuning.resolve_config = lambda tunable, shape, dtype, device: tunable.default(shape, dtype)
+    import tilelang_ops.ops as ops_pkg  # noqa: F401  (every op registered)
+
+    # Ops with an autograd formula call impls[backend] directly for plain tensors
+    # (_library._no_grad_path); the others (the backward ops) reach the dispatcher's CPU kernel.
+    cpu, cuda = torch._C.DispatchKey.CPU, torch._C.DispatchKey.CUDA
+    for obj in _all_custom_ops():
+        impl = obj.impls.get(cuda)
+        if impl is not None:
+            obj.impls[cpu] = impl
+            _library._LIB.impl(obj.name, impl, "CPU")
+
+
+def _all_custom_ops():
+    import gc
+
+    return [o for o in gc.get_objects() if isinstance(o, _library.CustomOp)]
+
+
+def _step_fn(tg, mode: str, ln: str):
+    # 12 layers as in the real model (the op count per step is what matters), narrow and short
+    # so that the CPU's own math stays small; no optimizer step (the same in every mode).
+    args = tg.parse_args(["--mode", mode, "--device", "cpu", "--batch", "1", "--seq", "32", "--dim", "128", "--heads", "2", "--ln", ln])
+    model, step_fn = tg.build(args, mode)
+    x = torch.randint(0, 256, (1, 32))
+    y = torch.randint(0, 256, (1, 32))
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = step_fn(x, y)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    return step
+
+
+def time_step(step, steps: int) -> float:
+    for _ in range(3):
+        step()
+    samples = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--profile", action="store_true")
+    a = p.parse_args(argv)
+    from benchmarks.profile_train import _train_gpt
+
+    tg = _train_gpt()
+    torch.manual_seed(0)
+    ref = {("torch", "torch"): time_step(_step_fn(tg, "torch", "torch"), a.steps)}
+    install_standin()
+    for mode, ln in (("tileops", "torch"), ("tileops", "tileops")):
+        ref[(mode, ln)] = time_step(_step_fn(tg, mode, ln), a.steps)
+    for (mode, ln), ms in ref.items():
+        print(f"{mode:8s} ln={ln:8s} {ms:7.2f} ms per step (host, CPU stand-in)")
+    if a.profile:
+        import cProfile
+        import pstats
+
+        step = _step_fn(tg, "tileops", "tileops")
+        time_step(step, 2)
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(5):
+            step()
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+
+
+if __name__ == "__main__":
+    main()
