@@ -63,6 +63,7 @@ def _jobs(sweep: bool) -> list[tuple]:
     extra += [(n, dt, dt, od) for _, n, dt, od in bench_norm.CASES]
     extra += [(n, dt, dt, dt) for n in FUZZ_N for dt in DTYPES]  # hypothesis draws others on the GPU than here
     extra += [(768, torch.float32, torch.float32, torch.bfloat16), (512, torch.float32, torch.float32, torch.float32)]  # other GPU tests
+    extra += [(320, torch.float32, torch.float32, torch.float32)]
     extra += [(1024, torch.bfloat16, torch.bfloat16, torch.bfloat16)]  # benchmarks.overhead
     for n, dt, wdt, od in extra:
         jobs.add(("fwd", n, _short(str(dt)), _short(str(wdt)), _short(str(od)), 1e-5))

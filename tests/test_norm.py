@@ -265,6 +265,22 @@ def test_bad_backward_input(device):
         torch.ops.tileops.layer_norm_backward(torch.randn_like(x), x, None, mean, rstd.double())
 
 
+def test_stand_in_parameters_made_during_graph_capture_are_not_cached(monkeypatch):
+    """weight/bias None: the ones/zeros made while a CUDA graph is being captured are filled only
+    in its replays, so they must not serve later (eager) calls."""
+    from tilelang_ops.ops import norm as N
+
+    x = torch.randn(3, 24)
+    monkeypatch.setattr(N, "_params", {})
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    w, b = N._affine(None, None, x)
+    assert torch.equal(w, torch.ones(24)) and torch.equal(b, torch.zeros(24)) and not N._params
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    N._affine(None, None, x)
+    assert len(N._params) == 1
+
+
 def test_normalized_shape_must_match():
     with pytest.raises(ValueError, match="normalized_shape"):
         tilelang_ops.layer_norm(torch.randn(4, 16), (8,))
@@ -394,3 +410,21 @@ def test_cuda_graph_capture_and_current_stream():
     g.replay()
     torch.cuda.synchronize()
     _close(y, _ref(x, w, b), torch.bfloat16)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_cuda_graph_capture_without_weight_then_eager():
+    """The first weight=None call of a length captured in a CUDA graph, then an eager call: the
+    eager call must not use the ones/zeros the capture only recorded (never filled)."""
+    x = torch.randn(64, 320, device="cuda") * 2 + 1
+    torch.ops.tileops.layer_norm(x, torch.ones(320, device="cuda"), torch.zeros(320, device="cuda"))  # compile outside
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y, _, _ = torch.ops.tileops.layer_norm(x)
+    _close(torch.ops.tileops.layer_norm(x)[0], _ref(x, None, None), torch.float32)
+    g.replay()
+    torch.cuda.synchronize()
+    _close(y, _ref(x, None, None), torch.float32)
+

@@ -127,7 +127,11 @@ def _affine(weight, bias, x: torch.Tensor) -> tuple:
     key = (x.shape[-1], dtype, x.device)
     pair = _params.get(key)
     if pair is None:
-        pair = _params[key] = (torch.ones(x.shape[-1], dtype=dtype, device=x.device), torch.zeros(x.shape[-1], dtype=dtype, device=x.device))
+        pair = (torch.ones(x.shape[-1], dtype=dtype, device=x.device), torch.zeros(x.shape[-1], dtype=dtype, device=x.device))
+        # Under CUDA-graph capture the fills are recorded, not run: such a pair holds its values
+        # only in the graph's replays, so it is not kept for later calls.
+        if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            _params[key] = pair
     return (ready(weight) if weight is not None else pair[0]), (ready(bias) if bias is not None else pair[1])
 
 
