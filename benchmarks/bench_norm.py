@@ -112,6 +112,7 @@ def sweep_case(m: int, n: int, dt: torch.dtype, od: torch.dtype) -> list[dict]:
     """Every fitting search-space config, forward (ctas_per_sm does not apply) and backward."""
     from tilelang_ops import runtime
     from tilelang_ops.kernels import norm as K
+    from tilelang_ops.ops import norm as N
     from tilelang_ops.ops._checks import TL_DTYPE
 
     arch, dev = runtime.arch_for_device(0), torch.device("cuda", 0)
@@ -122,15 +123,14 @@ def sweep_case(m: int, n: int, dt: torch.dtype, od: torch.dtype) -> list[dict]:
     mean, rstd = torch.empty(m, device="cuda"), torch.empty(m, device="cuda")
     rows = []
     for direction, cfg in sweep_jobs(n, TL_DTYPE[dt]):
-        st = dict(n=n, dtype=TL_DTYPE[dt], wdtype=TL_DTYPE[dt])
         name = runtime.config_str(cfg) + (" *" if cfg == K.default_config(n, TL_DTYPE[dt], direction == "bwd") else "")
         if direction == "fwd":
-            f = runtime.launcher(K.layer_norm_fwd.compile(cfg, arch, odtype=TL_DTYPE[od], eps=1e-5, **st))
+            f = runtime.launcher(N.compile_kernel("fwd", n, arch, cfg, dtype=dt, wdtype=dt, odtype=od, eps=1e-5))
             ms = bench(lambda: f(x, w, w, y, mean, rstd), flush_l2=True)
             rows.append({"case": f"{m}x{n}", "dir": "fwd", "config": name, "TB/s": _tbps(m * n * (x.element_size() + y.element_size()), ms)})
             continue
-        g = runtime.launcher(K.layer_norm_bwd.compile(cfg, arch, dydtype=TL_DTYPE[od], **st))
-        grid = min(runtime.sm_count(dev) * cfg.ctas_per_sm, -(-m // cfg.block_m))
+        g = runtime.launcher(N.compile_kernel("bwd", n, arch, cfg, dtype=dt, wdtype=dt, dydtype=od))
+        grid = N.bwd_grid(m, runtime.sm_count(dev) * cfg.ctas_per_sm, cfg.block_m)
         parts, dw, db = torch.empty(2, grid, n, device="cuda"), torch.empty_like(w), torch.empty_like(w)
         ms = bench(lambda: g(dy, x, w, mean, rstd, dx, parts, dw, db), flush_l2=True)
         rows.append({"case": f"{m}x{n}", "dir": "bwd", "config": name, "TB/s": _tbps(m * n * (2 * x.element_size() + dy.element_size()), ms)})

@@ -78,15 +78,12 @@ def _jobs(sweep: bool) -> list[tuple]:
 
 
 def _compile(job) -> str:
-    from tilelang_ops.kernels import norm as K
+    from tilelang_ops.ops import norm as N
 
     (direction, n, dt, wdt, od, eps), cfg = job
-    cfg = cfg or K.default_config(n, dt, direction == "bwd")
+    static = dict(dtype=dt, wdtype=wdt, odtype=od, eps=eps) if direction == "fwd" else dict(dtype=dt, wdtype=wdt, dydtype=od)
     try:
-        if direction == "fwd":
-            K.layer_norm_fwd.compile(cfg, ARCH, n=n, dtype=dt, wdtype=wdt, odtype=od, eps=eps)
-        else:
-            K.layer_norm_bwd.compile(cfg, ARCH, n=n, dtype=dt, wdtype=wdt, dydtype=od)
+        N.compile_kernel(direction, n, ARCH, cfg, **static)
     except Exception as e:  # noqa: BLE001 (report it; the other kernels still warm)
         return f"FAILED {direction} n={n} {dt}/{wdt}/{od} {cfg}: {str(e).splitlines()[0][:200]}"
     return f"{direction} n={n} {dt}/{wdt}/{od}"

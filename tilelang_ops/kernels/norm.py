@@ -24,10 +24,10 @@ from dataclasses import dataclass
 import tilelang.language as T
 
 from ..runtime import kernel
+from .softmax import vec_width  # the same 16-byte row accesses as softmax's row schedules
 
 DTYPES = ("float32", "float16", "bfloat16")
 _ACC = "float32"
-_ESIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 MAX_N = 16384  # longest row held in registers (fp32: 16 values per thread per array at 1024 threads)
 _PER_THREAD = 16  # fits(): values per thread per row array, up to twice this
 
@@ -37,14 +37,6 @@ class NormConfig:
     block_m: int = 8  # rows per CTA step; threads // block_m lanes share a row
     threads: int = 256
     ctas_per_sm: int = 2  # backward: the grid is SMs * this (one dw/db partial row per CTA)
-
-
-def vec_width(n: int, dtype: str) -> int:
-    """Elements per 16-byte access of x, shrunk to a power of two dividing n (rows stay aligned)."""
-    v = 16 // _ESIZE[dtype]
-    while n % v:
-        v //= 2
-    return v
 
 
 def row_tile(config: NormConfig, n: int, dtype: str) -> tuple[int, int]:
@@ -63,7 +55,7 @@ def default_config(n: int, dtype: str, backward: bool = False) -> NormConfig:
     while lanes < 1024 and -(-n // (lanes * vec)) * vec > most:
         lanes *= 2
     threads = max(lanes, 128)
-    return NormConfig(block_m=threads // lanes, threads=threads, ctas_per_sm=2)
+    return NormConfig(block_m=threads // lanes, threads=threads)
 
 
 SEARCH_SPACE = [NormConfig(b, t, c) for t in (128, 256, 512) for b in (1, 2, 4, 8, 16) if b <= t // 32 for c in (1, 2, 4)]
@@ -108,7 +100,7 @@ def layer_norm_fwd(config: NormConfig, n: int, dtype: str, wdtype: str, odtype: 
                 mu[i] = mu[i] * (1.0 / n)
             for kk, i, j in T.Parallel(k, bm, w):  # centred; padding stays 0 for the variance
                 x[kk, i, j] = T.if_then_else(kk * w + j < n, x[kk, i, j] - mu[i], 0.0)
-            _row_sq_sum(x, part, rs, k, w)
+            _row_dot(x, x, part, rs, k, w)
             for i in T.Parallel(bm):
                 rs[i] = T.rsqrt(rs[i] * (1.0 / n) + eps)
             for kk, i, j in T.Parallel(k, bm, w):  # writes bm * n
@@ -125,13 +117,13 @@ def layer_norm_fwd(config: NormConfig, n: int, dtype: str, wdtype: str, odtype: 
 
 
 @T.macro
-def _row_sq_sum(x, part, out, k: int, w: int):
-    """out[i] = sum over the row of x^2: each lane's squares first (no k-sized temporary), then
-    one reduction per row."""
+def _row_dot(a, b, part, out, k: int, w: int):
+    """out[i] = sum over row i of a * b: each lane's products first (no k-sized temporary), then
+    one reduction per row (the forward's variance, the backward's mean of g * xhat)."""
     T.clear(part)
     for i, j in T.Parallel(part.shape[0], w):
         for kk in T.serial(k):
-            part[i, j] = part[i, j] + x[kk, i, j] * x[kk, i, j]
+            part[i, j] = part[i, j] + a[kk, i, j] * b[kk, i, j]
     T.reduce_sum(part, out, dim=1)
 
 
@@ -207,11 +199,7 @@ def layer_norm_bwd(config: NormConfig, n: int, dtype: str, wdtype: str, dydtype:
                     g[kk, i, j] = g[kk, i, j] * T.if_then_else(kk * w + j < n, T.Cast(_ACC, W[kk * w + j]), 0.0)
                 T.reduce_sum(g, part, dim=0)
                 T.reduce_sum(part, c2, dim=1)
-                T.clear(part)
-                for i, j in T.Parallel(bm, w):
-                    for kk in T.serial(k):
-                        part[i, j] = part[i, j] + g[kk, i, j] * x[kk, i, j]
-                T.reduce_sum(part, c1, dim=1)
+                _row_dot(g, x, part, c1, k, w)
                 for kk, i, j in T.Parallel(k, bm, w):  # writes bm * n
                     if (r0 + i < M) and (kk * w + j < n):
                         DX[r0 + i, kk * w + j] = T.Cast(dtype, rs[i] * (g[kk, i, j] - (x[kk, i, j] * c1[i] + c2[i]) * (1.0 / n)))

@@ -25,6 +25,12 @@ def ready(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() and t.data_ptr() % 16 == 0 else aligned16(t.contiguous())
 
 
+def check_rows(m: int, name: str = "x") -> None:
+    """Row-wise kernels (softmax, layer_norm) index rows with int32."""
+    if m > INT32_MAX:
+        raise ValueError(f"{name}: {m} rows exceed the kernel's int32 row index range ({INT32_MAX}); split the batch")
+
+
 def check_activation(activation: str) -> None:
     from ..reference import ACTIVATIONS
 

@@ -18,7 +18,7 @@ import torch
 
 from .. import reference, runtime
 from .._library import custom_op
-from ._checks import INT32_MAX, TL_DTYPE, check_same, check_tensor, ready
+from ._checks import TL_DTYPE, check_rows, check_same, check_tensor, ready
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_N = 16384  # kernels.norm.MAX_N: the longest row the CUDA kernels hold in registers
@@ -77,14 +77,6 @@ def _check_bwd(dy, x, weight, mean, rstd) -> None:
             raise ValueError(f"{name}: shape {tuple(t.shape)} != x.shape[:-1] = {tuple(lead)}")
 
 
-def _check_cuda_size(x: torch.Tensor) -> None:
-    n = x.shape[-1]
-    if n > MAX_N:
-        raise ValueError(f"x: last dim {n} > {MAX_N}, the longest row the CUDA kernels hold in registers; use torch.nn.functional.layer_norm")
-    if x.numel() // max(n, 1) > INT32_MAX:
-        raise ValueError(f"x: {x.numel() // n} rows exceed the kernels' int32 row index range ({INT32_MAX})")
-
-
 # ---------------------------------------------------------------------------------------------
 # kernel resolution and launch
 # ---------------------------------------------------------------------------------------------
@@ -93,29 +85,45 @@ _kernels: dict[tuple, object] = {}
 _params: dict[tuple, tuple] = {}  # (n, dtype, device) -> (ones, zeros): stand-ins for weight / bias None
 
 
-def _compile(name: str, n: int, device: torch.device, **dtypes_and_eps):
+def compile_kernel(direction: str, n: int, arch: str, config=None, **static):
+    """The "fwd" or "bwd" kernel for rows of n, compiled for `arch` (default config unless given);
+    static: dtype, wdtype and odtype + eps (fwd) or dydtype (bwd), torch or TileLang dtypes. The
+    op, the cache-warming script and the sweep all compile through here (the same cache keys).
+    Rows longer than MAX_N are refused here: a length that never compiles is never cached, so every
+    call with it gets the error."""
     from ..kernels import norm as K  # imports tilelang (~2 s): only on the first CUDA call
 
-    static = {k: TL_DTYPE[v] if isinstance(v, torch.dtype) else v for k, v in dtypes_and_eps.items()}
-    kdef = K.layer_norm_fwd if name == "fwd" else K.layer_norm_bwd
-    cfg = K.default_config(n, static["dtype"], name == "bwd")
-    return cfg, runtime.launcher(kdef.compile(cfg, runtime.arch_for_device(device), n=n, **static))
+    if n > MAX_N:
+        raise ValueError(f"x: last dim {n} > {MAX_N}, the longest row the CUDA kernels hold in registers; use torch.nn.functional.layer_norm")
+    static = {k: TL_DTYPE[v] if isinstance(v, torch.dtype) else v for k, v in static.items()}
+    config = config or K.default_config(n, static["dtype"], direction == "bwd")
+    return (K.layer_norm_fwd if direction == "fwd" else K.layer_norm_bwd).compile(config, arch, n=n, **static)
+
+
+def bwd_grid(m: int, ctas: int, block_m: int) -> int:
+    """CTAs of the backward's row pass for m rows (at most `ctas`): one fp32 dw/db partial row each."""
+    return min(ctas, -(-m // block_m))
 
 
 def _fwd_kernel(n, dtype, wdtype, odtype, eps, device):
     key = ("fwd", n, dtype, wdtype, odtype, eps, device.index)
     k = _kernels.get(key)
     if k is None:
-        k = _kernels[key] = _compile("fwd", n, device, dtype=dtype, wdtype=wdtype, odtype=odtype, eps=float(eps))[1]
+        compiled = compile_kernel("fwd", n, runtime.arch_for_device(device), dtype=dtype, wdtype=wdtype, odtype=odtype, eps=float(eps))
+        k = _kernels[key] = runtime.launcher(compiled)
     return k
 
 
 def _bwd_kernel(n, dtype, wdtype, dydtype, device):
+    """(launcher, most CTAs, rows per CTA step): bwd_grid's arguments come with the kernel."""
     key = ("bwd", n, dtype, wdtype, dydtype, device.index)
     k = _kernels.get(key)
     if k is None:
-        cfg, launch = _compile("bwd", n, device, dtype=dtype, wdtype=wdtype, dydtype=dydtype)
-        k = _kernels[key] = (launch, runtime.sm_count(device) * cfg.ctas_per_sm, cfg.block_m)
+        from ..kernels import norm as K
+
+        cfg = K.default_config(n, TL_DTYPE[dtype], True)
+        compiled = compile_kernel("bwd", n, runtime.arch_for_device(device), cfg, dtype=dtype, wdtype=wdtype, dydtype=dydtype)
+        k = _kernels[key] = (runtime.launcher(compiled), runtime.sm_count(device) * cfg.ctas_per_sm, cfg.block_m)
     return k
 
 
@@ -150,20 +158,20 @@ def layer_norm(x, weight=None, bias=None, eps=1e-5, out_dtype=None):
 @layer_norm.register_kernel("cuda")
 def _(x, weight=None, bias=None, eps=1e-5, out_dtype=None):
     _check_fwd(x, weight, bias, eps, out_dtype)
-    _check_cuda_size(x)
     odtype = x.dtype if out_dtype is None else out_dtype
-    n = x.shape[-1]
+    n, dev = x.shape[-1], x.device
     m = x.numel() // n if n else math.prod(x.shape[:-1])
     # Allocated as the kernel takes them, (M, n) and (M,): a 2-D x (the common call) needs no views.
-    y = torch.empty(m, n, dtype=odtype, device=x.device)
-    mean = torch.empty(m, dtype=torch.float32, device=x.device)
-    rstd = torch.empty(m, dtype=torch.float32, device=x.device)
+    y = torch.empty(m, n, dtype=odtype, device=dev)
+    mean = torch.empty(m, dtype=torch.float32, device=dev)
+    rstd = torch.empty(m, dtype=torch.float32, device=dev)
     if m == 0 or n == 0:
         mean.fill_(float("nan")), rstd.fill_(float("nan"))  # torch gives NaN statistics for n = 0
     else:
+        check_rows(m)
         w, b = _affine(weight, bias, x)
         x2 = ready(x) if x.dim() == 2 else ready(x).view(m, n)
-        _fwd_kernel(n, x.dtype, w.dtype, odtype, eps, x.device)(x2, w, b, y, mean, rstd)
+        _fwd_kernel(n, x.dtype, w.dtype, odtype, eps, dev)(x2, w, b, y, mean, rstd)
     if x.dim() == 2:
         return y, mean, rstd
     return y.view(x.shape), mean.view(x.shape[:-1]), rstd.view(x.shape[:-1])
@@ -188,19 +196,18 @@ def layer_norm_backward(dy, x, weight, mean, rstd):
 @layer_norm_backward.register_kernel("cuda")
 def _(dy, x, weight, mean, rstd):
     _check_bwd(dy, x, weight, mean, rstd)
-    _check_cuda_size(x)
-    n = x.shape[-1]
+    n, dev = x.shape[-1], x.device
     m = x.numel() // n if n else math.prod(x.shape[:-1])
     wdtype = x.dtype if weight is None else weight.dtype
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    dw = torch.empty(n, dtype=wdtype, device=x.device)
-    db = torch.empty(n, dtype=wdtype, device=x.device)
+    dx = torch.empty(x.shape, dtype=x.dtype, device=dev)
+    dw = torch.empty(n, dtype=wdtype, device=dev)
+    db = torch.empty(n, dtype=wdtype, device=dev)
     if m == 0 or n == 0:
         return dx, dw.zero_(), db.zero_()
+    check_rows(m)
     w = ready(weight) if weight is not None else _affine(None, None, x)[0]
-    launch, ctas, bm = _bwd_kernel(n, x.dtype, wdtype, dy.dtype, x.device)
-    grid = min(ctas, -(-m // bm))  # CTAs of the row pass: one fp32 dw/db partial row each
-    partials = torch.empty(2, grid, n, dtype=torch.float32, device=x.device)
+    launch, ctas, bm = _bwd_kernel(n, x.dtype, wdtype, dy.dtype, dev)
+    partials = torch.empty(2, bwd_grid(m, ctas, bm), n, dtype=torch.float32, device=dev)
     if x.dim() == 2:
         launch(ready(dy), ready(x), w, ready(mean), ready(rstd), dx, partials, dw, db)
     else:

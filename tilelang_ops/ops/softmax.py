@@ -14,7 +14,7 @@ import torch
 
 from .. import reference, runtime, tuning
 from .._library import custom_op
-from ._checks import INT32_MAX, TL_DTYPE, check_same, check_tensor, ready
+from ._checks import TL_DTYPE, check_rows, check_same, check_tensor, ready
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -102,15 +102,10 @@ def _from_rows(out2d: torch.Tensor, like: torch.Tensor, dim: int) -> torch.Tenso
     return out2d.view(moved).movedim(-1, dim).contiguous()  # second copy of the other-dim path
 
 
-def _check_rows(m: int, n: int) -> None:
-    if m > INT32_MAX:
-        raise ValueError(f"x: {m} rows exceed the kernel's int32 row index range ({INT32_MAX}); split the batch")
-
-
 def _launch(kind: str, backward: bool, a: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     """a = x (fwd) or grad (bwd), b = y (bwd); both (M, N) contiguous. Returns (M, N)."""
     m, n = a.shape
-    _check_rows(m, n)
+    check_rows(m)
     cfg, kernels = _plan(kind, backward, m, n, a.dtype, a.device)
     return _run(cfg, kernels, backward, a, b)
 
