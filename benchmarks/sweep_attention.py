@@ -5,6 +5,7 @@ wrong kernel shows.
 
     python -m benchmarks.sweep_attention --warm [--bwd]  # CPU machine: compile every candidate (sm_90a)
     python -m benchmarks.sweep_attention [--bwd]         # H200: TFLOP/s table, JSON under $OUT
+    python -m benchmarks.sweep_attention --gpt [--bwd]   # examples/train_gpt.py's attention instead
 
 Forward FLOPs = 4 * B * H * S^2 * D, halved when causal; backward 2.5x that (as bench_attention).
 --bwd times the backward as the op runs it (`flash_bwd_fused`: preprocess, main kernel, dQ cast).
@@ -16,6 +17,18 @@ import sys
 
 # (B, H, HK, S, D) as bench_attention.CASES
 SHAPES = [(8, 32, 32, 4096, 128), (2, 16, 16, 16384, 128), (16, 32, 32, 2048, 64), (8, 32, 8, 4096, 128)]
+# --gpt: examples/train_gpt.py's attention (GPT-2 small, 16 x 1024 tokens, causal). 1024 rows are
+# 5.33 tiles of the default's 192 (the last two-thirds empty) and 8 of 128.
+GPT_SHAPES = [(16, 12, 12, 1024, 64), (16, 32, 32, 2048, 64)]  # and the benchmark set's D=64 shape
+CAUSAL = (False, True)
+GPT = False
+
+
+def _gpt_candidates():
+    from tilelang_ops.kernels.attention import FwdConfig
+
+    return [FwdConfig(192, 128, 2, 384), FwdConfig(128, 128, 2, 256), FwdConfig(128, 128, 2, 256, "async"),
+            FwdConfig(128, 128, 2, 256, "pingpong"), FwdConfig(128, 176, 2, 256, "async"), FwdConfig(128, 64, 2, 256)]
 
 
 def candidates(headdim: int):
@@ -27,6 +40,8 @@ def candidates(headdim: int):
     if headdim == 128:
         return [FwdConfig(128, 176, 2, 256, "async"), FwdConfig(128, 176, 2, 256, "pingpong"), FwdConfig(128, 144, 2, 256, "pingpong")]
     if headdim == 64:
+        if GPT:
+            return _gpt_candidates()
         return [FwdConfig(128, 176, 2, 256, "async"), FwdConfig(128, 176, 2, 256, "pingpong")]
     return []
 
@@ -49,7 +64,7 @@ def jobs(bwd: bool = False):
 
     out = []
     for B, H, HK, S, D in SHAPES:
-        for causal in (False, True):
+        for causal in CAUSAL:
             static = dict(headdim=D, dtype="bfloat16", causal=causal, groups=H // HK, scale=K.default_scale(D))
             if bwd:
                 cfgs = [K.bwd_default_config(D, causal)] + bwd_candidates(D)
@@ -82,11 +97,33 @@ def _cases():
     from tilelang_ops.kernels import attention as K
 
     for B, H, HK, S, D in SHAPES:
-        for causal in (False, True):
+        for causal in CAUSAL:
             static = dict(headdim=D, dtype="bfloat16", causal=causal, groups=H // HK, scale=K.default_scale(D))
             q = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16)
             k, v = (torch.randn(B, S, HK, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
             yield B, H, HK, S, D, causal, static, q, k, v
+
+
+def _name(cfg) -> str:
+    return cfg if isinstance(cfg, str) else f"{cfg.block_m}x{cfg.block_n}/{cfg.num_stages}/{cfg.threads}/{cfg.pipeline}"
+
+
+def _cudnn(q, k, v, causal, backward=False):
+    """SDPA's cuDNN backend on the same tensors ((B, S, H, D) viewed as (B, H, S, D)): the peer row."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_(backward) for t in (q, k, v))
+
+    def fwd():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=qt.shape[1] != kt.shape[1])
+
+    if not backward:
+        return fwd
+    out = fwd()
+    dout = torch.randn_like(out)
+    return lambda: torch.autograd.grad(out, (qt, kt, vt), dout, retain_graph=True)
 
 
 def main_bwd() -> None:
@@ -122,10 +159,12 @@ def main_bwd() -> None:
             fns.append(run)
             names.append(cfg)
         flops = 2.5 * 4.0 * B * H * S * S * D / (2 if causal else 1)
+        fns.append(_cudnn(q, k, v, causal, backward=True))
+        names.append("sdpa_cudnn")
+        checks.append(float("nan"))
         times = interleaved(lambda f: bench(f, warmup=5, rep=30), fns)
         for cfg, t, err in zip(names, times, checks):
-            rows.append(dict(shape=shape, causal=causal, config=f"{cfg.block_m}x{cfg.block_n}/{cfg.num_stages}/{cfg.threads}/{cfg.pipeline}",
-                             ms=t, tflops=flops / t / 1e9, vs_default=times[0] / t, max_abs_diff=err))
+            rows.append(dict(shape=shape, causal=causal, config=_name(cfg), ms=t, tflops=flops / t / 1e9, vs_default=times[0] / t, max_abs_diff=err))
         print(f"done bwd {shape} causal={causal}", flush=True)
     write_json("sweep_attention_bwd", rows)
     print(table(rows, ["shape", "causal", "config", "ms", "tflops", "vs_default", "max_abs_diff", "error"]))
@@ -167,9 +206,12 @@ def main() -> None:
             fns.append(lambda kern=kern, out=out, lse=lse: kern(q, k, v, out, lse))
             names.append(cfg)
         flops = 4.0 * B * H * S * S * D / (2 if causal else 1)
+        fns.append(_cudnn(q, k, v, causal))
+        names.append("sdpa_cudnn")
+        checks.append((float("nan"), float("nan")))
         times = interleaved(lambda f: bench(f, warmup=5, rep=30), fns)
         for cfg, t, (err, lerr) in zip(names, times, checks):
-            rows.append(dict(shape=f"{B}x{H}/{HK}x{S}x{D}", causal=causal, config=f"{cfg.block_m}x{cfg.block_n}/{cfg.num_stages}/{cfg.threads}/{cfg.pipeline}",
+            rows.append(dict(shape=f"{B}x{H}/{HK}x{S}x{D}", causal=causal, config=_name(cfg),
                              ms=t, tflops=flops / t / 1e9, vs_default=times[0] / t, max_abs_diff=err, lse_diff=lerr))
         print(f"done {B}x{H}/{HK}x{S}x{D} causal={causal}", flush=True)
     write_json("sweep_attention", rows)
@@ -180,7 +222,10 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--warm", action="store_true", help="compile every candidate for sm_90a (no GPU needed)")
     ap.add_argument("--bwd", action="store_true", help="the backward's configs instead of the forward's")
+    ap.add_argument("--gpt", action="store_true", help="examples/train_gpt.py's shape (causal) and more D=64 tiles")
     args = ap.parse_args()
+    if args.gpt:
+        SHAPES, CAUSAL, GPT = GPT_SHAPES, (True,), True
     if args.warm:
         sys.exit(1 if warm(args.bwd) else 0)
     main_bwd() if args.bwd else main()

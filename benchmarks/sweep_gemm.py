@@ -23,6 +23,7 @@ default by more than 2%); JSON to $OUT/sweep_gemm.json (benchmarks/_timing.write
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import fnmatch
 import math
 import sys
@@ -66,6 +67,7 @@ def candidates():
     return {
         **_pingpong_groups(gemm, lin),
         **_gpt_groups(gemm, lin, nt_plain),
+        **_split_groups(gemm),
         "async_nn_8192_8192": (dict(gemm, n=8192, k=8192), [C0] + asy, [("gemm", 8192)]),
         "async_nn_4096_4096": (dict(gemm, n=4096, k=4096), [C0, _cfg(128, 256, 64, 4)] + asy + asy_two, [("gemm", 1024), ("gemm", 4096), ("gemm", 16384)]),
         "async_nn_3072_768": (dict(gemm, n=3072, k=768), [C0, _cfg(128, 128, 32, 4, mb=2)] + asy + asy_two, [("gemm", 1024), ("gemm", 4096), ("gemm", 16384)]),
@@ -136,6 +138,24 @@ def _gpt_groups(gemm, lin, nt_plain):
     return _beside_defaults(spec, cands)
 
 
+def _split_groups(gemm):
+    """Split-K weight gradients ("tn", `GemmConfig.split_k`) at examples/train_gpt.py's shapes
+    (16 x 1024 tokens): few output tiles, a long reduction. Groups "split_*"."""
+    def c(bm, bn, st, th, pol, split, sw=0):
+        return _cfg(bm, bn, 64, st, th, sw, pol) if split == 1 else dataclasses.replace(_cfg(bm, bn, 64, st, th, sw, pol), split_k=split)
+
+    t192 = [c(192, 192, 4, 384, "FullRow", s) for s in (1, 2, 3, 4)] + [c(192, 192, 4, 384, "FullRow", 2, sw=8)]
+    t128 = [c(128, 256, 3, 256, "Square", s) for s in (2, 3, 4)] + [c(128, 128, 4, 256, "Square", s) for s in (2, 4)] + [c(128, 192, 4, 256, "Square", 4)]
+    spec = {}
+    for name, out_f, in_f in (("up", 3072, 768), ("down", 768, 3072), ("qkv", 2304, 768), ("proj", 768, 768)):
+        extra = [c(192, 192, 4, 384, "FullRow", 8), c(128, 128, 4, 256, "Square", 8)] if name == "proj" else []
+        spec[f"split_{name}"] = (dict(gemm, layout="tn", rows=out_f, n=in_f, k=0), [("wgrad", 16384)], t192 + t128 + extra)
+    from tilelang_ops.ops import gemm as G
+
+    return {name: (st, list(dict.fromkeys([G.config_for("tn", st["n"], 0, DT, ARCH, rows=st["rows"], m=m) for _, m in shapes] + cands)), shapes)
+            for name, (st, shapes, cands) in spec.items()}
+
+
 def _pp_groups(prefix, gemm, lin, pp):
     ms = [1024, 4096, 16384]
     spec = {f"{prefix}_nn_{n}_{k}": (dict(gemm, n=n, k=k), [("gemm", m) for m in ms]) for n, k in ((4096, 4096), (14336, 4096), (4096, 14336), (11008, 4096), (3072, 768))}
@@ -198,7 +218,7 @@ def _graph_ms(fn) -> float:
 
 
 def _short(c) -> str:
-    extra = (f"/mb{c.min_blocks}" if c.min_blocks else "") + (f"/{c.pipeline}" if c.pipeline != "auto" else "")
+    extra = (f"/mb{c.min_blocks}" if c.min_blocks else "") + (f"/{c.pipeline}" if c.pipeline != "auto" else "") + (f"/split{c.split_k}" if c.split_k > 1 else "")
     return f"{c.block_M}x{c.block_N}x{c.block_K}/s{c.num_stages}/t{c.threads}/sw{c.swizzle}/{c.policy}{extra}"
 
 
@@ -272,6 +292,8 @@ def run(groups=None) -> int:
                 try:
                     kern = K.matmul_kernel.compile(cfg, arch, **static)
                     args = (a, b, bias, c) if bias is not None else (a, b, c)
+                    if cfg.split_k > 1:  # the fp32 partials workspace
+                        args += (torch.empty(cfg.split_k, rows_tn, n, device=DEVICE),)
                     c.fill_(float("nan"))  # an unwritten element fails the check
                     kern(*args)
                     torch.cuda.synchronize()
@@ -294,6 +316,8 @@ def run(groups=None) -> int:
                 t_op, t_ref_call = interleaved(lambda fn: bench(fn, rep=30), (op_fn, ref_fn))
                 kd = K.matmul_kernel.compile(default, arch, **static)
                 args_d = (a, b, bias, c) if bias is not None else (a, b, c)
+                if default.split_k > 1:
+                    args_d += (torch.empty(default.split_k, rows_tn, n, device=DEVICE),)
                 rows.append(dict(shape=shape, group=gname, config="op default (per call)", default=True, TFLOPs=flop / t_op / 1e9,
                                  torch_TFLOPs=flop / t_ref_call / 1e9, ratio=t_ref_call / t_op, call_ms=t_op,
                                  op_host_us=host_us(op_fn, n=300, warmup=30), kernel_host_us=host_us(lambda: kd(*args_d), n=300, warmup=30),
@@ -332,9 +356,10 @@ def main(argv=None) -> int:
     p.add_argument("--group", action="append", help="only these candidate groups (see candidates(); shell patterns: 'pp_*')")
     args = p.parse_args(argv)
     if args.list:
-        for _, cfg, static in _jobs():
+        jobs = _jobs(args.group)
+        for _, cfg, static in jobs:
             print(static["layout"], static["n"], static["k"], static["activation"], cfg)
-        print(len(_jobs()), "kernels")
+        print(len(jobs), "kernels")
         return 0
     if args.warm:
         return warm(args.group)

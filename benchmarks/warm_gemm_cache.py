@@ -155,17 +155,17 @@ def tune_kernels():
     out = []
     for shape in G.TUNABLE.presets["default"]:
         st = G._tune_static(shape)
-        for cfg in K.SEARCH_SPACE:
+        for cfg in G._tune_space(shape, torch.bfloat16):
             out.append((cfg, (st["layout"], st["n"], st["k"], st["rows"], "bfloat16", False, False, "none", False)))
     return out
 
 
 def async_test_kernels():
     """The async-pipeline kernels tests/test_gemm.py calls directly (its ASYNC_CASES)."""
-    from tests.test_gemm import ASYNC_CASES, async_kernel
+    from tests.test_gemm import ASYNC_CASES, SPLIT_CASES, async_kernel, split_kernel
     from tilelang_ops.kernels import gemm as K
 
-    return [(K.matmul_kernel, *async_kernel(case)) for case in ASYNC_CASES]
+    return [(K.matmul_kernel, *async_kernel(case)) for case in ASYNC_CASES] + [(K.matmul_kernel, *split_kernel(case)) for case in SPLIT_CASES]
 
 
 def _static(t):

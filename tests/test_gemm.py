@@ -399,6 +399,88 @@ def test_gemm_async_pipeline_nan_filled_outputs(case):
         _check(c, reference.activation(ref, static["activation"]), dt, f"m={m}")
 
 
+# Split-K weight gradients (GemmConfig.split_k, "tn" only): (config, output rows P, n, dtype,
+# token counts). Ragged tiles (200 x 72 under 192 x 192) and the guarded reduce; 1 and 63 tokens
+# leave every slice but the first empty (one k-step of 64); 4097 and 5000 tokens split unevenly.
+def _split_cfg(bm, bn, st, th, policy, split):
+    import dataclasses
+
+    from tilelang_ops.kernels import gemm as K
+
+    return dataclasses.replace(K.GemmConfig(bm, bn, 64, st, th, 0, policy), split_k=split)
+
+
+SPLIT_CASES = [
+    (_split_cfg(192, 192, 4, 384, "FullRow", 2), 200, 72, "bfloat16", [1, 63, 65, 1000, 5000]),
+    (_split_cfg(128, 256, 3, 256, "Square", 3), 384, 512, "float16", [1, 200, 4097]),
+]
+
+
+def split_kernel(case):
+    """(config, static) of a SPLIT_CASES entry; benchmarks/warm_gemm_cache.py pre-builds these."""
+    cfg, rows, n, dtype, _ = case
+    return cfg, dict(layout="tn", n=n, k=0, rows=rows, dtype=dtype, batched=False, bias=False, activation="none", save_preact=False)
+
+
+def test_gemm_split_k_only_for_weight_gradients():
+    from tilelang_ops.kernels import gemm as K
+
+    cfg = _split_cfg(128, 256, 3, 256, "Square", 2)
+    for static in (dict(layout="nn", n=128, k=64), dict(layout="tn", n=128, k=0, rows=128, batched=True)):
+        with pytest.raises(ValueError, match="split_k=2: only the weight-gradient layout 'tn'"):
+            K.matmul_kernel.build(cfg, dtype="bfloat16", **static)
+    # The op never hands a split config to a batched or non-"tn" call (the config is narrowed).
+    assert "split" not in __import__("tilelang_ops").runtime.config_str(K.GemmConfig())
+
+
+@pytest.mark.slow
+def test_gemm_split_k_source():
+    """Two kernels in one host function: the k-slices (blockIdx.z) writing fp32 partials, then
+    their sum cast to the output dtype."""
+    from tilelang_ops.kernels import gemm as K
+
+    cfg, static = split_kernel(SPLIT_CASES[0])
+    src = K.matmul_kernel.source(cfg, "sm_90a", **static)
+    assert "matmul_kernel(" in src and "matmul_kernel_1(" in src and "blockIdx.z" in src
+    assert "float* __restrict__ P" in src
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: f"{c[1]}x{c[2]}-{c[3]}-split{c[0].split_k}")
+def test_gemm_split_k_nan_filled_outputs_and_op(case):
+    """The kernel with NaN-filled output and partials (an unwritten element fails), bitwise
+    deterministic; then the op with the config pinned (the workspace comes from the op)."""
+    from tilelang_ops.kernels import gemm as K
+
+    cfg, static = split_kernel(case)
+    rows, n, dt = static["rows"], static["n"], getattr(torch, static["dtype"])
+    kern = K.matmul_kernel.compile(cfg, runtime_arch(), **static)
+    G.set_config("tn", n, 0, dt, cfg, arch=runtime_arch(), rows=rows)
+    try:
+        for m in case[4]:
+            a, b = _randn(m, rows, dtype=dt, device="cuda"), _randn(m, n, dtype=dt, device="cuda", scale=m**-0.5)
+            ref = a.float().t() @ b.float()
+            c = torch.full((rows, n), float("nan"), dtype=dt, device="cuda")
+            p = torch.full((cfg.split_k, rows, n), float("nan"), device="cuda")
+            kern(a, b, c, p)
+            _check(c, ref, dt, f"tokens={m}")
+            again = torch.full_like(c, float("nan"))
+            kern(a, b, again, torch.full_like(p, float("nan")))
+            assert torch.equal(c, again), "split-K must be deterministic"
+            out = torch.ops.tileops.gemm_tn(a, b)
+            assert torch.equal(out, c) and G.last_config()[1] == cfg
+    finally:
+        G.TUNED.pop((runtime_arch(), "tn", rows, n, 0, dt), None)
+        G._kernels.clear()
+
+
+def runtime_arch() -> str:
+    from tilelang_ops import runtime
+
+    return runtime.arch_for_device(torch.cuda.current_device())
+
+
 @pytest.mark.gpu
 @requires_cuda
 def test_gemm_layer_sized_and_last_config():
@@ -464,8 +546,27 @@ def test_config_table_and_search_space():
     assert (big.block_M, big.block_N, big.block_K, big.num_stages, big.threads) == (128, 256, 64, 3, 256)
     assert G.config_for("nn", 128, 64, torch.bfloat16, "sm_90a").block_N == 128
     assert G.config_for("tn", 4096, 0, torch.bfloat16, "sm_80", rows=4096).num_stages <= 2
-    assert len(K.SEARCH_SPACE) <= 12 and len(K.REPRESENTATIVE) <= 9
+    assert len(K.SEARCH_SPACE) <= 12 and len(K.REPRESENTATIVE) <= 10
     assert G.last_config("no-such-kernel") is None
+
+
+def test_weight_gradients_with_few_tiles_split_k():
+    """Split-K only where the unsplit grid leaves SMs idle, and only with a long reduction: the
+    slices fill one wave of 132 SMs without starting a second."""
+    from tilelang_ops.kernels import gemm as K
+
+    tn = lambda rows, n, m: G.config_for("tn", n, 0, torch.bfloat16, "sm_90a", rows=rows, m=m)  # noqa: E731
+    assert (tn(3072, 768, 16384).block_M, tn(3072, 768, 16384).split_k) == (192, 2)  # 64 tiles x 2
+    assert (tn(2304, 768, 16384).block_M, tn(2304, 768, 16384).split_k) == (128, 2)  # 54 x 2 beats 48 x 2
+    assert tn(768, 768, 16384).split_k == K.MAX_SPLIT_K
+    assert tn(3072, 768, 1000).split_k == 1  # a short reduction: not split
+    assert tn(4096, 4096, 16384).split_k == 1 and tn(4096, 1024, 16384).split_k == 1  # >= one wave of tiles
+    assert G.config_for("tn", 768, 0, torch.bfloat16, "sm_80", rows=3072, m=16384).split_k == 1
+    for rows, n in ((3072, 768), (768, 768), (200, 72), (100000, 8)):
+        cfg = K.tn_split_config(rows, n)
+        if cfg is not None:
+            tiles = -(-rows // cfg.block_M) * -(-n // cfg.block_N)
+            assert 2 <= cfg.split_k <= K.MAX_SPLIT_K and tiles * cfg.split_k <= K.PERSISTENT_CTAS
 
 
 
@@ -473,8 +574,10 @@ def test_tune_space_leaves_out_newer_schedules(monkeypatch):
     """`tileops tune` on an Ampere GPU must not try the Hopper-only (wgmma/TMA/setmaxnreg) schedules."""
     for arch, want_pingpong in (("sm_80", False), ("sm_90a", True), ("sm_100a", True)):
         monkeypatch.setattr(G, "_default_arch", lambda arch=arch: arch)
-        space = G._tune_space(None, None)
+        space = G._tune_space(("nn", 4096, 4096, 4096), None)
         assert space and any(c.pipeline == "pingpong" for c in space) == want_pingpong, arch
+        assert not any(c.split_k > 1 for c in space)
+        assert any(c.split_k > 1 for c in G._tune_space(("tn", 3072, 768, 16384), None))  # weight gradients only
 
 
 def test_m_buckets_select_configs(monkeypatch):

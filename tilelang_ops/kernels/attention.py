@@ -97,7 +97,10 @@ def fwd_default_config(headdim: int, causal: bool, arch: str = "sm_90a") -> FwdC
         if headdim == 128:
             return FwdConfig(192, 128, 2, 384)
         if headdim == 64:
-            return FwdConfig(192, 176, 1 if causal else 2, 384)
+            # Causal: 128 x 128 tiles in the async pipeline. B16 H12 S1024 (GPT-2 small in
+            # training) 1.20x the 192x176 tile (0.107 vs 0.128 ms; 1024 rows are 5.33 tiles of
+            # 192), B16 H32 S2048 1.01x (benchmarks.sweep_attention --gpt, session14/call2).
+            return FwdConfig(128, 128, 2, 256, "async") if causal else FwdConfig(192, 176, 2, 384)
         # D=256: Q, O and two K/V stages of 128 keys would exceed 227 KB of shared memory.
         return FwdConfig(128, 64, 2, 256)
     # Ampere (compile target only, not tuned): no TMA/wgmma, 164 KB shared memory; one stage,

@@ -60,6 +60,12 @@ class GemmConfig:
     # (one CTA per SM walks the tiles), each consumer warpgroup a whole block_M x block_N tile of
     # its own, so one warpgroup's epilogue overlaps the other's main loop (`body_pingpong`).
     pipeline: str = "auto"
+    # Weight gradients ("tn") only: the token reduction cut into `split_k` slices, one CTA each
+    # (gridDim.z), fp32 partial tiles summed and cast by a second kernel of the same launch. For
+    # a small output with a long reduction (GPT-2's 3072x768 over 16384 tokens: 72 tiles of
+    # 128x256 on 132 SMs) the one-tile-per-CTA grid leaves SMs idle; 64 tiles of 192x192 x 2
+    # slices fill one wave (cuBLAS's choice there). Deterministic: a fixed summation order.
+    split_k: int = dataclasses.field(default=1, metadata={"omit_default": True})
 
     @property
     def min_sm(self) -> int:
@@ -106,6 +112,7 @@ DEFAULT_OVERRIDES: dict[tuple, GemmConfig] = {
     # 1024x3072x768: 490-495 TFLOP/s in two sweeps vs 439-444 for the former two-CTA override (1.11x);
     # 0.96x cuBLAS in bench_gemm's interleaved GPU time (cuBLAS moves 403-516 between runs here) (sixth session)
     ("sm_9", "nn", 0, 3072, 768): GemmConfig(128, 192, 64, 4, 256, 8, "Square", 0, "async"),
+    ("sm_9", "nn", 2, 768, 3072): _PP,  # 16384x768x3072 (GPT-2's MLP dX): 686 vs 635 (1.08x), 1.06x cuBLAS (session14/call1)
     ("sm_9", "nn", 2, 3072, 768): _PP,  # 16384x3072x768: 591 TFLOP/s vs 528 default (1.12x), 1.01x cuBLAS
     ("sm_9", "nn", 1, 4096, 4096): GemmConfig(128, 256, 64, 4, 256, 8, "Square"),  # 4096^3: 1.03x default (fifth session)
     ("sm_9", "nn", 0, 11008, 4096): GemmConfig(block_M=128, block_N=256, block_K=64, num_stages=4, threads=256, swizzle=8, policy="FullRow"),  # 1024x11008x4096: 1.04x default, 1.12x cuBLAS
@@ -143,12 +150,42 @@ def default_config(arch: str, n: int, layout: str = "nn", k: int = 0, bucket: in
             hit = DEFAULT_OVERRIDES.get(key)
             if hit is not None:
                 return hit
+    if layout == "tn" and bucket >= 1:
+        split = tn_split_config(k, n)
+        if split is not None:
+            return split
     if n <= 128:
         return _HOPPER_NARROW
     # No rule by wave count: 128×128 tiles just double the CTAs per wave (one CTA per SM either
     # way, smem and setmaxnreg-bound), so at M=1024, N=4096 the 128 CTAs of 128×256 are already
     # ~one full wave. Measured per-bucket winners go into DEFAULT_OVERRIDES.
     return _HOPPER_LARGE
+
+
+# Split-K weight gradients ("tn"): when the 128x256 output tiles leave SMs idle (GPT-2's
+# 3072x768 over 16384 tokens: 72 tiles on 132 SMs, 0.64x cuBLAS), slice the token reduction so
+# tiles x slices fill one wave as closely as possible without a second (a partial second wave
+# costs as much as a whole one). benchmarks/sweep_gemm.py --group 'split_*' on one H200
+# (session14/call2, bf16, 16384 tokens, TFLOP/s vs cuBLAS): 3072x768 192x192/2 733 vs 656 (3
+# slices, 1.45 waves: 546; 4: 637); 768x3072 709 vs 615; 2304x768 128x256/2 631 vs 642 (192x192/2,
+# 96 CTAs: 597); 768x768 192x192/8 539 vs 549 (the unsplit default: 128).
+_TN_SPLIT_TILES = (GemmConfig(192, 192, 64, 4, 384, 0, "FullRow"), GemmConfig(128, 256, 64, 3, 256, 0, "Square"))
+MAX_SPLIT_K = 8
+
+
+def tn_split_config(rows: int, n: int, sms: int = PERSISTENT_CTAS):
+    """The split-K schedule for a (rows x n) weight gradient whose unsplit grid would not fill the
+    SMs, or None: of the two tiles, the one whose tiles x slices (2..MAX_SPLIT_K, at most `sms`)
+    keeps the most SMs busy (ties: the first, 192x192)."""
+    if math.ceil(rows / 128) * math.ceil(n / 256) >= sms:
+        return None
+    best, best_ctas = None, 0
+    for cfg in _TN_SPLIT_TILES:
+        tiles = math.ceil(rows / cfg.block_M) * math.ceil(n / cfg.block_N)
+        split = min(MAX_SPLIT_K, sms // tiles)
+        if split >= 2 and tiles * split > best_ctas:
+            best, best_ctas = dataclasses.replace(cfg, split_k=split), tiles * split
+    return best
 
 
 SEARCH_SPACE = [
@@ -165,6 +202,12 @@ SEARCH_SPACE = [
     _PP16,
     GemmConfig(128, 128, 64, 2, 256, 8, "Square", 2),  # two CTAs per SM
 ]
+
+
+# Split-K weight-gradient schedules `tileops tune` tries for "tn" beside SEARCH_SPACE.
+TN_SPLIT_SPACE = [
+    dataclasses.replace(GemmConfig(192, 192, 64, 4, 384, 0, "FullRow"), split_k=s) for s in (2, 3, 4)
+] + [dataclasses.replace(GemmConfig(128, 256, 64, 3, 256, 0, "Square"), split_k=s) for s in (2, 4)]
 
 
 def _act(x, activation: str):
@@ -230,9 +273,13 @@ def matmul_kernel(
 
     Static: n (C columns), k (reduction for "nn"/"nt"), rows (C rows, "tn" only). Symbolic: M
     (C rows for "nn"/"nt"), K (reduction for "tn"), batch. Arguments in order:
-    A, B, [Bias (n,)], C, [Z (pre-activation, same shape as C) when save_preact].
+    A, B, [Bias (n,)], C, [Z (pre-activation, same shape as C) when save_preact], and with
+    config.split_k > 1 ("tn" only) P: the (split_k, rows, n) fp32 partials workspace.
     """
     bm, bn, bk = config.block_M, config.block_N, config.block_K
+    split = config.split_k
+    if split > 1 and (layout != "tn" or batched or config.pipeline != "auto" or bias or save_preact or activation != "none"):
+        raise ValueError(f"split_k={split}: only the weight-gradient layout 'tn', not batched, pipeline 'auto'")
     accum = "float32"
     policy = getattr(T.GemmWarpPolicy, config.policy)
     trans_a, trans_b = layout == "tn", layout == "nt"
@@ -329,15 +376,24 @@ def matmul_kernel(
         if config.swizzle:
             T.use_swizzle(config.swizzle)
         T.clear(C_f)
-        for kk in T.Pipelined(T.ceildiv(K, bk), num_stages=config.num_stages):
-            T.copy(a_src(A, ix, by, kk), A_s)
-            T.copy(b_src(B, ix, bx, kk), B_s)
-            # Each k-step ends in warpgroup_wait<0>: with T.wgmma_gemm + T.wait_wgmma(1) here,
-            # TileLang 0.1.15's pipeline releases the stage (empty-barrier arrive) *before* the
-            # wait, so the next TMA load could overwrite operands a wgmma still reads. The
-            # "async" pipeline below places the release itself.
-            T.gemm(A_s, B_s, C_f, transpose_A=trans_a, transpose_B=trans_b, policy=policy)
-        epilogue(C_f, C_s, Bias, C, Z, ix, bx, by)
+        if split > 1:
+            # Slice bz of the k-steps: [bz * chunk, min((bz + 1) * chunk, nk)), possibly empty.
+            chunk = T.ceildiv(T.ceildiv(K, bk), split)
+            for kk in T.Pipelined(T.max(T.min(chunk, T.ceildiv(K, bk) - bz * chunk), 0), num_stages=config.num_stages):
+                T.copy(a_src(A, ix, by, bz * chunk + kk), A_s)
+                T.copy(b_src(B, ix, bx, bz * chunk + kk), B_s)
+                T.gemm(A_s, B_s, C_f, transpose_A=trans_a, transpose_B=trans_b, policy=policy)
+            T.copy(C_f, Z[bz, by * bm, bx * bn])  # Z: the fp32 partials P (see `launch`)
+        else:
+            for kk in T.Pipelined(T.ceildiv(K, bk), num_stages=config.num_stages):
+                T.copy(a_src(A, ix, by, kk), A_s)
+                T.copy(b_src(B, ix, bx, kk), B_s)
+                # Each k-step ends in warpgroup_wait<0>: with T.wgmma_gemm + T.wait_wgmma(1) here,
+                # TileLang 0.1.15's pipeline releases the stage (empty-barrier arrive) *before* the
+                # wait, so the next TMA load could overwrite operands a wgmma still reads. The
+                # "async" pipeline below places the release itself.
+                T.gemm(A_s, B_s, C_f, transpose_A=trans_a, transpose_B=trans_b, policy=policy)
+            epilogue(C_f, C_s, Bias, C, Z, ix, bx, by)
 
     S = config.num_stages
     cwg = tuple(range(consumers // 128))  # consumer warpgroups; the producer is the next one
@@ -491,9 +547,31 @@ def matmul_kernel(
     # T.Pipelined adds its producer warpgroup itself; the async pipelines declare it.
     cta_threads = consumers + 128 if hand_sync else consumers
 
+    # split_k: the partial tiles' sum, cast to dtype (rows and n are static here: the guards go
+    # only where a block would overhang).
+    rbm, rbn = 16, 256
+    guard = rows % rbm != 0 or n % rbn != 0
+
+    @T.macro
+    def reduce_partials(P, C):
+        with T.Kernel(T.ceildiv(N, rbn), T.ceildiv(M, rbm), threads=256) as (bx, by):
+            acc = T.alloc_fragment((rbm, rbn), accum)
+            T.clear(acc)
+            for z in T.unroll(split):
+                for i, j in T.Parallel(rbm, rbn):
+                    if guard:
+                        acc[i, j] += T.if_then_else((by * rbm + i < M) & (bx * rbn + j < N), P[z, by * rbm + i, bx * rbn + j], 0.0)
+                    else:
+                        acc[i, j] += P[z, by * rbm + i, bx * rbn + j]
+            T.copy(acc, C[by * rbm, bx * rbn])
+
     @T.macro
     def launch(A, B, Bias, C, Z):
-        if pingpong:
+        if split > 1:  # Z is the partials workspace here
+            with T.Kernel(n_blocks, m_blocks, split, threads=cta_threads) as (bx, by, bz):
+                body(A, B, Bias, C, Z, bx, by, bz)
+            reduce_partials(Z, C)
+        elif pingpong:
             with T.Kernel(grid, threads=384) as bid:
                 body_pingpong(A, B, Bias, C, Z, bid)
         elif batched:
@@ -521,6 +599,12 @@ def matmul_kernel(
         @T.prim_func
         def matmul(A: T.Tensor(a_shape, dtype), B: T.Tensor(b_shape, dtype), C: T.Tensor(c_shape, dtype), Z: T.Tensor(c_shape, dtype)):
             launch(A, B, None, C, Z)
+
+    elif split > 1:
+
+        @T.prim_func
+        def matmul(A: T.Tensor(a_shape, dtype), B: T.Tensor(b_shape, dtype), C: T.Tensor(c_shape, dtype), P: T.Tensor((split, M, N), accum)):
+            launch(A, B, None, C, P)
 
     else:
 
@@ -635,6 +719,7 @@ REPRESENTATIVE = [
     (matmul_kernel, _HOPPER_NARROW, dict(layout="nn", n=128, k=64, rows=0, dtype="float16", batched=True, bias=False, activation="none", save_preact=False)),
     (matmul_kernel, DEFAULT_OVERRIDES[("sm_9", "nn", 0, 3072, 768)], dict(layout="nn", n=3072, k=768, rows=0, dtype="bfloat16", batched=False, bias=False, activation="none", save_preact=False)),
     (matmul_kernel, _PP, dict(layout="nt", n=3072, k=768, rows=0, dtype="bfloat16", batched=False, bias=True, activation="gelu_tanh", save_preact=True)),
+    (matmul_kernel, tn_split_config(3072, 768), dict(layout="tn", n=768, k=0, rows=3072, dtype="bfloat16", batched=False, bias=False, activation="none", save_preact=False)),
     (act_grad_kernel, ActGradConfig(), dict(n=4096, dtype="bfloat16", activation="gelu_tanh")),
     (act_grad_kernel, ActGradConfig(), dict(n=4096, dtype="bfloat16", activation="gelu_tanh", bias_grad=False)),
 ]

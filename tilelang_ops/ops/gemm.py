@@ -17,6 +17,8 @@ tensor runs the "nt" kernel on it without a copy. Views not 16-byte aligned are 
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
@@ -96,7 +98,8 @@ def _tune_runner(config, shape, dtype, device):
     a = torch.randn(*((k, st["rows"]) if layout == "tn" else (m, st["k"])), dtype=dtype, device=device)
     b = torch.randn(*((st["n"], st["k"]) if layout == "nt" else (k if layout == "tn" else st["k"], st["n"])), dtype=dtype, device=device)
     c = torch.empty(st["rows"] if layout == "tn" else m, st["n"], dtype=dtype, device=device)
-    return lambda: kern(a, b, c)
+    launch = _with_workspace(kern, config, st["rows"], st["n"])
+    return lambda: launch(a, b, c)
 
 
 def _tune_default(shape, dtype):
@@ -111,7 +114,8 @@ def _tune_space(shape, dtype):
     from ..kernels import gemm as K
 
     sm = runtime.sm_of(_default_arch())
-    return [c for c in K.SEARCH_SPACE if K.matmul_kernel.min_sm_for(c) <= sm]  # Hopper-only schedules left out elsewhere
+    space = K.SEARCH_SPACE + (K.TN_SPLIT_SPACE if shape[0] == "tn" else [])
+    return [c for c in space if K.matmul_kernel.min_sm_for(c) <= sm]  # Hopper-only schedules left out elsewhere
 
 
 def _bucket_name(shape) -> str:
@@ -159,13 +163,25 @@ def _matmul_kernel(device, layout, n, k, dtype, rows=0, batched=False, bias=Fals
             shape = (layout, rows, n, rep) if layout == "tn" else (layout, rep, n, k)
             cfg = tuning.resolve_config(TUNABLE, shape, dtype, device)
         static = dict(layout=layout, n=n, k=k, rows=rows, dtype=TL_DTYPE[dtype], batched=batched, bias=bias, activation=activation, save_preact=save_preact)
+        if cfg.split_k > 1 and (layout != "tn" or batched):  # split-K serves 2-D weight gradients only
+            cfg = dataclasses.replace(cfg, split_k=1)
         if cfg.pipeline == "pingpong":
             # One CTA per SM: a wider grid would run in two waves. (A static the kernel does not
             # change at its default leaves TileLang's disk cache key alone: that hashes the PrimFunc.)
             static["ctas"] = runtime.sm_count(device)
-        hit = _kernels[key] = (runtime.launcher(K.matmul_kernel.compile(cfg, arch, **static)), ("matmul", cfg, static))
+        launch = _with_workspace(runtime.launcher(K.matmul_kernel.compile(cfg, arch, **static)), cfg, rows, n)
+        hit = _kernels[key] = (launch, ("matmul", cfg, static))
     _last["matmul"] = hit[1]
     return hit[0]
+
+
+def _with_workspace(launch, cfg, rows: int, n: int):
+    """A split-K kernel takes its fp32 partials (split_k, rows, n) as a last argument: allocated
+    per call from torch's caching allocator (on the current stream, so CUDA graphs capture it)."""
+    if cfg.split_k == 1:
+        return launch
+    split = cfg.split_k
+    return lambda a, b, c: launch(a, b, c, torch.empty(split, rows, n, dtype=torch.float32, device=c.device))
 
 
 def _act_grad_kernel(device, n, dtype, activation, bias_grad):
