@@ -39,8 +39,12 @@ def _step_fn(tg, mode: str, extra=(), clip: bool = False):
     data, _ = tg.load_corpus()
     it = tg.batches(data, args.batch, args.seq, args.seed)
 
+    graphs = tg.cudagraphs(args, mode)
+
     def step():
         x, y = (t.cuda(non_blocking=True) for t in next(it))
+        if graphs:
+            torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = step_fn(x, y)
         loss.backward()
@@ -143,6 +147,7 @@ def main() -> None:
     p.add_argument("--ab", action="store_true", help="only: wall ms per step of torch, tileops and tileops --ln torch, taking turns")
     p.add_argument("--compile", action="store_true", help="with --ab: also torch-compile and tileops-compile")
     p.add_argument("--freeze", action="store_true", help="with --ab: gc.freeze() after the warm-up (see wall_ab)")
+    p.add_argument("--cudagraphs", action="store_true", help="with --ab: also both compiled modes under torch.compile(mode='reduce-overhead')")
     a = p.parse_args()
     tg = _train_gpt()
     out = {}
@@ -150,10 +155,14 @@ def main() -> None:
         variants = [("torch", "torch", ()), ("tileops", "tileops", ()), ("tileops --ln torch", "tileops", ("--ln", "torch"))]
         if a.compile:
             variants += [("torch-compile", "torch-compile", ()), ("tileops-compile", "tileops-compile", ()), ("tileops-compile --ln torch", "tileops-compile", ("--ln", "torch"))]
+        if a.cudagraphs:
+            ro = ("--compile-mode", "reduce-overhead")
+            variants += [("torch-compile-graphs", "torch-compile", ro), ("tileops-compile-graphs", "tileops-compile", ro),
+                         ("tileops-compile-graphs --ln torch", "tileops-compile", ro + ("--ln", "torch"))]
         res = wall_ab(tg, variants, freeze=a.freeze)
         base = res["torch"]
         for label, ms in res.items():
-            print(f"{label:28s} {ms:6.2f} ms per step  {16 * 1024 / ms * 1e3:9,.0f} tokens/s  x torch {base / ms:.3f}")
+            print(f"{label:34s} {ms:6.2f} ms per step  {16 * 1024 / ms * 1e3:9,.0f} tokens/s  x torch {base / ms:.3f}")
         write_json("profile_train_ab", [dict(variant=k, ms_per_step=v) for k, v in res.items()])
         return
     if a.api:

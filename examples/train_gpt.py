@@ -167,8 +167,17 @@ def build(args, mode: str) -> tuple[nn.Module, nn.Module]:
         for blk in model.blocks:  # one all-gather / reduce-scatter group per block, then the rest
             fully_shard(blk)
         fully_shard(model)
-    step_fn = torch.compile(model, fullgraph=True) if mode.endswith("compile") else model
+    if mode.endswith("compile"):
+        # "reduce-overhead": CUDA graphs (cudagraph trees) replay the compiled forward and backward,
+        # so the host's per-kernel launch path leaves the step (`--compile-mode`).
+        step_fn = torch.compile(model, fullgraph=True, **({} if args.compile_mode == "default" else {"mode": args.compile_mode}))
+    else:
+        step_fn = model
     return model, step_fn
+
+
+def cudagraphs(args, mode: str) -> bool:
+    return mode.endswith("compile") and args.compile_mode == "reduce-overhead"
 
 
 def init_dist(args) -> tuple[int, int]:
@@ -218,6 +227,7 @@ def train(args, mode: str, data: torch.Tensor, corpus: dict, rank: int = 0, worl
         torch._dynamo.utils.counters.clear()  # from here on, count the training run's compilations only
 
     losses, t0 = [], None
+    graphs = cudagraphs(args, mode)
     bar = progress(range(args.steps), desc=mode) if rank == 0 else _Quiet(range(args.steps))
     for step in bar:
         if step == warm:
@@ -226,6 +236,8 @@ def train(args, mode: str, data: torch.Tensor, corpus: dict, rank: int = 0, worl
         # Every rank draws the same global batch and keeps its share of the rows: the optimizer
         # sees the single-GPU batch, so the loss curve must match the single-GPU run.
         x, y = (t[rank::world].to(dev, non_blocking=True) for t in next(data_iter))
+        if graphs:  # a new iteration: the previous replay's outputs may be overwritten now
+            torch.compiler.cudagraph_mark_step_begin()
         with autocast:
             loss = step_fn(x, y)
         loss.backward()
@@ -233,7 +245,7 @@ def train(args, mode: str, data: torch.Tensor, corpus: dict, rank: int = 0, worl
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
+        losses.append(loss.detach().clone() if graphs else loss.detach())  # a graph's output is overwritten by the next replay
         if step % 10 == 0 or step == args.steps - 1:  # .item() syncs: only now and then
             bar.set_postfix(loss=f"{loss.item():.3f}")
     sync(dev)
@@ -327,6 +339,8 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--ln", choices=("tileops", "torch"), default="tileops", help="tileops modes: whose LayerNorm (default tileops)")
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs"))
+    p.add_argument("--compile-mode", choices=("default", "reduce-overhead", "max-autotune-no-cudagraphs"), default="default",
+                   help="torch.compile's mode in the *-compile modes (reduce-overhead: CUDA graphs)")
     p.add_argument("--dist", choices=("none", "ddp", "fsdp2"), default="none",
                    help="under torchrun --nproc-per-node N: data parallel over N GPUs (eager modes)")
     args = p.parse_args(argv)

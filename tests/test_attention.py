@@ -363,6 +363,42 @@ def test_flash_fwd_async_pipelines_match_reference(shape, cfg, causal):
     assert (lse[seen] - ref_lse[seen].float()).abs().max().item() <= 1e-2
 
 
+# The Hopper default forward at head dim 64, causal (the async pipeline, 128 x 128 tiles), in every
+# dtype and at GQA ratios the shapes above leave out (3, 8): (dtype, groups).
+D64_CAUSAL_DEFAULT_CASES = [(dt, g) for dt in ("bfloat16", "float16") for g in (1, 3, 8)]
+
+
+def d64_causal_default_kernels():
+    """(config, static) of test_flash_fwd_d64_causal_default; warm_attention_cache pre-builds them."""
+    from tilelang_ops.kernels import attention as K
+
+    return [(K.fwd_default_config(64, True), dict(headdim=64, dtype=dt, causal=True, groups=g, scale=K.default_scale(64)))
+            for dt, g in D64_CAUSAL_DEFAULT_CASES]
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("case", range(len(D64_CAUSAL_DEFAULT_CASES)), ids=lambda i: "-".join(map(str, D64_CAUSAL_DEFAULT_CASES[i])))
+def test_flash_fwd_d64_causal_default(case):
+    from tilelang_ops import runtime
+    from tilelang_ops.kernels import attention as K
+
+    config, static = d64_causal_default_kernels()[case]
+    assert config == K.fwd_default_config(64, True, runtime.arch_for_device(torch.cuda.current_device()))
+    dtype, g = getattr(torch, static["dtype"]), static["groups"]
+    kern = runtime.launcher(K.flash_fwd_kernel.compile(config, "sm_90a", **static))
+    for B, Sq, Sk, HK in ((2, 1024, 1024, 2), (1, 17, 300, 1), (1, 1000, 300, 1), (3, 129, 4097, 1)):
+        q, k, v = _inputs((B, Sq, Sk, HK * g, HK, 64), dtype, "cuda", requires_grad=False)
+        out = torch.full_like(q, float("nan"))  # poisoned: an unwritten element stays NaN
+        lse = torch.full((B, HK * g, Sq), float("nan"), device="cuda")
+        kern(q, k, v, out, lse)
+        ref_out, ref_lse, _ = _ref(q, k, v, True)
+        assert torch.isfinite(out).all() and rel_err(out, ref_out) <= ATTENTION_REL_ERR[dtype], (B, Sq, Sk)
+        seen = torch.isfinite(ref_lse)
+        assert torch.equal(torch.isfinite(lse), seen)
+        assert (lse[seen] - ref_lse[seen].float()).abs().max().item() <= 1e-2
+
+
 # The async backward (BwdConfig.pipeline="async": our own TMA producer and mbarrier ring, wgmmas
 # kept in flight across the softmax-gradient math; the default on Hopper at D=64/128, which every
 # other GPU test runs) at the tiles of the tuner's search space, defaults included.
