@@ -195,7 +195,7 @@ def main(argv=None) -> int:
     for t in dict.fromkeys(mm):
         s = _static(t)
         # one kernel per distinct config over the three symbolic-M buckets (usually just one)
-        for cfg in dict.fromkeys(G.config_for(s["layout"], s["n"], s["k"], getattr(torch, s["dtype"]), args.arch, s["rows"], m=m) for m in K.M_BUCKET_REP):
+        for cfg in dict.fromkeys(G.config_for(s["layout"], s["n"], s["k"], getattr(torch, s["dtype"]), args.arch, s["rows"], m=m, batched=s["batched"]) for m in K.M_BUCKET_REP):
             jobs.append((K.matmul_kernel, cfg, s))
     for n, dt, act in dict.fromkeys(acts):
         for bias_grad in (True, False):

@@ -5,8 +5,9 @@ Modes (one model definition, one seeded init, one data order, so loss curves are
   tileops          MLP up-projection -> tilelang_ops.nn.Linear(activation="gelu_tanh") (one fused
                    kernel, via tilelang_ops.nn.fuse_linear_activations), attention ->
                    tilelang_ops.flash_attn, LayerNorm -> tilelang_ops.nn.LayerNorm writing bf16
-                   (each feeds a Linear under bf16 autocast: the cast kernel goes away; --ln torch
-                   keeps PyTorch's). Embeddings and the other Linears stay PyTorch
+                   (each feeds a Linear under bf16 autocast: the cast kernel goes away) with the
+                   residual add before it in the same kernel (add_layer_norm); --ln torch keeps
+                   PyTorch's. Embeddings and the other Linears stay PyTorch
   torch-compile    torch, then torch.compile(model, fullgraph=True)
   tileops-compile  tileops, then torch.compile(model, fullgraph=True)
 
@@ -99,9 +100,25 @@ class Block(nn.Module):
         # A plain Sequential, so fuse_linear_activations can find the Linear -> GELU pair.
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(approximate="tanh"), nn.Linear(4 * dim, dim))
 
-    def forward(self, x):
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+    def forward(self, x, branch=None):
+        """x: the residual stream; branch: the previous block's MLP output, not yet added to it.
+        Returns (stream, this block's MLP output): each residual add happens in add_norm, where
+        tilelang_ops' LayerNorm fuses it with the norm that follows (the math is unchanged:
+        x + attn(ln1(x)), then + mlp(ln2(.)))."""
+        x, h = add_norm(self.ln1, x, branch)
+        x, h = add_norm(self.ln2, x, self.attn(h))
+        return x, self.mlp(h)
+
+
+def add_norm(ln, x, branch):
+    """(x + branch, ln(x + branch)); branch None: (x, ln(x)). tilelang_ops.nn.LayerNorm does both
+    in one kernel (and one in the backward: no add, no cast of the branch's gradient)."""
+    if branch is None:
+        return x, ln(x)
+    if isinstance(ln, tilelang_ops.nn.LayerNorm):
+        return ln(x, branch)
+    x = x + branch
+    return x, ln(x)
 
 
 class GPT(nn.Module):
@@ -120,9 +137,11 @@ class GPT(nn.Module):
 
     def forward(self, idx, targets):
         x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        branch = None
         for blk in self.blocks:
-            x = blk(x)
-        logits = F.linear(self.ln_f(x), self.wte.weight)  # tied input/output embedding
+            x, branch = blk(x, branch)
+        _, h = add_norm(self.ln_f, x, branch)
+        logits = F.linear(h, self.wte.weight)  # tied input/output embedding
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())  # loss in fp32
 
 
@@ -133,8 +152,9 @@ def to_tileops(model: GPT, layer_norm: bool = True) -> None:
     over the 4*dim activations), attention never materialises S x S scores, and each LayerNorm
     reads the fp32 residual stream and writes the bf16 its Linear takes under autocast (one
     kernel instead of layer_norm + cast; its backward reads the bf16 gradient directly: 4 ms of
-    GPU time less per step, benchmarks.profile_train). `layer_norm=False` (`--ln torch`) keeps
-    PyTorch's. The other
+    GPU time less per step, benchmarks.profile_train) and takes the residual add before it into
+    the same kernel (`add_norm`: add_layer_norm, whose backward also adds the stream's gradient
+    and writes the branch's in bf16). `layer_norm=False` (`--ln torch`) keeps PyTorch's. The other
     Linears are plain GEMMs at d=768 (K=768), a shape where cuBLAS is faster than our kernel
     (docs/benchmarks.md: 16384x3072x768 at 0.85x cuBLAS), so they stay nn.Linear.
     """

@@ -222,11 +222,49 @@ def layer_norm(
         Tensor of x's shape. Math in float32; differentiable in x, weight and bias (backward: one
         host call, deterministic). Autocast does not change this op's dtypes.
     """
+    shape = _norm_shape(x, normalized_shape)
+    if len(shape) == 1:
+        return torch.ops.tileops.layer_norm(x, weight, bias, eps, out_dtype)[0]
+    y = torch.ops.tileops.layer_norm(_rows(x, shape), _flat(weight), _flat(bias), eps, out_dtype)[0]
+    return y.view(x.shape)
+
+
+def add_layer_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    normalized_shape,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+    out_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h = x + residual; (h, F.layer_norm(h, ...))`` in one kernel: a pre-norm block's residual
+    add and the next norm (FlashAttention's `dropout_add_layer_norm` with prenorm, without dropout).
+
+    h stays in x's dtype (the residual stream, e.g. float32); residual may be narrower (a bf16
+    branch output under autocast; a wider one raises). The backward is one kernel too: h's
+    gradient from the stream is added to the norm's, and the branch's gradient is written in the
+    branch's dtype, so the add and the cast kernels a separate `x + residual` costs are gone.
+    Other arguments and the result y: as `layer_norm`.
+    """
+    shape = _norm_shape(x, normalized_shape)
+    if len(shape) == 1:
+        h, y = torch.ops.tileops.add_layer_norm(x, residual, weight, bias, eps, out_dtype)[:2]
+        return h, y
+    h, y = torch.ops.tileops.add_layer_norm(_rows(x, shape), _rows(residual, shape), _flat(weight), _flat(bias), eps, out_dtype)[:2]
+    return h.view(x.shape), y.view(x.shape)
+
+
+def _norm_shape(x, normalized_shape) -> tuple:
     shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
     if not shape or tuple(x.shape[x.dim() - len(shape):]) != shape:
         raise ValueError(f"normalized_shape: {shape} does not match the trailing dims of x's shape {tuple(x.shape)}")
-    if len(shape) == 1:
-        return torch.ops.tileops.layer_norm(x, weight, bias, eps, out_dtype)[0]
-    flat = lambda t: None if t is None else t.reshape(-1)  # noqa: E731
-    y = torch.ops.tileops.layer_norm(x.reshape(*x.shape[: x.dim() - len(shape)], -1), flat(weight), flat(bias), eps, out_dtype)[0]
-    return y.view(x.shape)
+    return shape
+
+
+def _rows(t: torch.Tensor, shape: tuple) -> torch.Tensor:
+    return t.reshape(*t.shape[: t.dim() - len(shape)], -1)
+
+
+def _flat(t):
+    return None if t is None else t.reshape(-1)

@@ -178,6 +178,10 @@ class LayerNorm(torch.nn.LayerNorm):
     ``nn.LayerNorm`` outside autocast) writes the output in another dtype: ``torch.bfloat16`` for
     an fp32 residual stream feeding a Linear under bf16 autocast saves the cast kernel (the Linear
     would cast to the same values).
+
+    ``ln(x, residual)`` returns ``(x + residual, ln(x + residual))`` from one kernel (and one in
+    the backward): a pre-norm block's residual add fused into its norm
+    (``tilelang_ops.functional.add_layer_norm``).
     """
 
     def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True,
@@ -185,7 +189,9 @@ class LayerNorm(torch.nn.LayerNorm):
         super().__init__(normalized_shape, eps, elementwise_affine, bias, device, dtype)
         self.out_dtype = out_dtype
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is not None:
+            return _F.add_layer_norm(x, residual, self.normalized_shape, self.weight, self.bias, self.eps, self.out_dtype)
         return _F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps, self.out_dtype)
 
     def extra_repr(self) -> str:

@@ -220,8 +220,29 @@ def layer_norm(x, weight, bias, eps: float, out_dtype=None):
     return y.to(out_dtype or x.dtype).contiguous(), mean.contiguous(), rstd.contiguous()
 
 
+def add_layer_norm(x, residual, weight, bias, eps: float, out_dtype=None):
+    """(h = x + residual in x.dtype, then layer_norm(h)'s y, mean, rstd)."""
+    h = (x.float() + residual.float()).to(x.dtype)
+    return (h.contiguous(), *layer_norm(h, weight, bias, eps, out_dtype))
+
+
+def add_layer_norm_backward(dy, dh, h, weight, mean, rstd, residual_dtype):
+    """(dx = h's whole gradient (through the norm, plus dh) in h.dtype, the same in
+    residual_dtype, dweight, dbias): float32 math."""
+    dxn, dw, db = _layer_norm_backward_f32(dy, h, weight, mean, rstd)
+    if dh is not None:
+        dxn = dxn + dh.float()
+    return dxn.to(h.dtype).contiguous(), dxn.to(residual_dtype, copy=True).contiguous(), dw, db  # two tensors, never aliases
+
+
 def layer_norm_backward(dy, x, weight, mean, rstd):
     """(dx in x.dtype, dweight, dbias in weight's dtype or x's): float32 math."""
+    dx, dw, db = _layer_norm_backward_f32(dy, x, weight, mean, rstd)
+    return dx.to(x.dtype).contiguous(), dw, db
+
+
+def _layer_norm_backward_f32(dy, x, weight, mean, rstd):
+    """(dx in float32, dweight, dbias in weight's dtype or x's)."""
     n = x.shape[-1]
     xhat = (x.float() - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)
     dyf = dy.float()
@@ -233,4 +254,4 @@ def layer_norm_backward(dy, x, weight, mean, rstd):
     lead = tuple(range(x.dim() - 1))
     dw = (dyf * xhat).sum(lead) if lead else dyf * xhat
     db = dyf.sum(lead) if lead else dyf
-    return dx.to(x.dtype).contiguous(), dw.to(wdtype).contiguous(), db.to(wdtype).contiguous()
+    return dx, dw.to(wdtype).contiguous(), db.to(wdtype).contiguous()

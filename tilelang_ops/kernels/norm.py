@@ -76,17 +76,19 @@ def search_space(n: int, dtype: str) -> list[NormConfig]:
 # forward
 # ---------------------------------------------------------------------------------------------
 @kernel("norm", "layer_norm_fwd")
-def layer_norm_fwd(config: NormConfig, n: int, dtype: str, wdtype: str, odtype: str, eps: float):
-    """Y = (X - mean) * rstd * W + B; Mean, Rstd per row (fp32)."""
+def layer_norm_fwd(config: NormConfig, n: int, dtype: str, wdtype: str, odtype: str, eps: float, rdtype: str = ""):
+    """Y = (X - mean) * rstd * W + B; Mean, Rstd per row (fp32).
+
+    rdtype (add_layer_norm): a second input R of that dtype; the kernel normalizes H = X + R
+    (rounded to dtype, as a separate add would store it) and writes H too: the residual add of a
+    pre-norm block in the same pass over the row."""
     M = T.dynamic("M")
     bm, threads = config.block_m, config.threads
     k, w = row_tile(config, n, dtype)
+    residual = rdtype != ""
 
-    @T.prim_func
-    def fwd(
-        X: T.Tensor((M, n), dtype), W: T.Tensor((n,), wdtype), B: T.Tensor((n,), wdtype),
-        Y: T.Tensor((M, n), odtype), Mean: T.Tensor((M,), _ACC), Rstd: T.Tensor((M,), _ACC),
-    ):
+    @T.macro
+    def body(X, R, W, B, H, Y, Mean, Rstd):
         with T.Kernel(T.ceildiv(M, bm), threads=threads) as bx:
             x = T.alloc_fragment((k, bm, w), _ACC)
             part = T.alloc_fragment((bm, w), _ACC)
@@ -94,6 +96,16 @@ def layer_norm_fwd(config: NormConfig, n: int, dtype: str, wdtype: str, odtype: 
             rs = T.alloc_fragment((bm,), _ACC)
             for kk, i, j in T.Parallel(k, bm, w):  # reads bm * n
                 x[kk, i, j] = T.if_then_else((bx * bm + i < M) and (kk * w + j < n), T.Cast(_ACC, X[bx * bm + i, kk * w + j]), 0.0)
+            if residual:
+                r = T.alloc_fragment((k, bm, w), _ACC)
+                # One load per loop: with two in one loop TileLang vectorizes them to 8 bytes.
+                for kk, i, j in T.Parallel(k, bm, w):
+                    r[kk, i, j] = T.if_then_else((bx * bm + i < M) and (kk * w + j < n), T.Cast(_ACC, R[bx * bm + i, kk * w + j]), 0.0)
+                for kk, i, j in T.Parallel(k, bm, w):
+                    x[kk, i, j] = T.Cast(_ACC, T.Cast(dtype, x[kk, i, j] + r[kk, i, j]))
+                for kk, i, j in T.Parallel(k, bm, w):  # writes bm * n
+                    if (bx * bm + i < M) and (kk * w + j < n):
+                        H[bx * bm + i, kk * w + j] = T.Cast(dtype, x[kk, i, j])
             T.reduce_sum(x, part, dim=0)
             T.reduce_sum(part, mu, dim=1)
             for i in T.Parallel(bm):
@@ -112,6 +124,24 @@ def layer_norm_fwd(config: NormConfig, n: int, dtype: str, wdtype: str, odtype: 
                 if bx * bm + i < M:
                     Mean[bx * bm + i] = mu[i]
                     Rstd[bx * bm + i] = rs[i]
+
+    if rdtype:
+
+        @T.prim_func
+        def add_fwd(
+            X: T.Tensor((M, n), dtype), R: T.Tensor((M, n), rdtype), W: T.Tensor((n,), wdtype), B: T.Tensor((n,), wdtype),
+            H: T.Tensor((M, n), dtype), Y: T.Tensor((M, n), odtype), Mean: T.Tensor((M,), _ACC), Rstd: T.Tensor((M,), _ACC),
+        ):
+            body(X, R, W, B, H, Y, Mean, Rstd)
+
+        return add_fwd
+
+    @T.prim_func
+    def fwd(
+        X: T.Tensor((M, n), dtype), W: T.Tensor((n,), wdtype), B: T.Tensor((n,), wdtype),
+        Y: T.Tensor((M, n), odtype), Mean: T.Tensor((M,), _ACC), Rstd: T.Tensor((M,), _ACC),
+    ):
+        body(X, None, W, B, None, Y, Mean, Rstd)
 
     return fwd
 
@@ -153,21 +183,23 @@ def _fold_rows(acc, red, col, P, t: int, bx, n: int, k: int, bm: int, w: int, th
 
 
 @kernel("norm", "layer_norm_bwd")
-def layer_norm_bwd(config: NormConfig, n: int, dtype: str, wdtype: str, dydtype: str):
-    """DX from DY, X, W, Mean, Rstd; DW, DB through per-CTA partials P[0] (dw), P[1] (db)."""
+def layer_norm_bwd(config: NormConfig, n: int, dtype: str, wdtype: str, dydtype: str, dh: bool = False, rdtype: str = ""):
+    """DX from DY, X, W, Mean, Rstd; DW, DB through per-CTA partials P[0] (dw), P[1] (db).
+
+    add_layer_norm's backward (rdtype given): X is H = x + residual; DX = H's gradient through the
+    norm plus, with dh, DH (H's gradient from its other uses: the residual stream), written once
+    more as DR in rdtype (the residual branch's gradient, e.g. bf16 under autocast: no add or
+    cast kernel after this one)."""
     M = T.dynamic("M")
     G = T.dynamic("G")  # CTAs of the row pass = partial rows; the op sizes P (2, G, n)
     bm, threads = config.block_m, config.threads
     k, w = row_tile(config, n, dtype)
     fold = FoldConfig()
     rb, fbn = fold.block_rows, fold.block_n
+    residual = rdtype != ""
 
-    @T.prim_func
-    def bwd(
-        DY: T.Tensor((M, n), dydtype), X: T.Tensor((M, n), dtype), W: T.Tensor((n,), wdtype),
-        Mean: T.Tensor((M,), _ACC), Rstd: T.Tensor((M,), _ACC),
-        DX: T.Tensor((M, n), dtype), P: T.Tensor((2, G, n), _ACC), DW: T.Tensor((n,), wdtype), DB: T.Tensor((n,), wdtype),
-    ):
+    @T.macro
+    def body(DY, X, W, Mean, Rstd, DH, DX, DR, P, DW, DB):
         with T.Kernel(G, threads=threads) as bx:
             x = T.alloc_fragment((k, bm, w), _ACC)
             g = T.alloc_fragment((k, bm, w), _ACC)
@@ -200,9 +232,24 @@ def layer_norm_bwd(config: NormConfig, n: int, dtype: str, wdtype: str, dydtype:
                 T.reduce_sum(g, part, dim=0)
                 T.reduce_sum(part, c2, dim=1)
                 _row_dot(g, x, part, c1, k, w)
-                for kk, i, j in T.Parallel(k, bm, w):  # writes bm * n
-                    if (r0 + i < M) and (kk * w + j < n):
-                        DX[r0 + i, kk * w + j] = T.Cast(dtype, rs[i] * (g[kk, i, j] - (x[kk, i, j] * c1[i] + c2[i]) * (1.0 / n)))
+                if residual:
+                    for kk, i, j in T.Parallel(k, bm, w):
+                        g[kk, i, j] = rs[i] * (g[kk, i, j] - (x[kk, i, j] * c1[i] + c2[i]) * (1.0 / n))
+                    if dh:
+                        for kk, i, j in T.Parallel(k, bm, w):  # x is free now: DH's row goes there
+                            x[kk, i, j] = T.if_then_else((r0 + i < M) and (kk * w + j < n), T.Cast(_ACC, DH[r0 + i, kk * w + j]), 0.0)
+                        for kk, i, j in T.Parallel(k, bm, w):
+                            g[kk, i, j] = g[kk, i, j] + x[kk, i, j]
+                    for kk, i, j in T.Parallel(k, bm, w):  # writes bm * n
+                        if (r0 + i < M) and (kk * w + j < n):
+                            DX[r0 + i, kk * w + j] = T.Cast(dtype, g[kk, i, j])
+                    for kk, i, j in T.Parallel(k, bm, w):  # writes bm * n
+                        if (r0 + i < M) and (kk * w + j < n):
+                            DR[r0 + i, kk * w + j] = T.Cast(rdtype, g[kk, i, j])
+                else:
+                    for kk, i, j in T.Parallel(k, bm, w):  # writes bm * n
+                        if (r0 + i < M) and (kk * w + j < n):
+                            DX[r0 + i, kk * w + j] = T.Cast(dtype, rs[i] * (g[kk, i, j] - (x[kk, i, j] * c1[i] + c2[i]) * (1.0 / n)))
             # Fold the CTA's bm row slots through shared memory: one partial row per CTA.
             _fold_rows(dw, red, col, P, 0, bx, n, k, bm, w, threads)
             _fold_rows(db, red, col, P, 1, bx, n, k, bm, w, threads)
@@ -229,6 +276,37 @@ def layer_norm_bwd(config: NormConfig, n: int, dtype: str, wdtype: str, dydtype:
                     DW[bx * fbn + j] = T.Cast(wdtype, total_w[j])
                     DB[bx * fbn + j] = T.Cast(wdtype, total_b[j])
 
+    if rdtype and dh:
+
+        @T.prim_func
+        def add_bwd(
+            DY: T.Tensor((M, n), dydtype), X: T.Tensor((M, n), dtype), W: T.Tensor((n,), wdtype),
+            Mean: T.Tensor((M,), _ACC), Rstd: T.Tensor((M,), _ACC), DH: T.Tensor((M, n), dtype),
+            DX: T.Tensor((M, n), dtype), DR: T.Tensor((M, n), rdtype), P: T.Tensor((2, G, n), _ACC), DW: T.Tensor((n,), wdtype), DB: T.Tensor((n,), wdtype),
+        ):
+            body(DY, X, W, Mean, Rstd, DH, DX, DR, P, DW, DB)
+
+        return add_bwd
+    if rdtype:
+
+        @T.prim_func
+        def add_bwd_nodh(
+            DY: T.Tensor((M, n), dydtype), X: T.Tensor((M, n), dtype), W: T.Tensor((n,), wdtype),
+            Mean: T.Tensor((M,), _ACC), Rstd: T.Tensor((M,), _ACC),
+            DX: T.Tensor((M, n), dtype), DR: T.Tensor((M, n), rdtype), P: T.Tensor((2, G, n), _ACC), DW: T.Tensor((n,), wdtype), DB: T.Tensor((n,), wdtype),
+        ):
+            body(DY, X, W, Mean, Rstd, None, DX, DR, P, DW, DB)
+
+        return add_bwd_nodh
+
+    @T.prim_func
+    def bwd(
+        DY: T.Tensor((M, n), dydtype), X: T.Tensor((M, n), dtype), W: T.Tensor((n,), wdtype),
+        Mean: T.Tensor((M,), _ACC), Rstd: T.Tensor((M,), _ACC),
+        DX: T.Tensor((M, n), dtype), P: T.Tensor((2, G, n), _ACC), DW: T.Tensor((n,), wdtype), DB: T.Tensor((n,), wdtype),
+    ):
+        body(DY, X, W, Mean, Rstd, None, DX, None, P, DW, DB)
+
     return bwd
 
 
@@ -240,4 +318,7 @@ REPRESENTATIVE = [
     (layer_norm_bwd, default_config(768, "float32", True), dict(n=768, dtype="float32", wdtype="float32", dydtype="bfloat16")),
     (layer_norm_fwd, default_config(4096, "bfloat16"), dict(n=4096, dtype="bfloat16", wdtype="bfloat16", odtype="bfloat16", eps=1e-5)),
     (layer_norm_bwd, default_config(4096, "bfloat16", True), dict(n=4096, dtype="bfloat16", wdtype="bfloat16", dydtype="bfloat16")),
+    # add_layer_norm: GPT's fp32 stream plus a bf16 branch; the backward with the stream's gradient
+    (layer_norm_fwd, default_config(768, "float32"), dict(n=768, dtype="float32", wdtype="float32", odtype="bfloat16", eps=1e-5, rdtype="bfloat16")),
+    (layer_norm_bwd, default_config(768, "float32", True), dict(n=768, dtype="float32", wdtype="float32", dydtype="bfloat16", dh=True, rdtype="bfloat16")),
 ]

@@ -119,6 +119,16 @@ ALL_OPS = [
         atol=reference.LAYER_NORM_ATOL,
         rtol=reference.LAYER_NORM_RTOL,
     ),
+    OpCase(
+        "add_layer_norm",
+        lambda x, r, w, b: torch.ops.tileops.add_layer_norm(x, r, w, b)[1],
+        lambda s, dt, dev: (torch.randn(s, dtype=dt, device=dev) * 2 + 1, torch.randn(s, dtype=dt, device=dev), torch.randn(s[-1], dtype=dt, device=dev), torch.randn(s[-1], dtype=dt, device=dev)),
+        lambda x, r, w, b: torch.nn.functional.layer_norm((x + r).double(), x.shape[-1:], w.double(), b.double()),
+        shapes=((1, 1), (17, 768), (4, 4097)),
+        dtypes=norm.DTYPES,
+        atol=reference.LAYER_NORM_ATOL,
+        rtol=reference.LAYER_NORM_RTOL,
+    ),
 ]
 
 

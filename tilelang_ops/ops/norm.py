@@ -1,4 +1,4 @@
-"""torch.ops.tileops.layer_norm and layer_norm_backward.
+"""torch.ops.tileops.layer_norm and layer_norm_backward; add_layer_norm and its backward.
 
 Reading order: validation → kernel resolution and launch → ops (CPU reference) with their CUDA
 impl and fake → autograd.
@@ -9,6 +9,11 @@ bias are optional; without them the kernels run with ones / zeros (two small ten
 (n, dtype, device)). dtypes: x in float32 / float16 / bfloat16; weight and bias one dtype, x's or
 float32; the output in `out_dtype` (default x's): an fp32 residual stream can be normalized
 straight into the bf16 a following Linear takes under autocast, without the cast kernel.
+
+add_layer_norm is a pre-norm block's residual add and the next norm in one pass: h = x + residual
+(x's dtype: the residual stream; the residual may be narrower, e.g. a bf16 branch output under
+autocast), y = layer_norm(h). Its backward adds h's gradient from the stream (dh) to the norm's
+and writes the branch's gradient in the branch's dtype in the same pass: no add or cast kernels.
 """
 from __future__ import annotations
 
@@ -54,6 +59,14 @@ def _check_fwd(x, weight, bias, eps, out_dtype) -> None:
         raise ValueError(f"eps: {eps} must be >= 0")
     if out_dtype is not None and out_dtype not in DTYPES:
         raise TypeError(f"out_dtype: {out_dtype} is not supported; supported: float32, float16, bfloat16")
+
+
+def _check_residual(x, residual) -> None:
+    if residual.dtype in DTYPES and residual.shape == x.shape and residual.device == x.device and torch.promote_types(x.dtype, residual.dtype) is x.dtype:
+        return
+    check_tensor("residual", residual, DTYPES, contiguous=False)
+    check_same(("x", "residual"), x, residual, dtype=False, shape=True)
+    raise TypeError(f"residual: dtype {residual.dtype} is wider than x's ({x.dtype}); h = x + residual is kept in x's dtype (the residual stream): pass the wider tensor as x")
 
 
 def _check_bwd(dy, x, weight, mean, rstd) -> None:
@@ -105,24 +118,28 @@ def bwd_grid(m: int, ctas: int, block_m: int) -> int:
     return min(ctas, -(-m // block_m))
 
 
-def _fwd_kernel(n, dtype, wdtype, odtype, eps, device):
-    key = ("fwd", n, dtype, wdtype, odtype, eps, device.index)
+def _fwd_kernel(n, dtype, wdtype, odtype, eps, device, rdtype=None):
+    """rdtype: add_layer_norm's kernel (residual of that dtype in, h out)."""
+    key = ("fwd", n, dtype, wdtype, odtype, eps, device.index, rdtype)
     k = _kernels.get(key)
     if k is None:
-        compiled = compile_kernel("fwd", n, runtime.arch_for_device(device), dtype=dtype, wdtype=wdtype, odtype=odtype, eps=float(eps))
+        extra = {} if rdtype is None else {"rdtype": TL_DTYPE[rdtype]}
+        compiled = compile_kernel("fwd", n, runtime.arch_for_device(device), dtype=dtype, wdtype=wdtype, odtype=odtype, eps=float(eps), **extra)
         k = _kernels[key] = runtime.launcher(compiled)
     return k
 
 
-def _bwd_kernel(n, dtype, wdtype, dydtype, device):
-    """(launcher, most CTAs, rows per CTA step): bwd_grid's arguments come with the kernel."""
-    key = ("bwd", n, dtype, wdtype, dydtype, device.index)
+def _bwd_kernel(n, dtype, wdtype, dydtype, device, rdtype=None, dh=False):
+    """(launcher, most CTAs, rows per CTA step): bwd_grid's arguments come with the kernel.
+    rdtype: add_layer_norm's backward (dx also written in rdtype; with dh, dh added to dx)."""
+    key = ("bwd", n, dtype, wdtype, dydtype, device.index, rdtype, dh)
     k = _kernels.get(key)
     if k is None:
         from ..kernels import norm as K
 
         cfg = K.default_config(n, TL_DTYPE[dtype], True)
-        compiled = compile_kernel("bwd", n, runtime.arch_for_device(device), cfg, dtype=dtype, wdtype=wdtype, dydtype=dydtype)
+        extra = {} if rdtype is None else {"rdtype": TL_DTYPE[rdtype], "dh": dh}
+        compiled = compile_kernel("bwd", n, runtime.arch_for_device(device), cfg, dtype=dtype, wdtype=wdtype, dydtype=dydtype, **extra)
         k = _kernels[key] = (runtime.launcher(compiled), runtime.sm_count(device) * cfg.ctas_per_sm, cfg.block_m)
     return k
 
@@ -155,13 +172,13 @@ def layer_norm(x, weight=None, bias=None, eps=1e-5, out_dtype=None):
     return reference.layer_norm(x, weight, bias, eps, out_dtype)
 
 
-@layer_norm.register_kernel("cuda")
-def _(x, weight=None, bias=None, eps=1e-5, out_dtype=None):
-    _check_fwd(x, weight, bias, eps, out_dtype)
+def _fwd_cuda(x, residual, weight, bias, eps, out_dtype) -> tuple:
+    """(y, mean, rstd), preceded by h when residual is given (add_layer_norm)."""
     odtype = x.dtype if out_dtype is None else out_dtype
     n, dev = x.shape[-1], x.device
     m = x.numel() // n if n else math.prod(x.shape[:-1])
     # Allocated as the kernel takes them, (M, n) and (M,): a 2-D x (the common call) needs no views.
+    h = () if residual is None else (torch.empty(m, n, dtype=x.dtype, device=dev),)
     y = torch.empty(m, n, dtype=odtype, device=dev)
     mean = torch.empty(m, dtype=torch.float32, device=dev)
     rstd = torch.empty(m, dtype=torch.float32, device=dev)
@@ -171,10 +188,20 @@ def _(x, weight=None, bias=None, eps=1e-5, out_dtype=None):
         check_rows(m)
         w, b = _affine(weight, bias, x)
         x2 = ready(x) if x.dim() == 2 else ready(x).view(m, n)
-        _fwd_kernel(n, x.dtype, w.dtype, odtype, eps, dev)(x2, w, b, y, mean, rstd)
+        if residual is None:
+            _fwd_kernel(n, x.dtype, w.dtype, odtype, eps, dev)(x2, w, b, y, mean, rstd)
+        else:
+            r2 = ready(residual) if x.dim() == 2 else ready(residual).view(m, n)
+            _fwd_kernel(n, x.dtype, w.dtype, odtype, eps, dev, residual.dtype)(x2, r2, w, b, *h, y, mean, rstd)
     if x.dim() == 2:
-        return y, mean, rstd
-    return y.view(x.shape), mean.view(x.shape[:-1]), rstd.view(x.shape[:-1])
+        return (*h, y, mean, rstd)
+    return (*(t.view(x.shape) for t in h), y.view(x.shape), mean.view(x.shape[:-1]), rstd.view(x.shape[:-1]))
+
+
+@layer_norm.register_kernel("cuda")
+def _(x, weight=None, bias=None, eps=1e-5, out_dtype=None):
+    _check_fwd(x, weight, bias, eps, out_dtype)
+    return _fwd_cuda(x, None, weight, bias, eps, out_dtype)
 
 
 @layer_norm.register_fake
@@ -193,26 +220,31 @@ def layer_norm_backward(dy, x, weight, mean, rstd):
     return reference.layer_norm_backward(dy, x, weight, mean, rstd)
 
 
-@layer_norm_backward.register_kernel("cuda")
-def _(dy, x, weight, mean, rstd):
-    _check_bwd(dy, x, weight, mean, rstd)
+def _bwd_cuda(dy, x, weight, mean, rstd, dh=None, residual_dtype=None) -> tuple:
+    """(dx, dw, db); with residual_dtype (add_layer_norm's backward) (dx, dresidual, dw, db)."""
     n, dev = x.shape[-1], x.device
     m = x.numel() // n if n else math.prod(x.shape[:-1])
     wdtype = x.dtype if weight is None else weight.dtype
     dx = torch.empty(x.shape, dtype=x.dtype, device=dev)
+    dr = () if residual_dtype is None else (torch.empty(x.shape, dtype=residual_dtype, device=dev),)
     dw = torch.empty(n, dtype=wdtype, device=dev)
     db = torch.empty(n, dtype=wdtype, device=dev)
     if m == 0 or n == 0:
-        return dx, dw.zero_(), db.zero_()
+        return dx, *dr, dw.zero_(), db.zero_()
     check_rows(m)
     w = ready(weight) if weight is not None else _affine(None, None, x)[0]
-    launch, ctas, bm = _bwd_kernel(n, x.dtype, wdtype, dy.dtype, dev)
+    launch, ctas, bm = _bwd_kernel(n, x.dtype, wdtype, dy.dtype, dev, residual_dtype, dh is not None)
     partials = torch.empty(2, bwd_grid(m, ctas, bm), n, dtype=torch.float32, device=dev)
-    if x.dim() == 2:
-        launch(ready(dy), ready(x), w, ready(mean), ready(rstd), dx, partials, dw, db)
-    else:
-        launch(ready(dy).view(m, n), ready(x).view(m, n), w, ready(mean).view(m), ready(rstd).view(m), dx.view(m, n), partials, dw, db)
-    return dx, dw, db
+    rows = (lambda t: ready(t)) if x.dim() == 2 else (lambda t: ready(t).view(m, *t.shape[x.dim() - 1:]))
+    extra_in = () if dh is None else (rows(dh),)
+    launch(rows(dy), rows(x), w, rows(mean), rows(rstd), *extra_in, rows(dx), *(rows(t) for t in dr), partials, dw, db)
+    return dx, *dr, dw, db
+
+
+@layer_norm_backward.register_kernel("cuda")
+def _(dy, x, weight, mean, rstd):
+    _check_bwd(dy, x, weight, mean, rstd)
+    return _bwd_cuda(dy, x, weight, mean, rstd)
 
 
 @layer_norm_backward.register_fake
@@ -244,3 +276,80 @@ def _backward(ctx, dy, dmean, drstd):
 
 
 layer_norm.register_autograd(_backward, setup_context=_setup)
+
+
+# ---------------------------------------------------------------------------------------------
+# add_layer_norm: a pre-norm block's residual add and the next norm, one pass each way
+# ---------------------------------------------------------------------------------------------
+@custom_op("add_layer_norm", schema="(Tensor x, Tensor residual, Tensor? weight=None, Tensor? bias=None, float eps=1e-05, ScalarType? out_dtype=None) -> (Tensor, Tensor, Tensor, Tensor)")
+def add_layer_norm(x, residual, weight=None, bias=None, eps=1e-5, out_dtype=None):
+    """(h, y, mean, rstd): h = x + residual in x.dtype (the residual stream; residual may be
+    narrower), then layer_norm(h, weight, bias, eps, out_dtype)'s y, mean, rstd."""
+    _check_fwd(x, weight, bias, eps, out_dtype)
+    _check_residual(x, residual)
+    return reference.add_layer_norm(x, residual, weight, bias, eps, out_dtype)
+
+
+@add_layer_norm.register_kernel("cuda")
+def _(x, residual, weight=None, bias=None, eps=1e-5, out_dtype=None):
+    _check_fwd(x, weight, bias, eps, out_dtype)
+    _check_residual(x, residual)
+    return _fwd_cuda(x, residual, weight, bias, eps, out_dtype)
+
+
+@add_layer_norm.register_fake
+def _(x, residual, weight=None, bias=None, eps=1e-5, out_dtype=None):
+    _check_fwd(x, weight, bias, eps, out_dtype)
+    _check_residual(x, residual)
+    lead = x.shape[:-1]
+    return x.new_empty(x.shape), x.new_empty(x.shape, dtype=out_dtype or x.dtype), x.new_empty(lead, dtype=torch.float32), x.new_empty(lead, dtype=torch.float32)
+
+
+def _check_add_bwd(dy, dh, h, weight, mean, rstd, residual_dtype) -> None:
+    _check_bwd(dy, h, weight, mean, rstd)
+    if dh is not None and not (dh.dtype is h.dtype and dh.shape == h.shape and dh.device == h.device):
+        check_tensor("dh", dh, DTYPES, contiguous=False)
+        check_same(("h", "dh"), h, dh, shape=True)
+    if residual_dtype not in DTYPES:
+        raise TypeError(f"residual_dtype: {residual_dtype} is not supported; supported: float32, float16, bfloat16")
+
+
+@custom_op("add_layer_norm_backward", schema="(Tensor dy, Tensor? dh, Tensor h, Tensor? weight, Tensor mean, Tensor rstd, ScalarType residual_dtype) -> (Tensor, Tensor, Tensor, Tensor)")
+def add_layer_norm_backward(dy, dh, h, weight, mean, rstd, residual_dtype):
+    """(dx, dresidual, dweight, dbias) of add_layer_norm: dx = dh + the norm's gradient of h
+    (h.dtype), dresidual the same values in residual_dtype; dh (h's gradient from its other uses)
+    may be None."""
+    _check_add_bwd(dy, dh, h, weight, mean, rstd, residual_dtype)
+    return reference.add_layer_norm_backward(dy, dh, h, weight, mean, rstd, residual_dtype)
+
+
+@add_layer_norm_backward.register_kernel("cuda")
+def _(dy, dh, h, weight, mean, rstd, residual_dtype):
+    _check_add_bwd(dy, dh, h, weight, mean, rstd, residual_dtype)
+    return _bwd_cuda(dy, h, weight, mean, rstd, dh, residual_dtype)
+
+
+@add_layer_norm_backward.register_fake
+def _(dy, dh, h, weight, mean, rstd, residual_dtype):
+    _check_add_bwd(dy, dh, h, weight, mean, rstd, residual_dtype)
+    wdtype = h.dtype if weight is None else weight.dtype
+    return h.new_empty(h.shape), h.new_empty(h.shape, dtype=residual_dtype), h.new_empty(h.shape[-1:], dtype=wdtype), h.new_empty(h.shape[-1:], dtype=wdtype)
+
+
+def _add_setup(ctx, inputs, output):
+    x, residual, weight, bias = inputs[:4]
+    h, _, mean, rstd = output
+    ctx.save_for_backward(h, weight, mean, rstd)
+    ctx.has_bias, ctx.residual_dtype = bias is not None, residual.dtype
+    ctx.mark_non_differentiable(mean, rstd)
+
+
+def _add_backward(ctx, dh, dy, dmean, drstd):
+    h, weight, mean, rstd = ctx.saved_tensors
+    if dy is None:  # y unused: h's gradient passes to both inputs unchanged
+        return dh, (None if dh is None else dh.to(ctx.residual_dtype)), None, None, None, None
+    dx, dr, dw, db = torch.ops.tileops.add_layer_norm_backward(dy, dh, h, weight, mean, rstd, ctx.residual_dtype)
+    return dx, dr, (dw if weight is not None else None), (db if ctx.has_bias else None), None, None
+
+
+add_layer_norm.register_autograd(_add_backward, setup_context=_add_setup)
