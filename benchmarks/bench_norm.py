@@ -2,6 +2,7 @@
 
     python -m benchmarks.bench_norm            # the table (~1 min on an H200)
     python -m benchmarks.bench_norm --sweep    # also time the fitting search-space configs
+    python -m benchmarks.bench_norm --add-only # only add_layer_norm (the residual add fused in)
 
 Cases (M rows of n, x dtype -> output dtype): the training example's fp32 residual stream into
 bf16 under autocast (eager PyTorch: `layer_norm` in fp32, then the cast kernel; its backward casts
@@ -99,6 +100,53 @@ def run_case(m: int, n: int, dt: torch.dtype, od: torch.dtype, with_compiled: bo
     return rows
 
 
+# add_layer_norm: (M, n, stream dtype, branch dtype, output dtype)
+ADD_CASES = [(16384, 768, F32, BF, BF), (16384, 4096, BF, BF, BF)]
+
+
+def _eager_add_fwd(x, r, w, b, od):
+    h = x + r
+    return h, _eager_fwd(h, w, b, od)
+
+
+def run_add_case(m: int, n: int, dt: torch.dtype, rt: torch.dtype, od: torch.dtype, with_compiled: bool) -> list[dict]:
+    """add_layer_norm against `h = x + r; layer_norm(h)` eager and compiled: forward, and forward +
+    backward through autograd with gradients into both h (the stream's later use) and y."""
+    x = torch.randn(m, n, device="cuda", dtype=dt) * 2 + 0.5
+    r = torch.randn(m, n, device="cuda", dtype=rt)
+    w, b = torch.randn(n, device="cuda", dtype=dt), torch.randn(n, device="cuda", dtype=dt)
+    dy, dh = torch.randn(m, n, device="cuda", dtype=od), torch.randn(m, n, device="cuda", dtype=dt)
+    es, rs, eo = x.element_size(), r.element_size(), torch.finfo(od).bits // 8
+    fwd_bytes = m * n * (2 * es + rs + eo) + 8 * m  # x, r in; h, y out
+    bwd_bytes = m * n * (eo + 3 * es + rs) + 8 * m  # dy, dh, h in; dx, dr out
+    out = torch.empty_like(x)
+    timer = lambda fn: bench(fn, flush_l2=True)  # noqa: E731
+    label = f"add {m}x{n} {str(dt)[6:]}+{str(rt)[6:]}->{str(od)[6:]}"
+    fns = [lambda: out.copy_(x), lambda: torch.ops.tileops.add_layer_norm(x, r, w, b, 1e-5, od), lambda: _eager_add_fwd(x, r, w, b, od)]
+    if with_compiled:
+        cf = _compiled(lambda x, r, w, b: _eager_add_fwd(x, r, w, b, od))
+        fns.append(lambda: cf(x, r, w, b))
+    copy_ms, ours, eager, *comp = interleaved(timer, fns)
+    copy_bw = _tbps(2 * m * n * es, copy_ms)
+    rows = [_row(label, "fwd", fwd_bytes, copy_bw, ours, eager, comp[0] if comp else None)]
+    leaves = [t.detach().clone().requires_grad_() for t in (x, r, w, b)]
+
+    def step(f):
+        def run():
+            for t in leaves:
+                t.grad = None
+            torch.autograd.backward(f(*leaves), (dh, dy))
+
+        return run
+
+    fns = [step(lambda x, r, w, b: torch.ops.tileops.add_layer_norm(x, r, w, b, 1e-5, od)[:2]), step(lambda x, r, w, b: _eager_add_fwd(x, r, w, b, od))]
+    if with_compiled:
+        fns.append(step(_compiled(lambda x, r, w, b: _eager_add_fwd(x, r, w, b, od))))
+    ours, eager, *comp = interleaved(timer, fns)
+    rows.append(_row(label, "fwd+bwd", fwd_bytes + bwd_bytes, copy_bw, ours, eager, comp[0] if comp else None))
+    return rows
+
+
 def _row(label, direction, nbytes, copy_bw, ours, eager, comp) -> dict:
     bw = _tbps(nbytes, ours)
     return {
@@ -153,12 +201,16 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--sweep", action="store_true", help="also time the search-space configs of SWEEP_CASES")
     p.add_argument("--no-compiled", action="store_true", help="skip the torch.compile baseline")
+    p.add_argument("--add-only", action="store_true", help="only add_layer_norm's cases")
     args = p.parse_args(argv)
     t0 = time.time()
     rows = []
-    for case in CASES:
+    for case in [] if args.add_only else CASES:
         rows += run_case(*case, not args.no_compiled)
         print(f"  {case[:2]} done ({time.time() - t0:.0f} s)", flush=True)
+    for case in ADD_CASES:
+        rows += run_add_case(*case, not args.no_compiled)
+        print(f"  add {case[:2]} done ({time.time() - t0:.0f} s)", flush=True)
     extra = {}
     if args.sweep:
         sweep = [r for case in SWEEP_CASES for r in sweep_case(*case)]

@@ -35,7 +35,6 @@ def cases():
     bias = torch.randn(1024, device=dev, dtype=bf)
     q = torch.randn(1, 128, 8, 128, device=dev, dtype=bf)
     qt = q.transpose(1, 2)
-    out, lse = ops.flash_attn_with_lse(q, q, q)
     _, ln_mean, ln_rstd = ops.layer_norm(x, bias, bias)
     xr = x.detach().clone().requires_grad_()
     qr = q.detach().clone().requires_grad_()
@@ -54,9 +53,13 @@ def cases():
     yield "act_grad gelu_tanh", gemm.act_grad, (g, x, "gelu_tanh", True), lambda: torch.ops.aten.gelu_backward(g, x, approximate="tanh")
     yield "flash_attn", attention.flash_attn, (q, q, q), lambda: F.scaled_dot_product_attention(qt, qt, qt)
     yield "flash_attn_with_lse", attention.flash_attn_with_lse, (q, q, q), None
-    yield "flash_attn_backward", attention.flash_attn_backward, (g.new_empty(q.shape).normal_(), q, q, q, out, lse), None
+    # (args as a callable: built only when the row runs, so `--only` needs no attention kernel)
+    yield "flash_attn_backward", attention.flash_attn_backward, lambda: (g.new_empty(q.shape).normal_(), q, q, q, *ops.flash_attn_with_lse(q, q, q)), None
     yield "layer_norm", norm.layer_norm, (x, bias, bias), lambda: F.layer_norm(x, (1024,), bias, bias)
     yield "layer_norm_backward", norm.layer_norm_backward, (g, x, bias, ln_mean, ln_rstd), lambda: torch.ops.aten.native_layer_norm_backward(g, x, (1024,), ln_mean, ln_rstd, bias, bias, [True, True, True])
+    h, _, h_mean, h_rstd = ops.add_layer_norm(x, g, bias, bias)
+    yield "add_layer_norm", norm.add_layer_norm, (x, g, bias, bias), lambda: F.layer_norm(x + g, (1024,), bias, bias)
+    yield "add_layer_norm_backward", norm.add_layer_norm_backward, (g, g, h, bias, h_mean, h_rstd, bf), None
     # with autograd recording: the forward a training step pays
     yield "softmax (grad)", softmax.softmax, (xr, -1), lambda: torch.softmax(xr, -1)
     yield "linear (grad)", gemm.linear, (xr, w, bias, "none"), lambda: F.linear(xr, w, bias)
@@ -110,10 +113,10 @@ def measure(name, op, args, peer) -> dict:
     return r
 
 
-def main(rounds: int = 3) -> None:
+def main(rounds: int = 3, only: list[str] | None = None) -> None:
     # Several interleaved rounds, the minimum of each column's medians: the host's clock and
     # neighbours drift over a run, and one round's first rows measured visibly slower.
-    all_cases = list(cases())
+    all_cases = [(n, op, args() if callable(args) else args, peer) for n, op, args, peer in cases() if not only or any(o in n for o in only)]
     best: dict[str, dict] = {}
     for _ in range(rounds):
         for name, op, args, peer in all_cases:
@@ -136,4 +139,8 @@ def main(rounds: int = 3) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import argparse
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--only", nargs="+", help="only the rows whose name contains one of these (e.g. layer_norm)")
+    main(only=p.parse_args().only)
