@@ -232,7 +232,7 @@ def layer_norm_bwd(config: NormConfig, n: int, dtype: str, wdtype: str, dydtype:
                 T.reduce_sum(g, part, dim=0)
                 T.reduce_sum(part, c2, dim=1)
                 _row_dot(g, x, part, c1, k, w)
-                if residual:
+                if residual:  # dx kept in g for the add and two stores (the plain kernel, below, stores it directly)
                     for kk, i, j in T.Parallel(k, bm, w):
                         g[kk, i, j] = rs[i] * (g[kk, i, j] - (x[kk, i, j] * c1[i] + c2[i]) * (1.0 / n))
                     if dh:

@@ -66,13 +66,13 @@ def config_for(layout: str, n: int, k: int, dtype: torch.dtype, arch: str | None
     arch = arch or _default_arch()
     bucket = 2 if m is None else _bucket(m)
     cfg = TUNED.get((arch, layout, rows, n, k, dtype, bucket)) or TUNED.get((arch, layout, rows, n, k, dtype))
-    return _servable(cfg if cfg is not None else K.default_config(arch, n, layout, rows if layout == "tn" else k, bucket), batched)
+    return _servable(cfg if cfg is not None else K.default_config(arch, n, layout, rows if layout == "tn" else k, bucket), layout, batched)
 
 
-def _servable(cfg, batched: bool):
+def _servable(cfg, layout: str, batched: bool):
     """`cfg` as a kernel of this call can run it: split-K serves 2-D weight gradients only (a
     batched call, or a split config pinned for another layout, runs unsplit)."""
-    return dataclasses.replace(cfg, split_k=1) if batched and cfg.split_k > 1 else cfg
+    return dataclasses.replace(cfg, split_k=1) if cfg.split_k > 1 and (batched or layout != "tn") else cfg
 
 
 def set_config(layout: str, n: int, k: int, dtype: torch.dtype, config, arch: str = "sm_90a", rows: int = 0, bucket: int | None = None) -> None:
@@ -169,7 +169,7 @@ def _matmul_kernel(device, layout, n, k, dtype, rows=0, batched=False, bias=Fals
             shape = (layout, rows, n, rep) if layout == "tn" else (layout, rep, n, k)
             cfg = tuning.resolve_config(TUNABLE, shape, dtype, device)
         static = dict(layout=layout, n=n, k=k, rows=rows, dtype=TL_DTYPE[dtype], batched=batched, bias=bias, activation=activation, save_preact=save_preact)
-        cfg = _servable(cfg, batched or layout != "tn")
+        cfg = _servable(cfg, layout, batched)
         if cfg.pipeline == "pingpong":
             # One CTA per SM: a wider grid would run in two waves. (A static the kernel does not
             # change at its default leaves TileLang's disk cache key alone: that hashes the PrimFunc.)
