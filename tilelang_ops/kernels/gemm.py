@@ -69,7 +69,10 @@ class GemmConfig:
 
     @property
     def min_sm(self) -> int:
-        return 90 if self.pipeline != "auto" else 0  # wgmma + TMA + setmaxnreg: no sm_80 form
+        # wgmma + TMA + setmaxnreg: no sm_80 form. Split-K neither: on sm_80 TileLang 0.1.15's
+        # cp.async pipeline fails in codegen on the slice's symbolic trip count (Ampere's default
+        # table never splits).
+        return 90 if self.pipeline != "auto" or self.split_k > 1 else 0
 
     def pass_configs(self) -> dict:
         return HAND_SYNC_PASS_CONFIGS if self.pipeline != "auto" else {}
