@@ -72,6 +72,20 @@ def test_tileops_swap_uses_the_ops():
     assert {n: p for n, p in model.named_parameters()} == before  # same parameter objects: same init
 
 
+def test_tileops_blocks_fuse_the_residual_adds():
+    """Every LayerNorm after a residual add runs add_layer_norm (block 0's ln1 has none before it)."""
+    from tests.helpers import RecordOps
+
+    model = train_gpt.GPT(layers=2, dim=128, heads=2, seq=64)
+    train_gpt.to_tileops(model)
+    idx = torch.randint(0, 256, (2, 64))
+    with RecordOps() as rec, torch.autocast("cpu", dtype=torch.bfloat16):  # the norms write bf16, as in training
+        model(idx, idx)
+    assert rec.ops.count("tileops.add_layer_norm.default") == 4 and rec.ops.count("tileops.layer_norm.default") == 1
+    assert rec.ops.count("aten.add.Tensor") == 1  # the embeddings' sum: no residual add outside the norms
+    assert "aten.native_layer_norm.default" not in rec.ops
+
+
 @pytest.mark.slow
 def test_tileops_compile_matches_torch_without_graph_breaks(corpus):
     # One layer: inductor's C++ build dominates (~20 s cold on 2 CPU cores, ~3 s with a warm cache).
