@@ -146,14 +146,12 @@ def _split_groups(gemm):
 
     t192 = [c(192, 192, 4, 384, "FullRow", s) for s in (1, 2, 3, 4)] + [c(192, 192, 4, 384, "FullRow", 2, sw=8)]
     t128 = [c(128, 256, 3, 256, "Square", s) for s in (2, 3, 4)] + [c(128, 128, 4, 256, "Square", s) for s in (2, 4)] + [c(128, 192, 4, 256, "Square", 4)]
-    spec = {}
+    out = {}
     for name, out_f, in_f in (("up", 3072, 768), ("down", 768, 3072), ("qkv", 2304, 768), ("proj", 768, 768)):
         extra = [c(192, 192, 4, 384, "FullRow", 8), c(128, 128, 4, 256, "Square", 8)] if name == "proj" else []
-        spec[f"split_{name}"] = (dict(gemm, layout="tn", rows=out_f, n=in_f, k=0), [("wgrad", 16384)], t192 + t128 + extra)
-    from tilelang_ops.ops import gemm as G
-
-    return {name: (st, list(dict.fromkeys([G.config_for("tn", st["n"], 0, DT, ARCH, rows=st["rows"], m=m) for _, m in shapes] + cands)), shapes)
-            for name, (st, shapes, cands) in spec.items()}
+        spec = {f"split_{name}": (dict(gemm, layout="tn", rows=out_f, n=in_f, k=0), [("wgrad", 16384)])}
+        out.update(_beside_defaults(spec, t192 + t128 + extra))
+    return out
 
 
 def _pp_groups(prefix, gemm, lin, pp):

@@ -208,9 +208,7 @@ SEARCH_SPACE = [
 
 
 # Split-K weight-gradient schedules `tileops tune` tries for "tn" beside SEARCH_SPACE.
-TN_SPLIT_SPACE = [
-    dataclasses.replace(GemmConfig(192, 192, 64, 4, 384, 0, "FullRow"), split_k=s) for s in (2, 3, 4)
-] + [dataclasses.replace(GemmConfig(128, 256, 64, 3, 256, 0, "Square"), split_k=s) for s in (2, 4)]
+TN_SPLIT_SPACE = [dataclasses.replace(tile, split_k=s) for tile in _TN_SPLIT_TILES for s in (2, 3, 4)]
 
 
 def _act(x, activation: str):
@@ -282,7 +280,7 @@ def matmul_kernel(
     bm, bn, bk = config.block_M, config.block_N, config.block_K
     split = config.split_k
     if split > 1 and (layout != "tn" or batched or config.pipeline != "auto" or bias or save_preact or activation != "none"):
-        raise ValueError(f"split_k={split}: only the weight-gradient layout 'tn', not batched, pipeline 'auto'")
+        raise ValueError(f"split_k={split}: only the weight-gradient layout 'tn', not batched, pipeline 'auto', no bias or activation")
     accum = "float32"
     policy = getattr(T.GemmWarpPolicy, config.policy)
     trans_a, trans_b = layout == "tn", layout == "nt"

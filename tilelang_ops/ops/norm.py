@@ -172,6 +172,12 @@ def layer_norm(x, weight=None, bias=None, eps=1e-5, out_dtype=None):
     return reference.layer_norm(x, weight, bias, eps, out_dtype)
 
 
+def _as_rows(t: torch.Tensor, m: int, nd: int) -> torch.Tensor:
+    """t as the kernels take it, (M, n) rows or (M,) statistics, for an x of rank `nd` (2: as is)."""
+    t = ready(t)
+    return t if nd == 2 else t.view(m, *t.shape[nd - 1:])
+
+
 def _fwd_cuda(x, residual, weight, bias, eps, out_dtype) -> tuple:
     """(y, mean, rstd), preceded by h when residual is given (add_layer_norm)."""
     odtype = x.dtype if out_dtype is None else out_dtype
@@ -187,12 +193,11 @@ def _fwd_cuda(x, residual, weight, bias, eps, out_dtype) -> tuple:
     else:
         check_rows(m)
         w, b = _affine(weight, bias, x)
-        x2 = ready(x) if x.dim() == 2 else ready(x).view(m, n)
+        x2 = _as_rows(x, m, x.dim())
         if residual is None:
             _fwd_kernel(n, x.dtype, w.dtype, odtype, eps, dev)(x2, w, b, y, mean, rstd)
         else:
-            r2 = ready(residual) if x.dim() == 2 else ready(residual).view(m, n)
-            _fwd_kernel(n, x.dtype, w.dtype, odtype, eps, dev, residual.dtype)(x2, r2, w, b, *h, y, mean, rstd)
+            _fwd_kernel(n, x.dtype, w.dtype, odtype, eps, dev, residual.dtype)(x2, _as_rows(residual, m, x.dim()), w, b, *h, y, mean, rstd)
     if x.dim() == 2:
         return (*h, y, mean, rstd)
     return (*(t.view(x.shape) for t in h), y.view(x.shape), mean.view(x.shape[:-1]), rstd.view(x.shape[:-1]))
@@ -235,9 +240,10 @@ def _bwd_cuda(dy, x, weight, mean, rstd, dh=None, residual_dtype=None) -> tuple:
     w = ready(weight) if weight is not None else _affine(None, None, x)[0]
     launch, ctas, bm = _bwd_kernel(n, x.dtype, wdtype, dy.dtype, dev, residual_dtype, dh is not None)
     partials = torch.empty(2, bwd_grid(m, ctas, bm), n, dtype=torch.float32, device=dev)
-    rows = (lambda t: ready(t)) if x.dim() == 2 else (lambda t: ready(t).view(m, *t.shape[x.dim() - 1:]))
-    extra_in = () if dh is None else (rows(dh),)
-    launch(rows(dy), rows(x), w, rows(mean), rows(rstd), *extra_in, rows(dx), *(rows(t) for t in dr), partials, dw, db)
+    nd = x.dim()
+    dh_in = () if dh is None else (_as_rows(dh, m, nd),)
+    dr_out = tuple(_as_rows(t, m, nd) for t in dr)
+    launch(_as_rows(dy, m, nd), _as_rows(x, m, nd), w, _as_rows(mean, m, nd), _as_rows(rstd, m, nd), *dh_in, _as_rows(dx, m, nd), *dr_out, partials, dw, db)
     return dx, *dr, dw, db
 
 
