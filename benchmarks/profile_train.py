@@ -1,6 +1,6 @@
 """Where a training step's GPU time goes: top kernels of examples/train_gpt.py, torch vs tileops.
 
-    python -m benchmarks.profile_train [--steps 2] [--top 12] [--host]
+    python -m benchmarks.profile_train [--steps 2] [--top 12] [--host] [--batch 16] [--seq 1024]
 
 Builds the GPT of examples/train_gpt.py (default size) in the eager `torch` and `tileops` modes,
 runs 3 warm-up steps, profiles `--steps` steps with torch.profiler and prints, per mode, the
@@ -32,12 +32,16 @@ def _train_gpt():
     return mod
 
 
+# --batch/--seq, passed on to every mode's examples/train_gpt.py arguments
+SIZE: tuple[str, ...] = ()
+
+
 def _step_fn(tg, mode: str, extra=(), clip: bool = False):
-    args = tg.parse_args(["--mode", mode, *extra])
+    args = tg.parse_args(["--mode", mode, *SIZE, *extra])
     model, step_fn = tg.build(args, mode)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     data, _ = tg.load_corpus()
-    it = tg.batches(data, args.batch, args.seq, args.seed)
+    it = tg.batches(data, args.batch, args.seq, args.seed, pin=True)
 
     graphs = tg.cudagraphs(args, mode)
 
@@ -144,26 +148,31 @@ def main() -> None:
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--host", action="store_true", help="also the host time per step and a cProfile of it")
     p.add_argument("--api", action="store_true", help="also the host-side profiler events (CUDA API calls, aten ops) by self CPU time")
-    p.add_argument("--ab", action="store_true", help="only: wall ms per step of torch, tileops and tileops --ln torch, taking turns")
+    p.add_argument("--ab", action="store_true", help="only: wall ms per step of torch and tileops, taking turns")
+    p.add_argument("--ln-torch", action="store_true", help="with --ab: also each tileops variant with --ln torch")
     p.add_argument("--compile", action="store_true", help="with --ab: also torch-compile and tileops-compile")
     p.add_argument("--freeze", action="store_true", help="with --ab: gc.freeze() after the warm-up (see wall_ab)")
     p.add_argument("--cudagraphs", action="store_true", help="with --ab: also both compiled modes under torch.compile(mode='reduce-overhead')")
+    p.add_argument("--batch", type=int, default=16, help="sequences per step (examples/train_gpt.py --batch)")
+    p.add_argument("--seq", type=int, default=1024, help="tokens per sequence (examples/train_gpt.py --seq)")
     a = p.parse_args()
+    global SIZE
+    SIZE = ("--batch", str(a.batch), "--seq", str(a.seq))
     tg = _train_gpt()
     out = {}
     if a.ab:
-        variants = [("torch", "torch", ()), ("tileops", "tileops", ()), ("tileops --ln torch", "tileops", ("--ln", "torch"))]
+        ln = [("--ln", "torch")] if a.ln_torch else []  # each tileops variant also with PyTorch's LayerNorm
+        variants = [("torch", "torch", ())] + [(" ".join(("tileops", *e)), "tileops", e) for e in [(), *ln]]
         if a.compile:
-            variants += [("torch-compile", "torch-compile", ()), ("tileops-compile", "tileops-compile", ()), ("tileops-compile --ln torch", "tileops-compile", ("--ln", "torch"))]
+            variants += [("torch-compile", "torch-compile", ())] + [(" ".join(("tileops-compile", *e)), "tileops-compile", e) for e in [(), *ln]]
         if a.cudagraphs:
             ro = ("--compile-mode", "reduce-overhead")
-            variants += [("torch-compile-graphs", "torch-compile", ro), ("tileops-compile-graphs", "tileops-compile", ro),
-                         ("tileops-compile-graphs --ln torch", "tileops-compile", ro + ("--ln", "torch"))]
+            variants += [("torch-compile-graphs", "torch-compile", ro)] + [(" ".join(("tileops-compile-graphs", *e)), "tileops-compile", ro + e) for e in [(), *ln]]
         res = wall_ab(tg, variants, freeze=a.freeze)
         base = res["torch"]
         for label, ms in res.items():
-            print(f"{label:34s} {ms:6.2f} ms per step  {16 * 1024 / ms * 1e3:9,.0f} tokens/s  x torch {base / ms:.3f}")
-        write_json("profile_train_ab", [dict(variant=k, ms_per_step=v) for k, v in res.items()])
+            print(f"{label:34s} {ms:6.2f} ms per step  {a.batch * a.seq / ms * 1e3:9,.0f} tokens/s  x torch {base / ms:.3f}")
+        write_json("profile_train_ab", [dict(variant=k, ms_per_step=v, batch=a.batch, seq=a.seq, tokens_per_s=a.batch * a.seq / v * 1e3) for k, v in res.items()])
         return
     if a.api:
         for mode in ("torch", "tileops"):
@@ -184,7 +193,7 @@ def main() -> None:
         print(f"\n{mode}: {total:.2f} ms of kernels per step")
         print(table(rows, ["kernel", "ms_per_step", "share"]))
         torch.cuda.empty_cache()
-    write_json("profile_train", [dict(mode=m, total_ms=sum(k.values()), kernels=k) for m, k in out.items()])
+    write_json("profile_train", [dict(mode=m, batch=a.batch, seq=a.seq, total_ms=sum(k.values()), kernels=k) for m, k in out.items()])
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ Fills TileLang's disk cache for sm_90a (the H200) with the exact kernels the op 
 turns each first call into a cache load instead of a ~5 s nvcc compile. `--quick` covers only the
 benchmark's kernels; `--tune` the search spaces `tileops tune --op flash_attn --op
 flash_attn_backward --op flash_attn_backward_dq` times (bf16, head dims 64 and 128, causal and
-not, MHA). Both backward paths are warmed: the default one (bwd_fused; prep, bwd, cast when dlse is given) and the
+not, MHA). Both backward paths are warmed: the default one (bwd_fused, and bwd_fused_packed for MHA; prep, bwd, cast when dlse is given) and the
 deterministic one (prep_nodq, bwd_nodq, dq; under torch.use_deterministic_algorithms(True)).
 
 `--manifest FILE` lists the cache entries used (relative to the cache root; each entry's
@@ -51,8 +51,8 @@ def _jobs(quick: bool) -> list[tuple]:
         # tests with a non-default softmax_scale (opcheck 0.2, SDPA drop-in 0.5), head dim 64, bf16
         combos += [(64, "bfloat16", c, g, s) for s in (0.2, 0.5) for c in (False, True) for g in (1, 2)]
     for d, dt, c, g, s in combos:
-        for kind in ("fwd", "fwd_nolse", "bwd", "bwd_nodq", "bwd_fused", "dq"):
-            jobs.append((kind, d, dt, c, g, s))
+        for kind in ("fwd", "fwd_nolse", "bwd", "bwd_nodq", "bwd_fused", "dq") + (("bwd_fused_packed",) if g == 1 else ()):
+            jobs.append((kind, d, dt, c, g, s))  # packed QKV: self-attention, MHA only
     for d, dt in itertools.product((64, 128) if quick else (64, 128, 256), ("bfloat16",) if quick else ("bfloat16", "float16")):
         jobs.append(("prep", d, dt, False, 1, 0.0))
         jobs.append(("prep_nodq", d, dt, False, 1, 0.0))
@@ -103,7 +103,7 @@ def main(argv=None) -> int:
     if args.train:
         from tilelang_ops.kernels.attention import default_scale
 
-        jobs = [(kind, 64, "bfloat16", True, 1, default_scale(64)) for kind in ("fwd", "fwd_nolse", "bwd_fused")]
+        jobs = [(kind, 64, "bfloat16", True, 1, default_scale(64)) for kind in ("fwd", "fwd_nolse", "bwd_fused", "bwd_fused_packed")]
     else:
         jobs = _tune_jobs() if args.tune else _jobs(args.quick)
     t0 = time.time()

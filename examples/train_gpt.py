@@ -3,11 +3,11 @@
 Modes (one model definition, one seeded init, one data order, so loss curves are comparable):
   torch            nn.Linear + GELU(tanh) + F.scaled_dot_product_attention, eager
   tileops          MLP up-projection -> tilelang_ops.nn.Linear(activation="gelu_tanh") (one fused
-                   kernel, via tilelang_ops.nn.fuse_linear_activations), attention ->
-                   tilelang_ops.flash_attn, LayerNorm -> tilelang_ops.nn.LayerNorm writing bf16
+                   kernel, via tilelang_ops.nn.fuse_linear_activations), MLP down-projection ->
+                   tilelang_ops.nn.Linear, attention -> tilelang_ops.flash_attn_qkvpacked, LayerNorm -> tilelang_ops.nn.LayerNorm writing bf16
                    (each feeds a Linear under bf16 autocast: the cast kernel goes away) with the
                    residual add before it in the same kernel (add_layer_norm); --ln torch keeps
-                   PyTorch's. Embeddings and the other Linears stay PyTorch
+                   PyTorch's. Embeddings and the attention's Linears stay PyTorch
   torch-compile    torch, then torch.compile(model, fullgraph=True)
   tileops-compile  tileops, then torch.compile(model, fullgraph=True)
 
@@ -66,13 +66,17 @@ def load_corpus(root: pathlib.Path = REPO) -> tuple[torch.Tensor, dict]:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8), info
 
 
-def batches(data: torch.Tensor, batch: int, seq: int, seed: int):
-    """Endless (inputs, targets) pairs of random windows; a private generator so every mode sees the same data."""
+def batches(data: torch.Tensor, batch: int, seq: int, seed: int, pin: bool = False):
+    """Endless (inputs, targets) pairs of random windows; a private generator so every mode sees the same data.
+    pin: in pinned host memory, so that `.to("cuda", non_blocking=True)` does not wait for the GPU
+    (a copy from pageable memory synchronizes the stream first: the host could not queue the next
+    step while the GPU finishes this one)."""
     gen = torch.Generator().manual_seed(seed)
     while True:
         starts = torch.randint(0, len(data) - seq - 1, (batch,), generator=gen)
         win = torch.stack([data[s : s + seq + 1] for s in starts.tolist()]).long()
-        yield win[:, :-1], win[:, 1:]
+        x, y = win[:, :-1], win[:, 1:]
+        yield (x.contiguous().pin_memory(), y.contiguous().pin_memory()) if pin else (x, y)
 
 
 # ---------------------------------------------------------------- model (GPT-2 style, pre-LN)
@@ -84,11 +88,14 @@ class Attention(nn.Module):
 
     def forward(self, x):
         B, S, C = x.shape
-        # (B, S, 3, H, D): unbinding dim 2 gives q, k, v already in flash-attn's (B, S, H, D) layout.
-        q, k, v = self.qkv(x).view(B, S, 3, self.heads, C // self.heads).unbind(2)
+        # (B, S, 3, H, D): flash-attn's packed layout; unbinding dim 2 gives q, k, v in (B, S, H, D).
+        qkv = self.qkv(x).view(B, S, 3, self.heads, C // self.heads)
         if self.use_flash:
-            y = tilelang_ops.flash_attn(q, k, v, causal=True)  # square causal: same mask as SDPA's
+            # square causal: same mask as SDPA's. Packed: the backward writes one (B, S, 3, H, D)
+            # gradient, where unbind + attention has autograd stack three (a copy of all of it)
+            y = tilelang_ops.flash_attn_qkvpacked(qkv, causal=True)
         else:  # SDPA wants (B, H, S, D): transposed views, no copy
+            q, k, v = qkv.unbind(2)
             y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True).transpose(1, 2)
         return self.proj(y.reshape(B, S, C))
 
@@ -148,20 +155,23 @@ class GPT(nn.Module):
 def to_tileops(model: GPT, layer_norm: bool = True) -> None:
     """Swap in tilelang_ops in place; the parameters are the same objects, so the init is unchanged.
 
-    Only where fusion saves memory traffic: Linear+GELU becomes one kernel (no separate GELU pass
-    over the 4*dim activations), attention never materialises S x S scores, and each LayerNorm
+    Only where fusion saves memory traffic or our kernel is faster: Linear+GELU becomes one kernel
+    (no separate GELU pass over the 4*dim activations), attention never materialises S x S scores
+    (and takes the packed QKV projection, so its backward writes one gradient), and each LayerNorm
     reads the fp32 residual stream and writes the bf16 its Linear takes under autocast (one
     kernel instead of layer_norm + cast; its backward reads the bf16 gradient directly: 4 ms of
     GPU time less per step, benchmarks.profile_train) and takes the residual add before it into
     the same kernel (`add_norm`: add_layer_norm, whose backward also adds the stream's gradient
-    and writes the branch's in bf16). `layer_norm=False` (`--ln torch`) keeps PyTorch's. The other
-    Linears are plain GEMMs at d=768 (K=768), a shape where cuBLAS is faster than our kernel
-    (docs/benchmarks.md: 16384x3072x768 at 0.85x cuBLAS), so they stay nn.Linear.
+    and writes the branch's in bf16). `layer_norm=False` (`--ln torch`) keeps PyTorch's. The MLP's
+    down-projection (3072 -> 768) runs on tilelang_ops.nn.Linear, whose GEMMs are ahead of cuBLAS
+    there (forward 1.07x, dX 1.02x, dW 1.03x: benchmarks/sweep_gemm.py --group 'gpt_*'); the
+    attention's QKV (0.84x forward) and output projection (0.88-0.99x) stay nn.Linear.
     """
     report = tilelang_ops.nn.fuse_linear_activations(model)
     assert len(report.fused) == len(model.blocks), str(report)
     for blk in model.blocks:
         blk.attn.use_flash = True
+        blk.mlp[2] = tilelang_ops.nn.Linear.from_linear(blk.mlp[2])
     if not layer_norm:
         return
     for blk in model.blocks:
@@ -237,7 +247,7 @@ def train(args, mode: str, data: torch.Tensor, corpus: dict, rank: int = 0, worl
     lr_warm = max(1, args.steps // 10)  # linear warm-up, then cosine to 10%: GPT-2 small at 6e-4 needs the ramp
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / lr_warm, 0.1 + 0.45 * (1 + math.cos(math.pi * s / args.steps))))
     autocast = torch.autocast(dev.split(":")[0], dtype=torch.bfloat16)
-    data_iter = batches(data, args.batch, args.seq, args.seed)
+    data_iter = batches(data, args.batch, args.seq, args.seed, pin=dev.startswith("cuda") and world == 1)  # ranks slice rows: pageable
     result = {"mode": mode, "device": dev, "dist": args.dist, "world_size": world, "config": {k: v for k, v in vars(args).items() if k not in ("mode", "out")}, "corpus": corpus, "torch": torch.__version__}
     if dev.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats(dev)

@@ -250,6 +250,37 @@ def test_gemm_cuda_poisoned_output(layout, m, kn):
     _check(out, ref, torch.bfloat16, "poisoned")
 
 
+# examples/train_gpt.py's GEMMs on their own schedules (DEFAULT_OVERRIDES, split-K weight
+# gradients): (op, M or the tokens of a "tn", K, N), M past the largest bucket's bound and ragged.
+GPT_SHAPES = [
+    ("linear", 6337, 3072, 768),  # MLP down-projection + bias: "nt" 768x3072 ping-pong
+    ("gemm", 6337, 768, 3072),  # its dX: "nn" 3072x768, 128x192 ping-pong
+    ("gemm", 6337, 2304, 768),  # the QKV projection's dX: "nn" 768x2304 ping-pong
+    ("gemm_tn", 6337, 768, 3072),  # its dW (768 x 3072 over the tokens): split-K
+]
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("case", GPT_SHAPES, ids=lambda c: f"{c[0]}-{c[1]}x{c[2]}x{c[3]}")
+def test_gpt_shape_schedules_poisoned_output(case):
+    op, m, k, n = case
+    x = _randn(m, k, dtype=torch.bfloat16, device="cuda")
+    if op == "linear":
+        w, b = _randn(n, k, dtype=torch.bfloat16, device="cuda", scale=k**-0.5), _randn(n, dtype=torch.bfloat16, device="cuda")
+        ref, call = x.float() @ w.float().t() + b.float(), lambda: torch.ops.tileops.linear(x, w, b, "none")
+    elif op == "gemm":
+        w = _randn(k, n, dtype=torch.bfloat16, device="cuda", scale=k**-0.5)
+        ref, call = x.float() @ w.float(), lambda: torch.ops.tileops.gemm(x, w)
+    else:  # (tokens, k)ᵀ @ (tokens, n): a weight gradient (k x n)
+        y = _randn(m, n, dtype=torch.bfloat16, device="cuda", scale=m**-0.5)
+        ref, call = x.float().t() @ y.float(), lambda: torch.ops.tileops.gemm_tn(x, y)
+    with poisoned_cuda_allocation(ref.numel() * 2) as ptr:
+        out = call()
+    assert out.data_ptr() == ptr, "poison did not reach the output"
+    _check(out, ref, torch.bfloat16, op)
+
+
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("act", ["none", "gelu_tanh"])

@@ -141,6 +141,30 @@ def flash_attn(
     return torch.ops.tileops.flash_attn(q, k, v, causal, softmax_scale)
 
 
+def flash_attn_qkvpacked(qkv: torch.Tensor, causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False):
+    """Self-attention over one packed projection, flash-attn's ``flash_attn_qkvpacked_func``
+    (``torch.ops.tileops.flash_attn_qkvpacked``).
+
+    Args:
+        qkv: (batch, seqlen, 3, nheads, headdim), float16 or bfloat16; headdim 64, 128 or 256 —
+            e.g. ``linear(x, w_qkv).view(B, S, 3, H, D)``. Any strides with the last dim
+            contiguous are read in place.
+        causal, softmax_scale, return_lse: as :func:`flash_attn` (seqlen_q = seqlen_k here).
+
+    Returns:
+        out: (batch, seqlen, nheads, headdim); lse (if return_lse) as :func:`flash_attn`.
+
+    Same kernels and results as ``flash_attn(*qkv.unbind(2), ...)``, but differentiable in qkv
+    with one gradient: the backward writes dq, dk and dv into one (batch, seqlen, 3, nheads,
+    headdim) tensor, where unbind + flash_attn has autograd stack three gradients (a copy of the
+    whole gradient). Under ``torch.use_deterministic_algorithms(True)``, or with a gradient
+    flowing into lse, the backward runs :func:`flash_attn`'s and stacks.
+    """
+    if return_lse:
+        return torch.ops.tileops.flash_attn_qkvpacked_with_lse(qkv, causal, softmax_scale)
+    return torch.ops.tileops.flash_attn_qkvpacked(qkv, causal, softmax_scale)
+
+
 def _sdpa_supported(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> bool:
     from .ops.attention import DTYPES, HEADDIMS
 

@@ -828,13 +828,15 @@ def flash_bwd_kernel(config: BwdConfig, headdim: int, dtype: str, causal: bool, 
 
 
 @kernel("attention", "flash_bwd_fused", pass_configs=_PASS_CONFIGS)
-def flash_bwd_fused_kernel(config: BwdConfig, headdim: int, dtype: str, causal: bool, groups: int, scale: float):
+def flash_bwd_fused_kernel(config: BwdConfig, headdim: int, dtype: str, causal: bool, groups: int, scale: float, packed: bool = False):
     """The default backward in one host call: the preprocess (Delta, base-2 LSE, dQacc zeroed),
     flash_bwd (dK, dV, dQ reduce-added into dQacc) and the dQ conversion, as three `T.Kernel`s of
     one prim_func, launched in order on one stream. Same kernels as the three separate launches
     (the preprocess at PrepConfig(), the main one at `config`); one tvm_ffi call instead of three.
     (H200, session 8: 16.9 vs 17.6 us of host function time per backward; the driver's launches
-    and the main kernel's nine TMA descriptor encodes are most of it, not the call itself.)"""
+    and the main kernel's nine TMA descriptor encodes are most of it, not the call itself.)
+    packed: dQ, dK and dV take symbolic strides like q/k/v, so they can be the three slices of one
+    (B, S, 3, H, D) gradient (flash_attn_qkvpacked: no stack of three gradients afterwards)."""
     B, Sq, SqP, Sk, H, HK = dims = _bwd_dims()
     D = headdim
     acc = "float32"
@@ -854,9 +856,9 @@ def flash_bwd_fused_kernel(config: BwdConfig, headdim: int, dtype: str, causal: 
         Delta: T.Tensor((B, H, SqP), acc),
         LSE2: T.Tensor((B, H, SqP), acc),
         dQacc: T.Tensor((B, Sq, H, D), acc),  # scratch, zeroed by the preprocess
-        dQ: T.Tensor((B, Sq, H, D), dtype),
-        dK: T.Tensor((B, Sk, HK, D), dtype),
-        dV: T.Tensor((B, Sk, HK, D), dtype),
+        dQ: _qkv_param("dq", (B, Sq, H, D), dtype) if packed else T.Tensor((B, Sq, H, D), dtype),
+        dK: _qkv_param("dk", (B, Sk, HK, D), dtype) if packed else T.Tensor((B, Sk, HK, D), dtype),
+        dV: _qkv_param("dv", (B, Sk, HK, D), dtype) if packed else T.Tensor((B, Sk, HK, D), dtype),
     ):
         prep(O, dO, LSE, Delta, LSE2, dQacc)
         main(Q, K, V, dO, LSE2, Delta, dQacc, dK, dV)
@@ -1058,6 +1060,8 @@ REPRESENTATIVE = [
     (cast_f32_kernel, CastConfig(), dict(dtype="bfloat16")),
     # the default backward in one host call (preprocess + main + dQ conversion)
     (flash_bwd_fused_kernel, bwd_default_config(128, False), dict(headdim=128, dtype="bfloat16", causal=False, groups=1, scale=default_scale(128))),
+    # the same writing dQ/dK/dV into the slices of one packed (B, S, 3, H, D) gradient (GPT-2's shape)
+    (flash_bwd_fused_kernel, bwd_default_config(64, True), dict(headdim=64, dtype="bfloat16", causal=True, groups=1, scale=default_scale(64), packed=True)),
     # deterministic backward: prep without the dQ accumulator, dK/dV only, dQ without atomics
     (flash_bwd_prep_kernel, PrepConfig(), dict(headdim=128, dtype="bfloat16", dq=False)),
     (flash_bwd_kernel, bwd_default_config(128, True), dict(headdim=128, dtype="bfloat16", causal=True, groups=1, scale=default_scale(128), dq=False)),

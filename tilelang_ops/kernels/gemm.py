@@ -116,7 +116,10 @@ DEFAULT_OVERRIDES: dict[tuple, GemmConfig] = {
     # 0.96x cuBLAS in bench_gemm's interleaved GPU time (cuBLAS moves 403-516 between runs here) (sixth session)
     ("sm_9", "nn", 0, 3072, 768): GemmConfig(128, 192, 64, 4, 256, 8, "Square", 0, "async"),
     ("sm_9", "nn", 2, 768, 3072): _PP,  # 16384x768x3072 (GPT-2's MLP dX): 686 vs 635 (1.08x), 1.06x cuBLAS (session14/call1)
-    ("sm_9", "nn", 2, 3072, 768): _PP,  # 16384x3072x768: 591 TFLOP/s vs 528 default (1.12x), 1.01x cuBLAS
+    # 16384x3072x768 (GPT-2's MLP down-projection dX): 608 TFLOP/s vs 560 for _PP (1.085x), 1.02x cuBLAS
+    # (session15/call2; _PP had 591 vs 528 for the auto default, 1.12x, in the eleventh session)
+    ("sm_9", "nn", 2, 3072, 768): GemmConfig(128, 192, 64, 5, 256, 8, "Square", 0, "pingpong"),
+    ("sm_9", "nn", 2, 768, 2304): _PP,  # 16384x768x2304 (GPT-2's QKV dX): 673 vs 642 (1.05x), 1.00x cuBLAS (session15/call2)
     ("sm_9", "nn", 1, 4096, 4096): GemmConfig(128, 256, 64, 4, 256, 8, "Square"),  # 4096^3: 1.03x default (fifth session)
     ("sm_9", "nn", 0, 11008, 4096): GemmConfig(block_M=128, block_N=256, block_K=64, num_stages=4, threads=256, swizzle=8, policy="FullRow"),  # 1024x11008x4096: 1.04x default, 1.12x cuBLAS
     ("sm_9", "nn", 1, 11008, 4096): _PP16S7,  # 4096x11008x4096: 691 vs 657 for _PP (1.05x; call1: _PP 1.025x the auto default), 1.08x cuBLAS
@@ -126,6 +129,7 @@ DEFAULT_OVERRIDES: dict[tuple, GemmConfig] = {
     ("sm_9", "nn", 2, 14336, 4096): GemmConfig(128, 192, 64, 5, 256, 8, "Square", 0, "pingpong"),  # 16384x14336x4096: 659 vs 639 (1.03x), 0.99x cuBLAS
     # "nt" = linear (+ bias + gelu_tanh epilogue), ratios to cuBLASLt's _addmm_activation (fifth session:
     # session5/call1 and call4; eleventh: the pingpong rows, session11/call1)
+    ("sm_9", "nt", 2, 768, 3072): _PP,  # 16384x768x3072 (GPT-2's MLP down-projection): 672 vs 622 (1.08x), 1.07x cuBLAS (session15/call2)
     ("sm_9", "nt", 1, 4096, 4096): _PP16,  # 4096x4096x4096: 674 vs 605 (1.11x), 1.05x
     ("sm_9", "nt", 2, 4096, 4096): GemmConfig(block_M=128, block_N=256, block_K=64, num_stages=4, threads=256, swizzle=8, policy="FullRow"),  # 16384x4096x4096: 1.026x default, 0.955x
     # (call 3 re-ran the call-1 winners beside 7 stages: _PP16S7 won again where listed)

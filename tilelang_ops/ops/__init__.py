@@ -87,6 +87,16 @@ ALL_OPS = [
         atol=reference.ATTENTION_ATOL,
         rtol=reference.ATTENTION_RTOL,
     ),
+    OpCase(  # shapes as above with Sq = Sk and H = HK: qkv (B, S, 3, H, D)
+        "flash_attn_qkvpacked_causal",
+        lambda qkv: torch.ops.tileops.flash_attn_qkvpacked(qkv, True),
+        lambda s, dt, dev: (torch.randn(s[0], s[1], 3, s[3], s[5], dtype=dt, device=dev),),
+        lambda qkv: reference.flash_attn(*qkv.unbind(2), True, qkv.shape[-1] ** -0.5, torch.float64)[0],
+        shapes=((2, 1000, 1000, 4, 4, 64),),
+        dtypes=attention.DTYPES,
+        atol=reference.ATTENTION_ATOL,
+        rtol=reference.ATTENTION_RTOL,
+    ),
     # softmax: shapes are (M, N); each distinct N is a compiled kernel (M is symbolic).
     OpCase(
         "softmax",

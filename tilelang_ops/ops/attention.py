@@ -1,4 +1,5 @@
-"""torch.ops.tileops.flash_attn / flash_attn_with_lse / flash_attn_backward.
+"""torch.ops.tileops.flash_attn / flash_attn_with_lse / flash_attn_backward, and the packed-QKV
+flash_attn_qkvpacked / _with_lse / _backward.
 
 Layout as flash-attn's `flash_attn_func`: q (B, Sq, H, D), k and v (B, Sk, HK, D), H % HK == 0
 (GQA/MQA: query head h reads kv head h // (H // HK); K/V are never repeated in memory).
@@ -9,7 +10,7 @@ Backward: fast (dQ by fp32 atomics) by default; bitwise deterministic under
 torch.use_deterministic_algorithms(True) (a separate dQ kernel, see the backward's CUDA impl).
 
 Reading order: validation → kernel resolution → forward op → CUDA impl → fake → backward op →
-CUDA impl → fake → autograd → out-only op.
+CUDA impl → fake → autograd → out-only op → the packed-QKV ops.
 """
 from __future__ import annotations
 
@@ -54,6 +55,10 @@ def _check_qkv(q, k, v, softmax_scale) -> None:
         raise ValueError(
             f"q: nheads {q.shape[2]} is not a multiple of k's nheads_kv {k.shape[2]} (GQA needs nheads % nheads_kv == 0)"
         )
+    _check_scale(softmax_scale)
+
+
+def _check_scale(softmax_scale) -> None:
     if softmax_scale is not None and not (math.isfinite(softmax_scale) and softmax_scale > 0):
         raise ValueError(f"softmax_scale: must be a finite positive float or None, got {softmax_scale}")
 
@@ -83,6 +88,7 @@ _KDEFS = {
     "bwd": ("flash_bwd_kernel", {}),
     "bwd_nodq": ("flash_bwd_kernel", {"dq": False}),
     "bwd_fused": ("flash_bwd_fused_kernel", {}),  # prep + bwd + cast in one host call
+    "bwd_fused_packed": ("flash_bwd_fused_kernel", {"packed": True}),  # the same, dq/dk/dv strided (qkvpacked)
     "dq": ("flash_bwd_dq_kernel", {}),
     "prep": ("flash_bwd_prep_kernel", {}),
     "prep_nodq": ("flash_bwd_prep_kernel", {"dq": False}),
@@ -90,7 +96,7 @@ _KDEFS = {
 }
 # Kernels with every static arg, and the tuned-config entry each resolves its config from
 # (dK/dV-only uses the main backward's: same tiles, minus the dQ work).
-_TUNED_AS = {"fwd": "fwd", "fwd_nolse": "fwd", "bwd": "bwd", "bwd_nodq": "bwd", "bwd_fused": "bwd", "dq": "dq"}
+_TUNED_AS = {"fwd": "fwd", "fwd_nolse": "fwd", "bwd": "bwd", "bwd_nodq": "bwd", "bwd_fused": "bwd", "bwd_fused_packed": "bwd", "dq": "dq"}
 
 
 def kernel_static(name: str, headdim: int, causal: bool, groups: int, softmax_scale: Optional[float]) -> dict:
@@ -340,9 +346,6 @@ def _flash_bwd_cuda(dout, q, k, v, out, lse, causal=False, softmax_scale=None, d
         return q.new_zeros(q.shape), dk.zero_(), dv.zero_()
     dev, dtype, groups = q.device, q.dtype, H // HK
     dout = ready(dout)
-    sqp = lse_rows(Sq)
-    delta = torch.empty(B, H, sqp, dtype=torch.float32, device=dev)
-    lse2 = torch.empty(B, H, sqp, dtype=torch.float32, device=dev)
     # The flag is read when the backward runs (it is not in the schema): eager calls and
     # torch.compile'd graphs follow the flag in force then; a captured CUDA graph keeps its path.
     # Deterministic: dK/dV from the main kernel without its dQ atomics (a GQA group already sums
@@ -351,10 +354,12 @@ def _flash_bwd_cuda(dout, q, k, v, out, lse, causal=False, softmax_scale=None, d
     det = _deterministic()
     q, k, v, out, lse = *_qkv3(q, k, v), ready(out), ready(lse)
     dq = q.new_empty(B, Sq, H, D)
-    dq_acc = None if det else torch.empty(B, Sq, H, D, dtype=torch.float32, device=dev)  # reduce-add target, zeroed by prep
     if not det and dlse is None:  # the common call: preprocess, main kernel and dQ cast in one host call
-        _kernel("bwd_fused", dtype, dev, D, causal, groups, softmax_scale)(q, k, v, out, dout, lse, delta, lse2, dq_acc, dq, dk, dv)
+        _bwd_fused("bwd_fused", dout, q, k, v, out, lse, causal, softmax_scale, dq, dk, dv)
         return dq, dk, dv
+    delta = torch.empty(B, H, lse_rows(Sq), dtype=torch.float32, device=dev)
+    lse2 = torch.empty(B, H, lse_rows(Sq), dtype=torch.float32, device=dev)
+    dq_acc = None if det else torch.empty(B, Sq, H, D, dtype=torch.float32, device=dev)  # reduce-add target, zeroed by prep
     if det:
         _kernel("prep_nodq", dtype, dev, D)(out, dout, lse, delta, lse2)
     else:
@@ -368,6 +373,17 @@ def _flash_bwd_cuda(dout, q, k, v, out, lse, causal=False, softmax_scale=None, d
         _kernel("bwd", dtype, dev, D, causal, groups, softmax_scale)(q, k, v, dout, lse2, delta, dq_acc, dk, dv)
         _kernel("cast", dtype, dev)(dq_acc.view(-1), dq.view(-1))
     return dq, dk, dv
+
+
+def _bwd_fused(name, dout, q, k, v, out, lse, causal, softmax_scale, dq, dk, dv) -> None:
+    """The default backward's one host call (kernel `name`: "bwd_fused", or "bwd_fused_packed"
+    whose dq/dk/dv may be strided views), over kernel-ready inputs."""
+    B, Sq, H, D = q.shape
+    dev = q.device
+    delta = torch.empty(B, H, lse_rows(Sq), dtype=torch.float32, device=dev)
+    lse2 = torch.empty(B, H, lse_rows(Sq), dtype=torch.float32, device=dev)
+    dq_acc = torch.empty(B, Sq, H, D, dtype=torch.float32, device=dev)  # reduce-add target, zeroed by prep
+    _kernel(name, q.dtype, q.device, D, causal, H // k.shape[2], softmax_scale)(q, k, v, out, dout, lse, delta, lse2, dq_acc, dq, dk, dv)
 
 
 @flash_attn_backward.register_fake
@@ -419,3 +435,122 @@ def _(q, k, v, causal=False, softmax_scale=None):
 
 
 flash_attn.register_autograd_via(flash_attn_with_lse, lambda out_lse: out_lse[0])
+
+
+# ------------------------------------------------------------------------------- packed QKV
+# flash-attn's `flash_attn_qkvpacked_func` layout: one qkv (B, S, 3, H, D) in and, for the
+# backward, one gradient out. The forward reads the three slices in place (strided views, the
+# same kernels); the backward writes dq, dk and dv into the slices of one (B, S, 3, H, D) tensor.
+# With q, k, v unbound from one QKV projection and passed to flash_attn, autograd stacks the
+# three gradients afterwards (a copy of the whole gradient: 0.9 ms per step of GPT-2 small at
+# 32 x 1024 tokens, docs/benchmarks.md); here there is nothing to stack. Self-attention only
+# (Sq = Sk, nheads_kv = nheads), as flash-attn's.
+def _check_qkvpacked(qkv, softmax_scale) -> None:
+    s = qkv.shape if isinstance(qkv, torch.Tensor) else ()
+    if len(s) == 5 and qkv.dtype in DTYPES and s[2] == 3 and s[4] in HEADDIMS and softmax_scale is None:
+        return  # fast accept; otherwise the full check that names what is wrong
+    check_tensor("qkv", qkv, DTYPES, ndim=5, contiguous=False)
+    if s[2] != 3:
+        raise ValueError(f"qkv: shape {tuple(s)} needs 3 at dim 2: (batch, seqlen, 3, nheads, headdim)")
+    if s[4] not in HEADDIMS:
+        raise ValueError(f"qkv: head dim {s[4]} is not supported; supported: {', '.join(map(str, HEADDIMS))}")
+    _check_scale(softmax_scale)
+
+
+@custom_op("flash_attn_qkvpacked_with_lse")
+def flash_attn_qkvpacked_with_lse(qkv: torch.Tensor, causal: bool = False, softmax_scale: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_qkvpacked(qkv, softmax_scale)
+    q, k, v = qkv.unbind(2)
+    out, lse = reference.flash_attn(q, k, v, causal, _scale(q, softmax_scale))
+    return out.to(q.dtype).contiguous(), lse.float().contiguous()
+
+
+@flash_attn_qkvpacked_with_lse.register_kernel("cuda")
+def _(qkv, causal=False, softmax_scale=None):
+    _check_qkvpacked(qkv, softmax_scale)
+    return _flash_fwd(*qkv.unbind(2), causal, softmax_scale, True)
+
+
+@flash_attn_qkvpacked_with_lse.register_fake
+def _(qkv, causal=False, softmax_scale=None):
+    _check_qkvpacked(qkv, softmax_scale)
+    B, S, _, H, D = qkv.shape
+    return qkv.new_empty((B, S, H, D)), qkv.new_empty((B, H, S), dtype=torch.float32)
+
+
+@custom_op("flash_attn_qkvpacked_backward")
+def flash_attn_qkvpacked_backward(
+    dout: torch.Tensor,
+    qkv: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    dlse: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Gradient of flash_attn_qkvpacked_with_lse: dqkv (B, S, 3, H, D), determinism as
+    flash_attn_backward's."""
+    _check_qkvpacked(qkv, softmax_scale)
+    q, k, v = qkv.unbind(2)
+    _check_bwd(dout, q, k, v, out, lse, softmax_scale, dlse)
+    return torch.stack(reference.flash_attn_backward(dout, q, k, v, out, lse, causal, _scale(q, softmax_scale), dlse), dim=2)
+
+
+@flash_attn_qkvpacked_backward.register_kernel("cuda")
+def _packed_bwd_cuda(dout, qkv, out, lse, causal=False, softmax_scale=None, dlse=None):
+    _check_qkvpacked(qkv, softmax_scale)
+    q, k, v = qkv.unbind(2)
+    _check_bwd(dout, q, k, v, out, lse, softmax_scale, dlse)
+    B, S, _, H, D = qkv.shape
+    # The packed kernel needs int32 strides for the (B, S, 3, H, D) gradient; the deterministic
+    # backward and a gradient through lse take flash_attn_backward's paths, then one stack.
+    if dlse is not None or _deterministic() or qkv.numel() == 0 or S * 3 * H * D > INT32_MAX:
+        return torch.stack(_flash_bwd_cuda(dout, q, k, v, out, lse, causal, softmax_scale, dlse), dim=2)
+    dqkv = qkv.new_empty(B, S, 3, H, D)
+    _bwd_fused("bwd_fused_packed", ready(dout), *_qkv3(q, k, v), ready(out), ready(lse), causal, softmax_scale, *dqkv.unbind(2))
+    return dqkv
+
+
+@flash_attn_qkvpacked_backward.register_fake
+def _(dout, qkv, out, lse, causal=False, softmax_scale=None, dlse=None):
+    _check_qkvpacked(qkv, softmax_scale)
+    return qkv.new_empty(qkv.shape)
+
+
+def _setup_packed(ctx, inputs, output):
+    qkv, causal, softmax_scale = inputs
+    ctx.save_for_backward(qkv, *output)
+    ctx.causal, ctx.softmax_scale = causal, softmax_scale
+
+
+def _backward_packed(ctx, dout, dlse):
+    qkv, out, lse = ctx.saved_tensors
+    if dout is None:  # only lse was used
+        dout = torch.zeros_like(out)
+    return torch.ops.tileops.flash_attn_qkvpacked_backward(dout, qkv, out, lse, ctx.causal, ctx.softmax_scale, dlse), None, None
+
+
+flash_attn_qkvpacked_with_lse.register_autograd(_backward_packed, setup_context=_setup_packed)
+
+
+@custom_op("flash_attn_qkvpacked")
+def flash_attn_qkvpacked(qkv: torch.Tensor, causal: bool = False, softmax_scale: Optional[float] = None) -> torch.Tensor:
+    _check_qkvpacked(qkv, softmax_scale)
+    q, k, v = qkv.unbind(2)
+    return reference.flash_attn(q, k, v, causal, _scale(q, softmax_scale))[0].to(q.dtype).contiguous()
+
+
+@flash_attn_qkvpacked.register_kernel("cuda")
+def _(qkv, causal=False, softmax_scale=None):
+    _check_qkvpacked(qkv, softmax_scale)
+    return _flash_fwd(*qkv.unbind(2), causal, softmax_scale, False)[0]  # no grad here: no LSE output
+
+
+@flash_attn_qkvpacked.register_fake
+def _(qkv, causal=False, softmax_scale=None):
+    _check_qkvpacked(qkv, softmax_scale)
+    B, S, _, H, D = qkv.shape
+    return qkv.new_empty((B, S, H, D))
+
+
+flash_attn_qkvpacked.register_autograd_via(flash_attn_qkvpacked_with_lse, lambda out_lse: out_lse[0])
