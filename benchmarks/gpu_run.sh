@@ -20,8 +20,9 @@ status=0
 # shellcheck disable=SC2086
 python3 -m tilelang_ops.cli check ${CHECK_ARGS:-} > "$OUT/check.log" 2>&1; rc=$?; status=$((status|rc))
 echo "tileops check: rc=$rc  $(tail -1 "$OUT/check.log")"
+i=0
 for b in "${benches[@]}"; do  # "module [args]" (one word each: quote a module with arguments)
-  log="$OUT/${b%% *}.log"
+  i=$((i+1)); log="$OUT/${i}_${b%% *}.log"  # numbered: one module may run twice with other arguments
   # under a timeout: a hung kernel must not eat the whole call
   # shellcheck disable=SC2086  # word splitting wanted: the module and its arguments
   timeout "${BENCH_TIMEOUT:-900}" python3 -m $b > "$log" 2>&1; rc=$?; status=$((status|rc)); echo "== $b rc=$rc"; grep -v "INFO\|WARNING" "$log" | tail -40

@@ -71,15 +71,19 @@ def wall_ab(tg, variants, steps: int = 30, rounds: int = 3, freeze: bool = False
     import time
 
     fns = {label: _step_fn(tg, mode, extra, clip=True) for label, mode, extra in variants}
-    for f in fns.values():
+    for label, f in fns.items():
+        t0 = time.perf_counter()
         for _ in range(3):
             f()
+        torch.cuda.synchronize()
+        print(f"warm-up {label}: {time.perf_counter() - t0:.1f} s", flush=True)  # compiles; a hang shows here
     if freeze:
         gc.collect()
         gc.freeze()
     before = [g["collections"] for g in gc.get_stats()]
     times = {label: [] for label in fns}
-    for _ in range(rounds):
+    for r in range(rounds):
+        print(f"round {r + 1}/{rounds}", flush=True)
         for label, f in fns.items():
             torch.cuda.synchronize()
             t0 = time.perf_counter()

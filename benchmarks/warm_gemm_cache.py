@@ -138,7 +138,8 @@ def bench_kernels():
 
 def train_kernels():
     """examples/train_gpt.py's tileops mode at its defaults (GPT-2 small: d=768, hidden 3072): the
-    fused up-projection, the down-projection, their backward GEMMs, and act_grad."""
+    fused up-projection and its backward GEMMs, act_grad, and the down-projection's GEMMs
+    (tests/test_gemm.py::test_gpt_shape_schedules; the example keeps nn.Linear there)."""
     bf, d, h = "bfloat16", 768, 3072
     mm = [
         ("nt", h, d, 0, bf, False, True, "gelu_tanh", True),  # fc1 forward, z saved

@@ -66,7 +66,6 @@ def test_tileops_swap_uses_the_ops():
     import tilelang_ops
 
     assert all(isinstance(b.mlp[0], tilelang_ops.nn.Linear) and b.mlp[0].activation == "gelu_tanh" for b in model.blocks)
-    assert all(isinstance(b.mlp[2], tilelang_ops.nn.Linear) and b.mlp[2].activation == "none" for b in model.blocks)
     assert all(b.attn.use_flash for b in model.blocks)
     lns = [m for b in model.blocks for m in (b.ln1, b.ln2)] + [model.ln_f]
     assert all(isinstance(m, tilelang_ops.nn.LayerNorm) and m.out_dtype is torch.bfloat16 for m in lns)
@@ -85,9 +84,9 @@ def test_tileops_blocks_fuse_the_residual_adds():
     assert rec.ops.count("tileops.add_layer_norm.default") == 4 and rec.ops.count("tileops.layer_norm.default") == 1
     assert rec.ops.count("aten.add.Tensor") == 1  # the embeddings' sum: no residual add outside the norms
     assert "aten.native_layer_norm.default" not in rec.ops
-    # attention on the packed projection (one gradient, no stack), the MLP on ours
+    # attention on the packed projection (one gradient, no stack), the MLP's up-projection on ours
     assert rec.ops.count("tileops.flash_attn_qkvpacked_with_lse.default") == 2 and "tileops.flash_attn_with_lse.default" not in rec.ops
-    assert rec.ops.count("tileops.linear.default") == 2 and rec.ops.count("tileops.linear_preact.default") == 2
+    assert rec.ops.count("tileops.linear_preact.default") == 2
 
 
 @pytest.mark.slow

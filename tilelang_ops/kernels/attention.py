@@ -835,8 +835,10 @@ def flash_bwd_fused_kernel(config: BwdConfig, headdim: int, dtype: str, causal: 
     (the preprocess at PrepConfig(), the main one at `config`); one tvm_ffi call instead of three.
     (H200, session 8: 16.9 vs 17.6 us of host function time per backward; the driver's launches
     and the main kernel's nine TMA descriptor encodes are most of it, not the call itself.)
-    packed: dQ, dK and dV take symbolic strides like q/k/v, so they can be the three slices of one
-    (B, S, 3, H, D) gradient (flash_attn_qkvpacked: no stack of three gradients afterwards)."""
+    packed: one (B, S, 3, H, D) gradient for flash_attn_qkvpacked (no stack of three afterwards):
+    dQ is that whole tensor (the conversion writes slice 0 with static inner strides, so its
+    stores stay vectorized), dK and dV its slices 1 and 2 (symbolic strides, like q/k/v: the main
+    kernel's TMA stores take them as they are)."""
     B, Sq, SqP, Sk, H, HK = dims = _bwd_dims()
     D = headdim
     acc = "float32"
@@ -856,7 +858,7 @@ def flash_bwd_fused_kernel(config: BwdConfig, headdim: int, dtype: str, causal: 
         Delta: T.Tensor((B, H, SqP), acc),
         LSE2: T.Tensor((B, H, SqP), acc),
         dQacc: T.Tensor((B, Sq, H, D), acc),  # scratch, zeroed by the preprocess
-        dQ: _qkv_param("dq", (B, Sq, H, D), dtype) if packed else T.Tensor((B, Sq, H, D), dtype),
+        dQ: T.Tensor((B, Sq, 3, H, D), dtype) if packed else T.Tensor((B, Sq, H, D), dtype),
         dK: _qkv_param("dk", (B, Sk, HK, D), dtype) if packed else T.Tensor((B, Sk, HK, D), dtype),
         dV: _qkv_param("dv", (B, Sk, HK, D), dtype) if packed else T.Tensor((B, Sk, HK, D), dtype),
     ):
@@ -866,7 +868,10 @@ def flash_bwd_fused_kernel(config: BwdConfig, headdim: int, dtype: str, causal: 
         with T.Kernel(T.ceildiv(Sq, blk), H, B, threads=prep_cfg.threads) as (bx, by, bz):
             for i, j in T.Parallel(blk, D):
                 if bx * blk + i < Sq:
-                    dQ[bz, bx * blk + i, by, j] = T.Cast(dtype, dQacc[bz, bx * blk + i, by, j])
+                    if packed:
+                        dQ[bz, bx * blk + i, 0, by, j] = T.Cast(dtype, dQacc[bz, bx * blk + i, by, j])
+                    else:
+                        dQ[bz, bx * blk + i, by, j] = T.Cast(dtype, dQacc[bz, bx * blk + i, by, j])
 
     return flash_bwd_fused
 

@@ -376,8 +376,8 @@ def _flash_bwd_cuda(dout, q, k, v, out, lse, causal=False, softmax_scale=None, d
 
 
 def _bwd_fused(name, dout, q, k, v, out, lse, causal, softmax_scale, dq, dk, dv) -> None:
-    """The default backward's one host call (kernel `name`: "bwd_fused", or "bwd_fused_packed"
-    whose dq/dk/dv may be strided views), over kernel-ready inputs."""
+    """The default backward's one host call (kernel `name`: "bwd_fused", or "bwd_fused_packed":
+    dq the packed (B, S, 3, H, D) gradient, dk/dv its slices), over kernel-ready inputs."""
     B, Sq, H, D = q.shape
     dev = q.device
     delta = torch.empty(B, H, lse_rows(Sq), dtype=torch.float32, device=dev)
@@ -507,7 +507,8 @@ def _packed_bwd_cuda(dout, qkv, out, lse, causal=False, softmax_scale=None, dlse
     if dlse is not None or _deterministic() or qkv.numel() == 0 or S * 3 * H * D > INT32_MAX:
         return torch.stack(_flash_bwd_cuda(dout, q, k, v, out, lse, causal, softmax_scale, dlse), dim=2)
     dqkv = qkv.new_empty(B, S, 3, H, D)
-    _bwd_fused("bwd_fused_packed", ready(dout), *_qkv3(q, k, v), ready(out), ready(lse), causal, softmax_scale, *dqkv.unbind(2))
+    # the kernel writes dq through the whole (B, S, 3, H, D) tensor (slice 0), dk and dv through their slices
+    _bwd_fused("bwd_fused_packed", ready(dout), *_qkv3(q, k, v), ready(out), ready(lse), causal, softmax_scale, dqkv, dqkv[:, :, 1], dqkv[:, :, 2])
     return dqkv
 
 
