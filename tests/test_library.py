@@ -105,3 +105,24 @@ def test_strided_qkv_are_saved_as_they_are():
     assert len(saved) == 5 and [t.data_ptr() for t in saved[:3]] == [q.data_ptr(), k.data_ptr(), v.data_ptr()]
     out.float().sum().backward()
     assert qkv.grad is not None and torch.isfinite(qkv.grad).all()
+
+
+def test_inductor_gets_explicit_fallbacks():
+    """Once Inductor compiles a graph with a tileops op, every tileops op has an explicit fallback
+    lowering with the layout constraint Inductor would pick itself (torch 2.11's implicit path
+    stringifies the arguments' IR, which hung the GPT example's first compiled backward)."""
+    from torch._inductor import lowering as IL
+    from torch._library.utils import get_layout_constraint_tag
+
+    from tilelang_ops import _library
+
+    torch._dynamo.reset()
+    x = torch.randn(4, 33, requires_grad=True)
+    f = torch.compile(lambda t: torch.ops.tileops.softmax(t * 2, -1).sum(), fullgraph=True)
+    f(x).backward()
+    torch.testing.assert_close(x.grad, torch.autograd.grad(torch.softmax(x * 2, -1).sum(), x)[0])
+    assert _library._INDUCTOR_FALLBACKS and len(_library._OPS) >= 20
+    for op in _library._OPS:
+        assert op.op in IL.lowerings, op.qualname
+        want = IL.tag_to_layout_constraint(get_layout_constraint_tag(op.op, with_default=True))
+        assert IL.maybe_layout_constraints(op.op) is want, op.qualname

@@ -13,6 +13,8 @@ against torch's 5.1 µs (a no-autograd op: 1.6 µs).
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import _C
 
@@ -32,6 +34,35 @@ def _is_registered(name: str) -> bool:
         return False
 
 
+_OPS: list["CustomOp"] = []
+_INDUCTOR_FALLBACKS: list[bool] = []  # non-empty once registered
+
+
+def _register_inductor_fallbacks() -> None:
+    """Give Inductor an explicit fallback for every tileops op (what it creates implicitly, with
+    the same layout constraint: the op's tag, else Inductor's default for custom ops), once Inductor
+    is loaded — fake kernels run while AOTAutograd traces for it, before it lowers the graph.
+
+    Why: torch 2.11's implicit-fallback path formats every argument's IR for a log line even with
+    INFO logging off (lazily from 2.13 on), and that string grows exponentially with the depth of
+    the IR behind an argument. The GPT example's first compiled backward spent minutes in it on the
+    H200 host (session 15; the same hang: vllm-project/vllm#43111). On any error (another torch's
+    internals) nothing is registered and Inductor falls back implicitly, as before."""
+    if "torch._inductor.lowering" not in sys.modules:
+        return
+    _INDUCTOR_FALLBACKS.append(True)
+    try:
+        from torch._inductor import lowering as L
+        from torch._library.utils import get_layout_constraint_tag
+
+        for op in _OPS:
+            if op.op not in L.lowerings:
+                constraint = L.tag_to_layout_constraint(get_layout_constraint_tag(op.op, with_default=True))
+                L.make_fallback(op.op, layout_constraint=constraint, warn=False)
+    except Exception:  # noqa: BLE001 — an optimization of Inductor's own path; never fail a compile over it
+        pass
+
+
 class CustomOp:
     """Handle returned by `custom_op`: call it like the op, register the other pieces on it."""
 
@@ -46,6 +77,7 @@ class CustomOp:
         # backend dispatch key -> implementation, for the autograd kernel's direct call
         self.impls = _Impls({_C.DispatchKey.CPU: fn})
         self._run = _no_grad_path(self.op, self.impls)  # (keyset, args) -> result, no autograd
+        _OPS.append(self)
 
     def __call__(self, *args, **kwargs):
         return self.op(*args, **kwargs)
@@ -60,7 +92,12 @@ class CustomOp:
         return wrap
 
     def register_fake(self, fn):
-        torch.library.register_fake(self.qualname, fn, lib=_LIB)
+        def fake(*args, **kwargs):
+            if not _INDUCTOR_FALLBACKS:  # one dict lookup per traced call until Inductor is loaded
+                _register_inductor_fallbacks()
+            return fn(*args, **kwargs)
+
+        torch.library.register_fake(self.qualname, fake, lib=_LIB)
         return fn
 
     def register_autograd(self, backward, *, setup_context=None):
