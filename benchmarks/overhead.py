@@ -55,6 +55,9 @@ def cases():
     yield "flash_attn_with_lse", attention.flash_attn_with_lse, (q, q, q), None
     # (args as a callable: built only when the row runs, so `--only` needs no attention kernel)
     yield "flash_attn_backward", attention.flash_attn_backward, lambda: (g.new_empty(q.shape).normal_(), q, q, q, *ops.flash_attn_with_lse(q, q, q)), None
+    qkv = torch.randn(1, 128, 3, 8, 128, device=dev, dtype=bf)
+    yield "flash_attn_qkvpacked", attention.flash_attn_qkvpacked, (qkv,), lambda: F.scaled_dot_product_attention(qt, qt, qt)
+    yield "flash_attn_qkvpacked_backward", attention.flash_attn_qkvpacked_backward, lambda: (g.new_empty(q.shape).normal_(), qkv, *ops.flash_attn_qkvpacked_with_lse(qkv)), None
     yield "layer_norm", norm.layer_norm, (x, bias, bias), lambda: F.layer_norm(x, (1024,), bias, bias)
     yield "layer_norm_backward", norm.layer_norm_backward, (g, x, bias, ln_mean, ln_rstd), lambda: torch.ops.aten.native_layer_norm_backward(g, x, (1024,), ln_mean, ln_rstd, bias, bias, [True, True, True])
     h, _, h_mean, h_rstd = ops.add_layer_norm(x, g, bias, bias)
