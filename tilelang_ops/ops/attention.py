@@ -266,6 +266,11 @@ def flash_attn_with_lse(
 def _flash_fwd(q, k, v, causal, softmax_scale, with_lse: bool):
     """(out, lse), or (out, None) with the kernel variant that has no LSE output (inference)."""
     _check_qkv(q, k, v, softmax_scale)
+    return _fwd_launch(*_qkv3(q, k, v), causal, softmax_scale, with_lse)
+
+
+def _fwd_launch(q, k, v, causal, softmax_scale, with_lse: bool):
+    """_flash_fwd over checked, kernel-ready q, k, v."""
     B, Sq, H, D = q.shape
     Sk, HK = k.shape[1], k.shape[2]
     # Allocation by integer sizes: parsing a torch.Size or tuple argument costs ~1 µs more per call.
@@ -274,7 +279,7 @@ def _flash_fwd(q, k, v, causal, softmax_scale, with_lse: bool):
     if Sk == 0 or out.numel() == 0:  # nothing to attend to
         return out.zero_(), (lse.fill_(float("-inf")) if with_lse else None)
     kern = _kernel("fwd" if with_lse else "fwd_nolse", q.dtype, q.device, D, causal, H // HK, softmax_scale)
-    kern(*_qkv3(q, k, v), out, lse) if with_lse else kern(*_qkv3(q, k, v), out)
+    kern(q, k, v, out, lse) if with_lse else kern(q, k, v, out)
     return out, lse
 
 
@@ -445,6 +450,15 @@ flash_attn.register_autograd_via(flash_attn_with_lse, lambda out_lse: out_lse[0]
 # three gradients afterwards (a copy of the whole gradient: 0.9 ms per step of GPT-2 small at
 # 32 x 1024 tokens, docs/benchmarks.md); here there is nothing to stack. Self-attention only
 # (Sq = Sk, nheads_kv = nheads), as flash-attn's.
+def _packed_qkv(qkv) -> tuple:
+    """qkv's three slices, kernel-ready. A contiguous, 16-byte aligned qkv with int32 strides has
+    slices TMA reads as they are (strides and offsets multiples of D): one test instead of
+    `_qkv`'s stride checks per slice (~3 µs each on the CPU machine)."""
+    if qkv.is_contiguous() and not qkv.data_ptr() & 15 and qkv.numel() <= INT32_MAX:
+        return qkv.unbind(2)
+    return tuple(_qkv(t) for t in qkv.unbind(2))
+
+
 def _check_qkvpacked(qkv, softmax_scale) -> None:
     s = qkv.shape if isinstance(qkv, torch.Tensor) else ()
     if len(s) == 5 and qkv.dtype in DTYPES and s[2] == 3 and s[4] in HEADDIMS and softmax_scale is None:
@@ -468,7 +482,7 @@ def flash_attn_qkvpacked_with_lse(qkv: torch.Tensor, causal: bool = False, softm
 @flash_attn_qkvpacked_with_lse.register_kernel("cuda")
 def _(qkv, causal=False, softmax_scale=None):
     _check_qkvpacked(qkv, softmax_scale)
-    return _flash_fwd(*qkv.unbind(2), causal, softmax_scale, True)
+    return _fwd_launch(*_packed_qkv(qkv), causal, softmax_scale, True)
 
 
 @flash_attn_qkvpacked_with_lse.register_fake
@@ -499,7 +513,7 @@ def flash_attn_qkvpacked_backward(
 @flash_attn_qkvpacked_backward.register_kernel("cuda")
 def _packed_bwd_cuda(dout, qkv, out, lse, causal=False, softmax_scale=None, dlse=None):
     _check_qkvpacked(qkv, softmax_scale)
-    q, k, v = qkv.unbind(2)
+    q, k, v = _packed_qkv(qkv)  # kernel-ready slices (copies only for a qkv TMA cannot read)
     _check_bwd(dout, q, k, v, out, lse, softmax_scale, dlse)
     B, S, _, H, D = qkv.shape
     # The packed kernel needs int32 strides for the (B, S, 3, H, D) gradient; the deterministic
@@ -508,7 +522,7 @@ def _packed_bwd_cuda(dout, qkv, out, lse, causal=False, softmax_scale=None, dlse
         return torch.stack(_flash_bwd_cuda(dout, q, k, v, out, lse, causal, softmax_scale, dlse), dim=2)
     dqkv = qkv.new_empty(B, S, 3, H, D)
     # the kernel writes dq through the whole (B, S, 3, H, D) tensor (slice 0), dk and dv through their slices
-    _bwd_fused("bwd_fused_packed", ready(dout), *_qkv3(q, k, v), ready(out), ready(lse), causal, softmax_scale, dqkv, dqkv[:, :, 1], dqkv[:, :, 2])
+    _bwd_fused("bwd_fused_packed", ready(dout), q, k, v, ready(out), ready(lse), causal, softmax_scale, dqkv, dqkv[:, :, 1], dqkv[:, :, 2])
     return dqkv
 
 
@@ -544,7 +558,7 @@ def flash_attn_qkvpacked(qkv: torch.Tensor, causal: bool = False, softmax_scale:
 @flash_attn_qkvpacked.register_kernel("cuda")
 def _(qkv, causal=False, softmax_scale=None):
     _check_qkvpacked(qkv, softmax_scale)
-    return _flash_fwd(*qkv.unbind(2), causal, softmax_scale, False)[0]  # no grad here: no LSE output
+    return _fwd_launch(*_packed_qkv(qkv), causal, softmax_scale, False)[0]  # no grad here: no LSE output
 
 
 @flash_attn_qkvpacked.register_fake
