@@ -35,17 +35,11 @@ def install_standin() -> None:
     # Ops with an autograd formula call impls[backend] directly for plain tensors
     # (_library._no_grad_path); the others (the backward ops) reach the dispatcher's CPU kernel.
     cpu, cuda = torch._C.DispatchKey.CPU, torch._C.DispatchKey.CUDA
-    for obj in _all_custom_ops():
+    for obj in _library.OPS:
         impl = obj.impls.get(cuda)
         if impl is not None:
             obj.impls[cpu] = impl
             _library._LIB.impl(obj.name, impl, "CPU")
-
-
-def _all_custom_ops():
-    import gc
-
-    return [o for o in gc.get_objects() if isinstance(o, _library.CustomOp)]
 
 
 def _step_fn(tg, mode: str, ln: str):

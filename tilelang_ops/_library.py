@@ -34,8 +34,8 @@ def _is_registered(name: str) -> bool:
         return False
 
 
-_OPS: list["CustomOp"] = []
-_INDUCTOR_FALLBACKS: list[bool] = []  # non-empty once registered
+OPS: list["CustomOp"] = []  # every op `custom_op` defined, in order
+_inductor_fallbacks_done = False
 
 
 def _register_inductor_fallbacks() -> None:
@@ -48,14 +48,15 @@ def _register_inductor_fallbacks() -> None:
     the IR behind an argument. The GPT example's first compiled backward spent minutes in it on the
     H200 host (session 15; the same hang: vllm-project/vllm#43111). On any error (another torch's
     internals) nothing is registered and Inductor falls back implicitly, as before."""
+    global _inductor_fallbacks_done
     if "torch._inductor.lowering" not in sys.modules:
         return
-    _INDUCTOR_FALLBACKS.append(True)
+    _inductor_fallbacks_done = True
     try:
         from torch._inductor import lowering as L
         from torch._library.utils import get_layout_constraint_tag
 
-        for op in _OPS:
+        for op in OPS:
             if op.op not in L.lowerings:
                 constraint = L.tag_to_layout_constraint(get_layout_constraint_tag(op.op, with_default=True))
                 L.make_fallback(op.op, layout_constraint=constraint, warn=False)
@@ -77,7 +78,7 @@ class CustomOp:
         # backend dispatch key -> implementation, for the autograd kernel's direct call
         self.impls = _Impls({_C.DispatchKey.CPU: fn})
         self._run = _no_grad_path(self.op, self.impls)  # (keyset, args) -> result, no autograd
-        _OPS.append(self)
+        OPS.append(self)
 
     def __call__(self, *args, **kwargs):
         return self.op(*args, **kwargs)
@@ -93,7 +94,7 @@ class CustomOp:
 
     def register_fake(self, fn):
         def fake(*args, **kwargs):
-            if not _INDUCTOR_FALLBACKS:  # one dict lookup per traced call until Inductor is loaded
+            if not _inductor_fallbacks_done:  # one global read per traced call after that
                 _register_inductor_fallbacks()
             return fn(*args, **kwargs)
 

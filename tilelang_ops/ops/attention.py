@@ -460,7 +460,7 @@ def _packed_qkv(qkv) -> tuple:
 
 
 def _check_qkvpacked(qkv, softmax_scale) -> None:
-    s = qkv.shape if isinstance(qkv, torch.Tensor) else ()
+    s = qkv.shape
     if len(s) == 5 and qkv.dtype in DTYPES and s[2] == 3 and s[4] in HEADDIMS and softmax_scale is None:
         return  # fast accept; otherwise the full check that names what is wrong
     check_tensor("qkv", qkv, DTYPES, ndim=5, contiguous=False)
@@ -522,7 +522,7 @@ def _packed_bwd_cuda(dout, qkv, out, lse, causal=False, softmax_scale=None, dlse
         return torch.stack(_flash_bwd_cuda(dout, q, k, v, out, lse, causal, softmax_scale, dlse), dim=2)
     dqkv = qkv.new_empty(B, S, 3, H, D)
     # the kernel writes dq through the whole (B, S, 3, H, D) tensor (slice 0), dk and dv through their slices
-    _bwd_fused("bwd_fused_packed", ready(dout), q, k, v, ready(out), ready(lse), causal, softmax_scale, dqkv, dqkv[:, :, 1], dqkv[:, :, 2])
+    _bwd_fused("bwd_fused_packed", ready(dout), q, k, v, ready(out), ready(lse), causal, softmax_scale, dqkv, *dqkv.unbind(2)[1:])
     return dqkv
 
 
