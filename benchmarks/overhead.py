@@ -51,6 +51,7 @@ def cases():
     yield "linear gelu_tanh", gemm.linear, (x, w, bias, "gelu_tanh"), lambda: F.gelu(F.linear(x, w, bias), approximate="tanh")
     yield "linear_preact gelu_tanh", gemm.linear_preact, (x, w, bias, "gelu_tanh"), lambda: torch._addmm_activation(bias, x, w.t(), use_gelu=True)
     yield "act_grad gelu_tanh", gemm.act_grad, (g, x, "gelu_tanh", True), lambda: torch.ops.aten.gelu_backward(g, x, approximate="tanh")
+    yield "bias_grad", gemm.bias_grad, (g,), lambda: g.sum(0)
     yield "flash_attn", attention.flash_attn, (q, q, q), lambda: F.scaled_dot_product_attention(qt, qt, qt)
     yield "flash_attn_with_lse", attention.flash_attn_with_lse, (q, q, q), None
     # (args as a callable: built only when the row runs, so `--only` needs no attention kernel)

@@ -153,7 +153,8 @@ def main() -> None:
     p.add_argument("--host", action="store_true", help="also the host time per step and a cProfile of it")
     p.add_argument("--api", action="store_true", help="also the host-side profiler events (CUDA API calls, aten ops) by self CPU time")
     p.add_argument("--ab", action="store_true", help="only: wall ms per step of torch and tileops, taking turns")
-    p.add_argument("--ln-torch", action="store_true", help="with --ab: also each tileops variant with --ln torch")
+    p.add_argument("--variant", action="append", default=[], metavar="ARGS",
+                   help="with --ab: also each tileops mode with these examples/train_gpt.py arguments (e.g. '--ln torch'); repeatable")
     p.add_argument("--compile", action="store_true", help="with --ab: also torch-compile and tileops-compile")
     p.add_argument("--freeze", action="store_true", help="with --ab: gc.freeze() after the warm-up (see wall_ab)")
     p.add_argument("--cudagraphs", action="store_true", help="with --ab: also both compiled modes under torch.compile(mode='reduce-overhead')")
@@ -165,13 +166,13 @@ def main() -> None:
     tg = _train_gpt()
     out = {}
     if a.ab:
-        ln = [("--ln", "torch")] if a.ln_torch else []  # each tileops variant also with PyTorch's LayerNorm
-        variants = [("torch", "torch", ())] + [(" ".join(("tileops", *e)), "tileops", e) for e in [(), *ln]]
+        extra = [tuple(v.split()) for v in a.variant]  # each tileops mode also with these arguments
+        variants = [("torch", "torch", ())] + [(" ".join(("tileops", *e)), "tileops", e) for e in [(), *extra]]
         if a.compile:
-            variants += [("torch-compile", "torch-compile", ())] + [(" ".join(("tileops-compile", *e)), "tileops-compile", e) for e in [(), *ln]]
+            variants += [("torch-compile", "torch-compile", ())] + [(" ".join(("tileops-compile", *e)), "tileops-compile", e) for e in [(), *extra]]
         if a.cudagraphs:
             ro = ("--compile-mode", "reduce-overhead")
-            variants += [("torch-compile-graphs", "torch-compile", ro)] + [(" ".join(("tileops-compile-graphs", *e)), "tileops-compile", ro + e) for e in [(), *ln]]
+            variants += [("torch-compile-graphs", "torch-compile", ro)] + [(" ".join(("tileops-compile-graphs", *e)), "tileops-compile", ro + e) for e in [(), *extra]]
         res = wall_ab(tg, variants, freeze=a.freeze)
         base = res["torch"]
         for label, ms in res.items():

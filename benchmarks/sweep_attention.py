@@ -17,9 +17,9 @@ import sys
 
 # (B, H, HK, S, D) as bench_attention.CASES
 SHAPES = [(8, 32, 32, 4096, 128), (2, 16, 16, 16384, 128), (16, 32, 32, 2048, 64), (8, 32, 8, 4096, 128)]
-# --gpt: examples/train_gpt.py's attention (GPT-2 small, 16 x 1024 tokens, causal). 1024 rows are
-# 5.33 tiles of the default's 192 (the last two-thirds empty) and 8 of 128.
-GPT_SHAPES = [(16, 12, 12, 1024, 64), (16, 32, 32, 2048, 64)]  # and the benchmark set's D=64 shape
+# --gpt: examples/train_gpt.py's attention (GPT-2 small, 32 x 1024 tokens, causal). 1024 rows are
+# 5.33 tiles of 192 (the last two-thirds empty) and 8 of 128.
+GPT_SHAPES = [(32, 12, 12, 1024, 64), (16, 32, 32, 2048, 64)]  # and the benchmark set's D=64 shape
 CAUSAL = (False, True)
 GPT = False
 

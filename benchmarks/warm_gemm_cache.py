@@ -99,6 +99,11 @@ TEST_ACT_GRAD = [
     (200, 'float16', 'silu'),
 ]
 
+# bias_grad (n, dtype): tests/test_gemm.py's bias_grad tests (BIAS_GRAD_SHAPES, the fuzz widths,
+# opcheck and the strided case at 200) and the Linear backward of every test with a bias and no
+# activation (72, 200 and the GPT down-projection's 768).
+TEST_BIAS_GRAD = [(n, dt) for n in (8, 72, 200, 768, 2304) for dt in ("bfloat16", "float16")] + [(5, "bfloat16"), (5, "float16")]
+
 
 def _up(x):
     return -(-x // 8) * 8
@@ -137,7 +142,7 @@ def bench_kernels():
         ("nn", h, d, 0, bf, False, False, "none", False),  # fc2 dX
         ("tn", h, 0, d, bf, False, False, "none", False),  # fc2 dW
     ]
-    return out, [(h, bf, "gelu_tanh")]
+    return out, [(h, bf, "gelu_tanh")], [(d, bf)]  # fc2's bias gradient
 
 
 def train_kernels():
@@ -149,7 +154,7 @@ def train_kernels():
         ("nn", d, h, 0, bf, False, False, "none", False),  # fc1 dX = dZ @ W1
         ("tn", d, 0, h, bf, False, False, "none", False),  # fc1 dW = dZᵀ @ X
     ]
-    return mm, [(h, bf, "gelu_tanh")]
+    return mm, [(h, bf, "gelu_tanh")], [(3 * d, bf), (d, bf)]  # bias gradients of the Linears without activation
 
 
 def tune_kernels():
@@ -191,12 +196,13 @@ def main(argv=None) -> int:
     jobs = []  # (kernel, config, static)
     mm = (TEST_MATMUL if "tests" in want else []) + (check_kernels() if "check" in want else [])
     acts = TEST_ACT_GRAD if "tests" in want else []
+    bias = TEST_BIAS_GRAD if "tests" in want else []
     if "bench" in want:
-        b_mm, b_act = bench_kernels()
-        mm, acts = mm + b_mm, acts + b_act
+        b_mm, b_act, b_bias = bench_kernels()
+        mm, acts, bias = mm + b_mm, acts + b_act, bias + b_bias
     if "train" in want:
-        t_mm, t_act = train_kernels()
-        mm, acts = mm + t_mm, acts + t_act
+        t_mm, t_act, t_bias = train_kernels()
+        mm, acts, bias = mm + t_mm, acts + t_act, bias + t_bias
     for t in dict.fromkeys(mm):
         s = _static(t)
         # one kernel per distinct config over the three symbolic-M buckets (usually just one)
@@ -205,6 +211,8 @@ def main(argv=None) -> int:
     for n, dt, act in dict.fromkeys(acts):
         for bias_grad in (True, False):
             jobs.append((K.act_grad_kernel, K.default_act_grad_config(args.arch, n), dict(n=n, dtype=dt, activation=act, bias_grad=bias_grad)))
+    for n, dt in dict.fromkeys(bias):
+        jobs.append((K.bias_grad_kernel, K.default_bias_grad_config(args.arch, n), dict(n=n, dtype=dt)))
     if "tests" in want:
         jobs += async_test_kernels()
     if "tune" in want:

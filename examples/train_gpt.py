@@ -7,7 +7,8 @@ Modes (one model definition, one seeded init, one data order, so loss curves are
                    tilelang_ops.flash_attn_qkvpacked, LayerNorm -> tilelang_ops.nn.LayerNorm writing bf16
                    (each feeds a Linear under bf16 autocast: the cast kernel goes away) with the
                    residual add before it in the same kernel (add_layer_norm); --ln torch keeps
-                   PyTorch's. Embeddings and the other Linears stay PyTorch
+                   PyTorch's. The other Linears keep cuBLAS's GEMMs with our bias gradient
+                   (nn.Linear(backend="cublas"); --linears torch keeps nn.Linear). Embeddings stay PyTorch
   torch-compile    torch, then torch.compile(model, fullgraph=True)
   tileops-compile  tileops, then torch.compile(model, fullgraph=True)
 
@@ -152,7 +153,7 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())  # loss in fp32
 
 
-def to_tileops(model: GPT, layer_norm: bool = True) -> None:
+def to_tileops(model: GPT, layer_norm: bool = True, linears: str = "cublas") -> None:
     """Swap in tilelang_ops in place; the parameters are the same objects, so the init is unchanged.
 
     Only where fusion saves memory traffic or our kernel is faster: Linear+GELU becomes one kernel
@@ -167,12 +168,20 @@ def to_tileops(model: GPT, layer_norm: bool = True) -> None:
     down-projection on ours took 8.10 ms per step against cuBLAS's 7.35 at 32 x 1024 tokens
     (`benchmarks.profile_train --batch 32`, session 15), though alone, in turns, its forward, dX and
     dW ran 1.07x, 1.02x and 1.03x cuBLAS (`sweep_gemm --group 'gpt_*'`); the attention's QKV
-    (0.84x forward) and output projection (0.88-0.99x) lose even there. So they stay nn.Linear.
+    (0.84x forward) and output projection (0.88-0.99x) lose even there. So their GEMMs stay
+    cuBLAS's: `linears="cublas"` (`--linears`) makes them tilelang_ops.nn.Linear(backend="cublas"),
+    PyTorch's GEMMs with our bias gradient (one read of the output gradient at copy bandwidth;
+    PyTorch's column sum runs at about half of it, 1.8 ms per step at 32 x 1024 tokens);
+    "torch" keeps nn.Linear.
     """
     report = tilelang_ops.nn.fuse_linear_activations(model)
     assert len(report.fused) == len(model.blocks), str(report)
     for blk in model.blocks:
         blk.attn.use_flash = True
+        if linears == "cublas":
+            blk.attn.qkv = tilelang_ops.nn.Linear.from_linear(blk.attn.qkv, backend="cublas")
+            blk.attn.proj = tilelang_ops.nn.Linear.from_linear(blk.attn.proj, backend="cublas")
+            blk.mlp[2] = tilelang_ops.nn.Linear.from_linear(blk.mlp[2], backend="cublas")
     if not layer_norm:
         return
     for blk in model.blocks:
@@ -186,7 +195,7 @@ def build(args, mode: str) -> tuple[nn.Module, nn.Module]:
     torch.manual_seed(args.seed)  # same init in every mode (and on every rank)
     model = GPT(args.layers, args.dim, args.heads, args.seq).to(args.device)
     if mode.startswith("tileops"):
-        to_tileops(model, layer_norm=args.ln == "tileops")
+        to_tileops(model, layer_norm=args.ln == "tileops", linears=args.linears)
     if args.dist == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -369,6 +378,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--ln", choices=("tileops", "torch"), default="tileops", help="tileops modes: whose LayerNorm (default tileops)")
+    p.add_argument("--linears", choices=("cublas", "torch"), default="cublas",
+                   help="tileops modes: the Linears without activation as tilelang_ops.nn.Linear(backend='cublas') (default) or nn.Linear")
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs"))
     p.add_argument("--compile-mode", choices=("default", "reduce-overhead", "max-autotune-no-cudagraphs"), default="default",
                    help="torch.compile's mode in the *-compile modes (reduce-overhead: CUDA graphs)")

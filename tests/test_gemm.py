@@ -1,4 +1,4 @@
-"""GEMM family: tileops.gemm / gemm_nt / gemm_tn / linear / linear_preact / act_grad, nn.Linear.
+"""GEMM family: tileops.gemm / gemm_nt / gemm_tn / linear / linear_preact / act_grad / bias_grad, nn.Linear.
 
 Errors are relative Frobenius norms against float32 math on the same (rounded) inputs. On the GPU
 the static dims (K, N) come from a small pool — each pair is a compiled kernel, pre-built into
@@ -231,6 +231,72 @@ def test_act_grad(device, act, bias_grad):
     _check(dz, zr.grad, torch.bfloat16, "dz vs autograd")
 
 
+# bias_grad: (M, N) shapes: one row; ragged rows and columns; past one CTA's 512 rows with a
+# ragged tail; the GPT widths (QKV 2304, 768) over several partial rows.
+BIAS_GRAD_SHAPES = [(1, 8), (17, 200), (1000, 72), (4097, 768), (6337, 2304)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", BIAS_GRAD_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_bias_grad(device, dtype, shape):
+    dy = _randn(*shape, dtype=dtype, device=device) + 0.5  # a nonzero mean: the sums do not cancel
+    _check(torch.ops.tileops.bias_grad(dy), dy.double().sum(0), dtype, "bias_grad")
+
+
+@given(m=st.integers(1, 3000), n=st.sampled_from([8, 72, 200, 768]), dtype=st.sampled_from(DTYPES), device=st.sampled_from(DEVICES))
+def test_bias_grad_fuzz_shapes(m, n, dtype, device):
+    dy = _randn(m, n, dtype=dtype, device=device) + 0.5
+    _check(torch.ops.tileops.bias_grad(dy), dy.double().sum(0), dtype, f"bias_grad {m}x{n}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bias_grad_strided_and_empty(device):
+    big = _randn(300, 400, dtype=torch.bfloat16, device=device)
+    _check(torch.ops.tileops.bias_grad(big[:, ::2]), big[:, ::2].double().sum(0), torch.bfloat16, "strided")  # copied (documented)
+    out = torch.ops.tileops.bias_grad(torch.empty(0, 24, dtype=torch.bfloat16, device=device))
+    assert out.shape == (24,) and (out == 0).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_cublas_backend_gradients(device, dtype):
+    # backend="cublas": PyTorch's GEMMs, our bias gradient; same parameters as the default backend.
+    torch.manual_seed(0)
+    lin = tnn.Linear(72, 200, backend="cublas").to(device, dtype)
+    assert "backend=cublas" in repr(lin)
+    x = _randn(3, 41, 72, dtype=dtype, device=device).requires_grad_()
+    g = _randn(3, 41, 200, dtype=dtype, device=device)
+    y = lin(x)
+    y.backward(g)
+    xr = x.detach().double().requires_grad_()
+    wr, br = lin.weight.detach().double().requires_grad_(), lin.bias.detach().double().requires_grad_()
+    yr = torch.nn.functional.linear(xr, wr, br)
+    yr.backward(g.double())
+    _check(y, yr, dtype, "y")
+    for got, want, what in ((x.grad, xr.grad, "dx"), (lin.weight.grad, wr.grad, "dw"), (lin.bias.grad, br.grad, "db")):
+        _check(got, want, dtype, what)
+
+
+def test_linear_cublas_backend_compiles_and_casts_under_autocast():
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    lin = tnn.Linear.from_linear(torch.nn.Linear(72, 200), backend="cublas")  # fp32 master weights
+    x = torch.randn(5, 72, requires_grad=True)
+    counter = CompileCounterWithBackend("aot_eager")
+    step = torch.compile(lambda x: lin(x).float().square().mean(), backend=counter, fullgraph=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = step(x)
+    loss.backward()
+    assert counter.frame_count == 1
+    assert lin.weight.grad.dtype == torch.float32 and lin.bias.grad.dtype == torch.float32
+    y_ref = torch.nn.functional.linear(x.detach().double(), lin.weight.detach().double(), lin.bias.detach().double())
+    db_ref = (2 * y_ref / y_ref.numel()).sum(0)
+    assert rel_err(lin.bias.grad, db_ref) < 2e-2
+
+
 # ---------------------------------------------------------------- GPU: poison, streams, configs
 
 
@@ -303,6 +369,30 @@ def test_linear_cuda_poisoned_output(act):
         _check(dz, want, torch.bfloat16, f"poisoned act_grad dz (bias_grad={bias_grad})")
         if bias_grad:
             _check(db, want.sum(0), torch.bfloat16, "poisoned act_grad db")
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("shape", BIAS_GRAD_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_bias_grad_kernel_writes_every_element(shape):
+    # The kernel called directly with NaN-filled partials and output: every partial row (one per
+    # block_M * steps rows) and every column must be written, or the NaN reaches db.
+    from tilelang_ops.kernels import gemm as K
+
+    m, n = shape
+    kern, rows = G._bias_grad_kernel(torch.device("cuda"), n, torch.bfloat16)
+    dy = _randn(m, n, dtype=torch.bfloat16, device="cuda") + 0.5
+    partial = torch.full((-(-m // rows), n), float("nan"), device="cuda")
+    db = torch.full((n,), float("nan"), dtype=torch.bfloat16, device="cuda")
+    kern(dy, partial, db)
+    assert rows == K.BiasGradConfig().block_M * K.BiasGradConfig().steps
+    _check(partial.sum(0), dy.double().sum(0), torch.bfloat16, "partials")
+    _check(db, dy.double().sum(0), torch.bfloat16, "db")
+    with poisoned_cuda_allocation(n * 2) as ptr:
+        out = torch.ops.tileops.bias_grad(dy)
+    assert out.data_ptr() == ptr, "poison did not reach the output"
+    _check(out, dy.double().sum(0), torch.bfloat16, "poisoned op output")
+    assert torch.equal(out, torch.ops.tileops.bias_grad(dy)), "not deterministic"
 
 
 # The async pipeline (GemmConfig.pipeline="async": our own mbarrier producer/consumer loop) over
@@ -695,6 +785,7 @@ def test_gemm_opcheck(device, dtype):
     opcheck(torch.ops.tileops.linear.default, (t(2, 5, in_f), t(out_f, in_f), None, "none"))
     opcheck(torch.ops.tileops.linear_preact.default, (t(5, in_f), t(out_f, in_f), t(out_f), "silu"))
     opcheck(torch.ops.tileops.act_grad.default, (t(5, out_f, grad=False), t(5, out_f, grad=False), "gelu_tanh", True))
+    opcheck(torch.ops.tileops.bias_grad.default, (t(33, out_f),))
 
 
 def test_gemm_fake_shapes():
@@ -719,6 +810,10 @@ BAD_INPUTS = [
     ("bias shape", lambda d: torch.ops.tileops.linear(torch.ones(4, 8, device=d, dtype=torch.bfloat16), torch.ones(16, 8, device=d, dtype=torch.bfloat16), torch.ones(15, device=d, dtype=torch.bfloat16)), ValueError, "bias: shape"),
     ("activation", lambda d: torch.ops.tileops.linear(torch.ones(4, 8, device=d, dtype=torch.bfloat16), torch.ones(16, 8, device=d, dtype=torch.bfloat16), None, "tanh"), ValueError, "activation: 'tanh' is not supported"),
     ("module activation", lambda d: tnn.Linear(8, 16, activation="swish"), ValueError, "activation"),
+    ("backend", lambda d: tnn.Linear(8, 16, backend="cutlass"), ValueError, "backend: 'cutlass' is not supported; supported: tilelang, cublas"),
+    ("cublas + activation", lambda d: tnn.Linear(8, 16, activation="gelu", backend="cublas"), ValueError, "activation 'none' only"),
+    ("bias_grad float32", lambda d: torch.ops.tileops.bias_grad(torch.ones(4, 8, device=d)), TypeError, "dy: dtype float32"),
+    ("bias_grad rank", lambda d: torch.ops.tileops.bias_grad(torch.ones(2, 4, 8, device=d, dtype=torch.bfloat16)), ValueError, "dy: expected 2-D"),
 ]
 
 

@@ -67,6 +67,8 @@ def test_tileops_swap_uses_the_ops():
 
     assert all(isinstance(b.mlp[0], tilelang_ops.nn.Linear) and b.mlp[0].activation == "gelu_tanh" for b in model.blocks)
     assert all(b.attn.use_flash for b in model.blocks)
+    plain = [m for b in model.blocks for m in (b.attn.qkv, b.attn.proj, b.mlp[2])]  # cuBLAS's GEMMs, our bias gradient
+    assert all(isinstance(m, tilelang_ops.nn.Linear) and m.backend == "cublas" and m.activation == "none" for m in plain)
     lns = [m for b in model.blocks for m in (b.ln1, b.ln2)] + [model.ln_f]
     assert all(isinstance(m, tilelang_ops.nn.LayerNorm) and m.out_dtype is torch.bfloat16 for m in lns)
     assert {n: p for n, p in model.named_parameters()} == before  # same parameter objects: same init
@@ -87,6 +89,10 @@ def test_tileops_blocks_fuse_the_residual_adds():
     # attention on the packed projection (one gradient, no stack), the MLP's up-projection on ours
     assert rec.ops.count("tileops.flash_attn_qkvpacked_with_lse.default") == 2 and "tileops.flash_attn_with_lse.default" not in rec.ops
     assert rec.ops.count("tileops.linear_preact.default") == 2
+    with RecordOps() as rec, torch.autocast("cpu", dtype=torch.bfloat16):
+        model(idx, idx).backward()
+    assert rec.ops.count("tileops.bias_grad.default") == 6, rec.ops  # qkv, proj, MLP down-projection per block
+    assert rec.ops.count("aten.sum.dim_IntList") == 1, rec.ops  # only the position embedding's, summed over the batch
 
 
 @pytest.mark.slow

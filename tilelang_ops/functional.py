@@ -39,7 +39,10 @@ def gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.ops.tileops.gemm(a, b)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, activation: str = "none") -> torch.Tensor:
+BACKENDS = ("tilelang", "cublas")
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, activation: str = "none", backend: str = "tilelang") -> torch.Tensor:
     """``act(x @ weight.T + bias)`` in one kernel (bias and activation fused into the epilogue).
 
     Args:
@@ -48,13 +51,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         weight: (out_features, in_features), same dtype and device.
         bias: (out_features,) or None.
         activation: "none" | "relu" | "gelu" (erf) | "gelu_tanh" | "silu".
+        backend: "tilelang" (our GEMM kernels) or "cublas": the three GEMMs (forward, dX, dW) by
+            PyTorch (cuBLAS/cuBLASLt, bias in its epilogue) and the bias gradient by our column-sum
+            kernel (``torch.ops.tileops.bias_grad``; PyTorch's ``sum(0)`` reads the gradient at
+            about half the bandwidth). For shapes where cuBLAS's GEMM is faster than ours;
+            activation "none" only.
 
     Returns:
         (..., out_features) in x's dtype. Differentiable in x, weight and bias. When autograd
         will need it (gelu / gelu_tanh / silu and an input requires grad), the forward kernel also
         writes the pre-activation z (one extra (..., out_features) tensor, saved for backward);
-        relu saves nothing extra (it uses the output), none saves nothing.
+        relu saves nothing extra (it uses the output), none saves nothing. The "cublas" backend
+        saves x and weight, as ``F.linear`` does.
     """
+    check_backend(backend, activation)
     if torch.is_autocast_enabled(x.device.type):
         dt = torch.get_autocast_dtype(x.device.type)
         x, weight = x.to(dt), weight.to(dt)
@@ -65,9 +75,49 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
         check_activation(activation)
         return reference.activation(torch.nn.functional.linear(x, weight, bias), activation)
+    if backend == "cublas":
+        return _CublasLinear.apply(x, weight, bias)
     from .ops.gemm import linear_auto
 
     return linear_auto(x, weight, bias, activation)
+
+
+def check_backend(backend: str, activation: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: {backend!r} is not supported; supported: {', '.join(BACKENDS)}")
+    if backend == "cublas" and activation != "none":
+        raise ValueError(f"backend: 'cublas' serves activation 'none' only (got {activation!r}); use backend='tilelang' for a fused activation")
+
+
+class _CublasLinear(torch.autograd.Function):
+    """x @ Wᵀ + b with PyTorch's GEMMs (cuBLAS) and our bias gradient. A plain autograd.Function:
+    torch.compile traces it (and the tileops op inside its backward) without a graph break."""
+
+    @staticmethod
+    def forward(x, weight, bias):
+        return torch.nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, weight, bias = inputs
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(x, weight)
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, weight = ctx.saved_tensors
+        gy2 = gy.reshape(-1, gy.shape[-1])
+        dx = gy @ weight if ctx.needs_input_grad[0] else None
+        dw = gy2.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
+        db = torch.ops.tileops.bias_grad(gy2) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return dx, dw, db
+
+
+def bias_grad(dy: torch.Tensor) -> torch.Tensor:
+    """``dy.sum(0)`` for a 2-D float16 / bfloat16 ``dy`` (M, N): (N,) in dy's dtype, summed in
+    fp32 in a fixed order (deterministic). A linear layer's bias gradient, at the copy bandwidth
+    on CUDA (one read of dy; one host call, two kernels: per-block partials, then their fold)."""
+    return torch.ops.tileops.bias_grad(dy)
 
 
 def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:

@@ -35,27 +35,34 @@ class Linear(torch.nn.Linear):
     Same constructor, parameters, initialization and state_dict keys as ``torch.nn.Linear``, so
     checkpoints of ``nn.Linear`` (followed by an activation module) load unchanged.
     ``activation``: "none" | "relu" | "gelu" | "gelu_tanh" | "silu".
+    ``backend``: "tilelang" (default) or "cublas" (PyTorch's GEMMs, our bias gradient; activation
+    "none" only): see ``tilelang_ops.functional.linear``.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, activation: str = "none", device=None, dtype=None):
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, activation: str = "none", device=None, dtype=None, backend: str = "tilelang"):
         from .ops._checks import check_activation
 
         check_activation(activation)
+        _F.check_backend(backend, activation)
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self.activation = activation
+        self.activation, self.backend = activation, backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _F.linear(x, self.weight, self.bias, self.activation)
+        return _F.linear(x, self.weight, self.bias, self.activation, self.backend)
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", activation={self.activation}"
+        return super().extra_repr() + f", activation={self.activation}" + (f", backend={self.backend}" if self.backend != "tilelang" else "")
 
     @classmethod
-    def from_linear(cls, linear: torch.nn.Linear, activation: str = "none") -> "Linear":
+    def from_linear(cls, linear: torch.nn.Linear, activation: str = "none", backend: str = "tilelang") -> "Linear":
         """A fused module sharing `linear`'s parameters (no copy)."""
+        from .ops._checks import check_activation
+
+        check_activation(activation)
+        _F.check_backend(backend, activation)
         new = cls.__new__(cls)
         torch.nn.Module.__init__(new)
-        new.in_features, new.out_features, new.activation = linear.in_features, linear.out_features, activation
+        new.in_features, new.out_features, new.activation, new.backend = linear.in_features, linear.out_features, activation, backend
         new.weight = linear.weight
         new.bias = linear.bias
         return new

@@ -638,6 +638,29 @@ class ColsumConfig:
     threads: int = 256
 
 
+def _fold_partials(n: int, dtype: str, MB):
+    """A kernel (macro) folding fp32 partial column sums P (MB, n) into DB (n,) in dtype: rows in a
+    fixed order, so the bias gradients built on it are deterministic (no atomics)."""
+    cs = ColsumConfig()
+    rb, cbn = cs.block_rows, cs.block_N
+
+    @T.macro
+    def fold(P, DB):
+        with T.Kernel(T.ceildiv(n, cbn), threads=cs.threads) as bx:
+            acc = T.alloc_fragment((rb, cbn), "float32")
+            total = T.alloc_fragment((cbn,), "float32")
+            T.clear(acc)
+            for it in T.serial(T.ceildiv(MB, rb)):
+                for i, j in T.Parallel(rb, cbn):
+                    acc[i, j] += T.if_then_else(it * rb + i < MB, T.if_then_else(bx * cbn + j < n, P[it * rb + i, bx * cbn + j], T.float32(0)), T.float32(0))
+            T.reduce_sum(acc, total, dim=0)
+            for j in T.Parallel(cbn):
+                if bx * cbn + j < n:
+                    DB[bx * cbn + j] = T.Cast(dtype, total[j])
+
+    return fold
+
+
 @kernel("gemm", "act_grad")
 def act_grad_kernel(config: ActGradConfig, *, n: int, dtype: str, activation: str, bias_grad: bool = True):
     """dZ = dY * act'(Z), and with bias_grad the bias gradient DB = column sums of dZ (in dtype).
@@ -649,8 +672,6 @@ def act_grad_kernel(config: ActGradConfig, *, n: int, dtype: str, activation: st
     relu'(z) = [z > 0] = [relu(z) > 0].
     """
     bm, bn = config.block_M, config.block_N
-    cs = ColsumConfig()
-    rb, cbn = cs.block_rows, cs.block_N
     M = T.dynamic("M")
     MB = T.dynamic("MB")  # = ceil(M / block_M): the op allocates the partials so
 
@@ -677,19 +698,7 @@ def act_grad_kernel(config: ActGradConfig, *, n: int, dtype: str, activation: st
                     if bx * bn + j < n:
                         P[by, bx * bn + j] = colsum[j]
 
-    @T.macro
-    def colsum_body(P, DB):
-        with T.Kernel(T.ceildiv(n, cbn), threads=cs.threads) as bx:
-            acc = T.alloc_fragment((rb, cbn), "float32")
-            total = T.alloc_fragment((cbn,), "float32")
-            T.clear(acc)
-            for it in T.serial(T.ceildiv(MB, rb)):
-                for i, j in T.Parallel(rb, cbn):
-                    acc[i, j] += T.if_then_else(it * rb + i < MB, T.if_then_else(bx * cbn + j < n, P[it * rb + i, bx * cbn + j], T.float32(0)), T.float32(0))
-            T.reduce_sum(acc, total, dim=0)
-            for j in T.Parallel(cbn):
-                if bx * cbn + j < n:
-                    DB[bx * cbn + j] = T.Cast(dtype, total[j])
+    colsum_body = _fold_partials(n, dtype, MB)
 
     # T.prim_func needs an explicit signature per argument list: with and without the bias gradient.
     if bias_grad:
@@ -711,6 +720,59 @@ def act_grad_kernel(config: ActGradConfig, *, n: int, dtype: str, activation: st
     return act_grad
 
 
+@dataclass(frozen=True)
+class BiasGradConfig:
+    block_M: int = 64  # rows per step: 64 × 256 fp32 accumulators, 64 registers per thread
+    block_N: int = 256
+    steps: int = 8  # row blocks per CTA: one fp32 partial row per block_M·steps rows (0.4% extra traffic in bf16)
+    threads: int = 256
+
+
+def default_bias_grad_config(arch: str, n: int) -> BiasGradConfig:
+    return BiasGradConfig()
+
+
+@kernel("gemm", "bias_grad")
+def bias_grad_kernel(config: BiasGradConfig, *, n: int, dtype: str):
+    """DB = column sums of DY (M, n), fp32 accumulation, written in dtype: the bias gradient of a
+    linear layer without activation (with one, act_grad_kernel folds it into dZ's pass).
+
+    A read-only pass at bandwidth: each CTA sums block_M·steps rows of a block_N column panel into
+    registers and writes one fp32 partial row; a second kernel of the same launch (one host call)
+    folds the partials in a fixed order (deterministic). PyTorch's `dy.sum(0)` runs this column
+    reduction at about 1.7 TB/s on an H200 (a GPT step's profile).
+    """
+    bm, bn, steps = config.block_M, config.block_N, config.steps
+    M = T.dynamic("M")
+    MB = T.dynamic("MB")  # = ceil(M / (block_M · steps)): the op allocates the partials so
+    fold = _fold_partials(n, dtype, MB)
+
+    @T.prim_func
+    def bias_grad(DY: T.Tensor((M, n), dtype), P: T.Tensor((MB, n), "float32"), DB: T.Tensor((n,), dtype)):
+        with T.Kernel(T.ceildiv(n, bn), T.ceildiv(M, bm * steps), threads=config.threads) as (bx, by):
+            acc = T.alloc_fragment((bm, bn), "float32")
+            colsum = T.alloc_fragment((bn,), "float32")
+            T.clear(acc)
+            for s in T.serial(steps):
+                r0 = (by * steps + s) * bm
+                # Full blocks run branch-free (vectorized); only ragged edges pay for guards.
+                if r0 + bm <= M and bx * bn + bn <= n:
+                    for i, j in T.Parallel(bm, bn):
+                        acc[i, j] += T.Cast("float32", DY[r0 + i, bx * bn + j])
+                else:
+                    for i, j in T.Parallel(bm, bn):
+                        if r0 + i < M:
+                            if bx * bn + j < n:
+                                acc[i, j] += T.Cast("float32", DY[r0 + i, bx * bn + j])
+            T.reduce_sum(acc, colsum, dim=0)
+            for j in T.Parallel(bn):
+                if bx * bn + j < n:
+                    P[by, bx * bn + j] = colsum[j]
+        fold(P, DB)
+
+    return bias_grad
+
+
 # (kernel, config, static) that `tileops export` writes and `tileops check` / the compile tests
 # build for sm_90a and sm_80: one per kernel shape the library runs (layouts, epilogues, batched).
 # The "tn" entry uses 2 stages because sm_80's cp.async pipeline cannot lower 3 stages over a
@@ -727,4 +789,5 @@ REPRESENTATIVE = [
     (matmul_kernel, tn_split_config(3072, 768), dict(layout="tn", n=768, k=0, rows=3072, dtype="bfloat16", batched=False, bias=False, activation="none", save_preact=False)),
     (act_grad_kernel, ActGradConfig(), dict(n=4096, dtype="bfloat16", activation="gelu_tanh")),
     (act_grad_kernel, ActGradConfig(), dict(n=4096, dtype="bfloat16", activation="gelu_tanh", bias_grad=False)),
+    (bias_grad_kernel, BiasGradConfig(), dict(n=4096, dtype="bfloat16")),
 ]

@@ -76,6 +76,17 @@ ALL_OPS = [
         atol=reference.GEMM_ATOL,
         rtol=reference.GEMM_RTOL,
     ),
+    # bias_grad: shapes are (M, N); each distinct N is a compiled kernel (M is symbolic).
+    OpCase(
+        "bias_grad",
+        torch.ops.tileops.bias_grad,
+        lambda s, dt, dev: (torch.randn(s, dtype=dt, device=dev),),
+        lambda dy: dy.double().sum(0),
+        shapes=((1, 8), (1000, 768), (4097, 2304)),  # one row; the GPT widths, ragged row counts
+        dtypes=gemm.DTYPES,
+        atol=reference.GEMM_ATOL,
+        rtol=reference.GEMM_RTOL,
+    ),
     # attention: shapes are (B, Sq, Sk, H, HK, D); each distinct (D, H // HK) is a compiled kernel.
     OpCase(
         "flash_attn_causal",

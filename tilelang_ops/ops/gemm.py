@@ -1,5 +1,5 @@
 """GEMM and fused Linear + bias + activation: torch.ops.tileops.{gemm, gemm_nt, gemm_tn, linear,
-linear_preact, act_grad}.
+linear_preact, act_grad, bias_grad}.
 
 Reading order: config → kernel call → ops (each with its fake and autograd right under it) →
 public helpers (`last_config`, `config_for`).
@@ -203,6 +203,22 @@ def _act_grad_kernel(device, n, dtype, activation, bias_grad):
         static = dict(n=n, dtype=TL_DTYPE[dtype], activation=activation, bias_grad=bias_grad)
         hit = _kernels[key] = ((runtime.launcher(K.act_grad_kernel.compile(cfg, arch, **static)), cfg.block_M), ("act_grad", cfg, static))
     _last["act_grad"] = hit[1]
+    return hit[0]
+
+
+def _bias_grad_kernel(device, n, dtype):
+    """(launcher, rows per partial): the column sums of an (M, n) tensor in one host call (two
+    kernels: fp32 partials per block of rows, then their fold)."""
+    key = (device.index, "bias_grad", n, dtype)
+    hit = _kernels.get(key)
+    if hit is None:
+        from ..kernels import gemm as K
+
+        arch = runtime.arch_for_device(device)
+        cfg = K.default_bias_grad_config(arch, n)
+        static = dict(n=n, dtype=TL_DTYPE[dtype])
+        hit = _kernels[key] = ((runtime.launcher(K.bias_grad_kernel.compile(cfg, arch, **static)), cfg.block_M * cfg.steps), ("bias_grad", cfg, static))
+    _last["bias_grad"] = hit[1]
     return hit[0]
 
 
@@ -543,6 +559,49 @@ def _(dy, z, activation, bias_grad):
     return torch.empty_like(dy, memory_format=torch.contiguous_format), dy.new_empty(dy.shape[1] if bias_grad else 0)
 
 
+# ---------------------------------------------------------------- bias_grad: dy summed over rows
+
+
+@custom_op("bias_grad")
+def bias_grad(dy: torch.Tensor) -> torch.Tensor:
+    """dy (M, N) summed over its rows: (N,) in dy's dtype, accumulated in fp32 — a linear layer's
+    bias gradient (PyTorch: `dy.sum(0)`). Deterministic (a fixed summation order)."""
+    _check_bias_grad(dy)
+    return dy.sum(0, dtype=torch.float32).to(dy.dtype)
+
+
+def _check_bias_grad(dy) -> None:
+    if dy.dtype in DTYPES and dy.dim() == 2:
+        return
+    check_tensor("dy", dy, DTYPES, ndim=2, contiguous=False)
+
+
+@bias_grad.register_kernel("cuda")
+def _(dy):
+    _check_bias_grad(dy)
+    M, N = dy.shape
+    if dy.numel() == 0:
+        return dy.new_zeros(N)
+    kern, rows = _bias_grad_kernel(dy.device, N, dy.dtype)
+    db = dy.new_empty(N)
+    partial = torch.empty(-(-M // rows), N, dtype=torch.float32, device=dy.device)  # one fp32 row per `rows` rows
+    kern(ready(dy), partial, db)
+    return db
+
+
+@bias_grad.register_fake
+def _(dy):
+    _check_bias_grad(dy)
+    return dy.new_empty(dy.shape[1])
+
+
+def _bias_grad_setup(ctx, inputs, output):
+    ctx.rows = inputs[0].shape[0]
+
+
+bias_grad.register_autograd(lambda ctx, g: g.expand(ctx.rows, -1), setup_context=_bias_grad_setup)  # a sum's gradient: broadcast
+
+
 # ---------------------------------------------------------------- linear: act(x @ Wᵀ + b)
 
 
@@ -601,7 +660,7 @@ def _linear_backward_common(ctx, gy, x, weight, saved):
     gy2 = gy.reshape(-1, out_f)
     need_b = ctx.has_bias and ctx.needs_input_grad[2]
     if ctx.activation == "none":
-        dz, db = gy2, (gy2.sum(0, dtype=torch.float32).to(gy.dtype) if need_b else None)
+        dz, db = gy2, (torch.ops.tileops.bias_grad(gy2) if need_b else None)
     else:
         # One pass: dz = gy * act'(z) and the bias gradient's column sums (eager runs two).
         dz, db = torch.ops.tileops.act_grad(gy2, saved.reshape(-1, out_f), ctx.activation, need_b)
@@ -663,7 +722,7 @@ def _linear_preact_backward(ctx, gy, gz):
     dz = gz.reshape(-1, out_f)
     if gy is not None:
         dz = torch.ops.tileops.act_grad(gy.reshape(-1, out_f), z.reshape(-1, out_f), ctx.activation, False)[0] + dz
-    db = dz.sum(0, dtype=torch.float32).to(dz.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
+    db = torch.ops.tileops.bias_grad(dz) if ctx.has_bias and ctx.needs_input_grad[2] else None
     return (*_grads_from_dz(ctx, dz, db, x, weight, gz.shape), None)
 
 
