@@ -6,7 +6,7 @@ CPU tensors with kernel launches replaced by no-ops ("stand-in"), inside a real 
 Builds examples/train_gpt.py's GPT at full depth and width (12 layers, d=768) with a tiny batch
 (d=128, 1 x 32 tokens, so the CPU's own math is small; same op count per step), routes every tileops op's CPU dispatch to its
 CUDA implementation (allocations, checks, views, kernel lookup: everything but the GPU work), and
-times the step in the `torch` and `tileops` modes (and `tileops --ln tileops`). The difference is
+times the step in the `torch` and `tileops` modes (`--ln` and `--linears` torch and ours). The difference is
 the Python path our ops add per step, the quantity that makes eager training host-bound on an
 H200 (benchmarks.profile_train --host). Outputs are garbage (no kernel runs): only times count.
 --profile prints a cProfile of the tileops step by own time.
@@ -42,10 +42,10 @@ def install_standin() -> None:
             _library._LIB.impl(obj.name, impl, "CPU")
 
 
-def _step_fn(tg, mode: str, ln: str):
+def _step_fn(tg, mode: str, ln: str, linears: str = "cublas"):
     # 12 layers as in the real model (the op count per step is what matters), narrow and short
     # so that the CPU's own math stays small; no optimizer step (the same in every mode).
-    args = tg.parse_args(["--mode", mode, "--device", "cpu", "--batch", "1", "--seq", "32", "--dim", "128", "--heads", "2", "--ln", ln])
+    args = tg.parse_args(["--mode", mode, "--device", "cpu", "--batch", "1", "--seq", "32", "--dim", "128", "--heads", "2", "--ln", ln, "--linears", linears])
     model, step_fn = tg.build(args, mode)
     x = torch.randint(0, 256, (1, 32))
     y = torch.randint(0, 256, (1, 32))
@@ -79,12 +79,12 @@ def main(argv=None) -> None:
 
     tg = _train_gpt()
     torch.manual_seed(0)
-    ref = {("torch", "torch"): time_step(_step_fn(tg, "torch", "torch"), a.steps)}
+    ref = {("torch", "torch", "torch"): time_step(_step_fn(tg, "torch", "torch"), a.steps)}
     install_standin()
-    for mode, ln in (("tileops", "torch"), ("tileops", "tileops")):
-        ref[(mode, ln)] = time_step(_step_fn(tg, mode, ln), a.steps)
-    for (mode, ln), ms in ref.items():
-        print(f"{mode:8s} ln={ln:8s} {ms:7.2f} ms per step (host, CPU stand-in)")
+    for ln, linears in (("torch", "torch"), ("tileops", "torch"), ("tileops", "cublas")):
+        ref[("tileops", ln, linears)] = time_step(_step_fn(tg, "tileops", ln, linears), a.steps)
+    for (mode, ln, linears), ms in ref.items():
+        print(f"{mode:8s} ln={ln:8s} linears={linears:7s} {ms:7.2f} ms per step (host, CPU stand-in)")
     if a.profile:
         import cProfile
         import pstats

@@ -100,10 +100,10 @@ def profile_mode(tg, mode: str, steps: int) -> dict[str, float]:
     return kernel_ms(_step_fn(tg, mode), steps)
 
 
-def api_mode(tg, mode: str, steps: int = 3, top: int = 30) -> str:
+def api_mode(tg, mode: str, extra=(), steps: int = 3, top: int = 30) -> str:
     """Host-side events of `steps` steps (torch.profiler, CPU + CUDA activities), by self CPU time:
     aten ops, CUDA runtime/driver calls (launches, allocations, synchronizations)."""
-    step = _step_fn(tg, mode)
+    step = _step_fn(tg, mode, extra)
     for _ in range(3):
         step()
     torch.cuda.synchronize()
@@ -115,18 +115,34 @@ def api_mode(tg, mode: str, steps: int = 3, top: int = 30) -> str:
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=60)
 
 
-def host_mode(tg, mode: str, steps: int = 20, top: int = 25) -> dict:
-    """Wall ms per step (synchronized), host ms per step (until the step returns), and the top
-    Python functions by own time under cProfile."""
+def host_mode(tg, mode: str, extra=(), steps: int = 20, top: int = 25) -> dict:
+    """Wall ms per step (synchronized), host ms per step (until the step returns), the caching
+    allocator's device mallocs / frees / retries and the synchronizations `torch.cuda`'s sync
+    debug mode reports per step (a step that waits for the GPU mid-way is neither host- nor
+    GPU-bound), and the top Python functions by own time under cProfile."""
     import cProfile
     import io
     import pstats
     import time
+    import warnings
 
-    step = _step_fn(tg, mode)
+    step = _step_fn(tg, mode, extra)
     for _ in range(3):
         step()
     torch.cuda.synchronize()
+    keys = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
+    before = torch.cuda.memory_stats()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    after = torch.cuda.memory_stats()
+    allocator = {k: after.get(k, 0) - before.get(k, 0) for k in keys}
+    syncs = sorted({str(w.message).splitlines()[0][:160] for w in caught if "synchroniz" in str(w.message)})
     t0 = time.perf_counter()
     host = 0.0
     for _ in range(steps):
@@ -143,7 +159,7 @@ def host_mode(tg, mode: str, steps: int = 20, top: int = 25) -> dict:
     prof.disable()
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
-    return {"wall_ms": wall, "host_ms": host / steps * 1e3, "cprofile": buf.getvalue()}
+    return {"wall_ms": wall, "host_ms": host / steps * 1e3, "allocator_per_step": allocator, "syncs_per_step": len([w for w in caught if "synchroniz" in str(w.message)]), "sync_kinds": syncs, "cprofile": buf.getvalue()}
 
 
 def main() -> None:
@@ -154,10 +170,11 @@ def main() -> None:
     p.add_argument("--api", action="store_true", help="also the host-side profiler events (CUDA API calls, aten ops) by self CPU time")
     p.add_argument("--ab", action="store_true", help="only: wall ms per step of torch and tileops, taking turns")
     p.add_argument("--variant", action="append", default=[], metavar="ARGS",
-                   help="with --ab: also each tileops mode with these examples/train_gpt.py arguments (e.g. '--ln torch'); repeatable")
+                   help="with --ab, --host, --api: also each tileops mode with these examples/train_gpt.py arguments (e.g. '--ln=torch'); repeatable")
     p.add_argument("--compile", action="store_true", help="with --ab: also torch-compile and tileops-compile")
     p.add_argument("--freeze", action="store_true", help="with --ab: gc.freeze() after the warm-up (see wall_ab)")
     p.add_argument("--cudagraphs", action="store_true", help="with --ab: also both compiled modes under torch.compile(mode='reduce-overhead')")
+    p.add_argument("--no-kernels", action="store_true", help="with --host: skip the kernel-time profile")
     p.add_argument("--batch", type=int, default=16, help="sequences per step (examples/train_gpt.py --batch)")
     p.add_argument("--seq", type=int, default=1024, help="tokens per sequence (examples/train_gpt.py --seq)")
     a = p.parse_args()
@@ -179,17 +196,24 @@ def main() -> None:
             print(f"{label:34s} {ms:6.2f} ms per step  {a.batch * a.seq / ms * 1e3:9,.0f} tokens/s  x torch {base / ms:.3f}")
         write_json("profile_train_ab", [dict(variant=k, ms_per_step=v, batch=a.batch, seq=a.seq, tokens_per_s=a.batch * a.seq / v * 1e3) for k, v in res.items()])
         return
+    hosts = {}
+    modes = [("torch", ()), ("tileops", ())] + [("tileops", tuple(v.split())) for v in a.variant]
     if a.api:
-        for mode in ("torch", "tileops"):
-            print(f"\n{mode}: host-side events over 3 steps")
-            print(api_mode(tg, mode))
+        for mode, extra in modes:
+            print(f"\n{' '.join((mode, *extra))}: host-side events over 3 steps")
+            print(api_mode(tg, mode, extra))
             torch.cuda.empty_cache()
     if a.host:
-        for mode in ("torch", "tileops"):
-            h = host_mode(tg, mode)
-            print(f"\n{mode}: {h['wall_ms']:.2f} ms per step (synchronized), host returns after {h['host_ms']:.2f} ms")
+        for mode, extra in modes:
+            h = host_mode(tg, mode, extra)
+            hosts[" ".join((mode, *extra))] = {k: v for k, v in h.items() if k != "cprofile"}
+            print(f"\n{' '.join((mode, *extra))}: {h['wall_ms']:.2f} ms per step (synchronized), host returns after {h['host_ms']:.2f} ms; "
+                  f"per step: allocator {h['allocator_per_step']}, {h['syncs_per_step']} synchronizations {h['sync_kinds']}")
             print("\n".join(h["cprofile"].splitlines()[:45]))
             torch.cuda.empty_cache()
+        write_json("profile_train_host", [dict(variant=k, **v) for k, v in hosts.items()])
+        if a.no_kernels:
+            return
     for mode in ("torch", "tileops"):
         kernels = profile_mode(tg, mode, a.steps)
         out[mode] = kernels
