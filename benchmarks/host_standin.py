@@ -2,6 +2,7 @@
 CPU tensors with kernel launches replaced by no-ops ("stand-in"), inside a real training step.
 
     python -m benchmarks.host_standin [--steps 20] [--profile]
+    python -m benchmarks.host_standin --warm-check   # compile what `tileops check` loads, no GPU
 
 Builds examples/train_gpt.py's GPT at full depth and width (12 layers, d=768) with a tiny batch
 (d=128, 1 x 32 tokens, so the CPU's own math is small; same op count per step), routes every tileops op's CPU dispatch to its
@@ -21,15 +22,20 @@ import torch
 
 import tilelang_ops  # noqa: F401  (registers every op)
 from tilelang_ops import _library, runtime, tuning
+from tilelang_ops.ops import softmax as softmax_ops
 from tilelang_ops.runtime import KernelDef
 
 
-def install_standin() -> None:
-    """Every tileops op's CPU kernel becomes its CUDA implementation with no-op launches."""
+def install_standin(compile_kernels: bool = False) -> None:
+    """Every tileops op's CPU kernel becomes its CUDA implementation with no-op launches.
+    compile_kernels: the kernels are still compiled (sm_90a, into $TILELANG_CACHE_DIR), only not
+    launched: `--warm-check` uses this to fill the cache with what `tileops check` loads."""
     runtime.arch_for_device = lambda device: "sm_90a"
     runtime.sm_count = lambda device: 132
+    softmax_ops._sms = lambda device: 132  # the softmax op's own SM-count cache (an H200's 132)
     runtime.launcher = lambda compiled: (lambda *args: None)
-    KernelDef.compile = lambda self, config, arch, **static: None  # no compile; the launcher is a no-op
+    if not compile_kernels:
+        KernelDef.compile = lambda self, config, arch, **static: None  # no compile; the launcher is a no-op
     tuning.resolve_config = lambda tunable, shape, dtype, device: tunable.default(shape, dtype)
 
     # Ops with an autograd formula call impls[backend] directly for plain tensors
@@ -74,7 +80,17 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--warm-check", action="store_true", help="compile (sm_90a) every kernel `tileops check` loads on a GPU, then exit")
     a = p.parse_args(argv)
+    if a.warm_check:
+        from tilelang_ops.ops import ALL_OPS
+
+        install_standin(compile_kernels=True)
+        calls = [(case, shape, dt) for case in ALL_OPS for dt in case.dtypes for shape in case.shapes]
+        for case, shape, dt in calls:
+            case.op(*case.make_inputs(shape, dt, torch.device("cpu")))
+        print(f"{len(calls)} check calls: {runtime.compiled_count()} kernels loaded or compiled")
+        return
     from benchmarks.profile_train import _train_gpt
 
     tg = _train_gpt()
