@@ -142,7 +142,7 @@ def host_mode(tg, mode: str, extra=(), steps: int = 20, top: int = 25) -> dict:
     torch.cuda.synchronize()
     after = torch.cuda.memory_stats()
     allocator = {k: after.get(k, 0) - before.get(k, 0) for k in keys}
-    syncs = sorted({str(w.message).splitlines()[0][:160] for w in caught if "synchroniz" in str(w.message)})
+    syncs = [str(w.message).splitlines()[0][:160] for w in caught if "synchroniz" in str(w.message)]
     t0 = time.perf_counter()
     host = 0.0
     for _ in range(steps):
@@ -159,7 +159,7 @@ def host_mode(tg, mode: str, extra=(), steps: int = 20, top: int = 25) -> dict:
     prof.disable()
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
-    return {"wall_ms": wall, "host_ms": host / steps * 1e3, "allocator_per_step": allocator, "syncs_per_step": len([w for w in caught if "synchroniz" in str(w.message)]), "sync_kinds": syncs, "cprofile": buf.getvalue()}
+    return {"wall_ms": wall, "host_ms": host / steps * 1e3, "allocator_per_step": allocator, "syncs_per_step": len(syncs), "sync_kinds": sorted(set(syncs)), "cprofile": buf.getvalue()}
 
 
 def main() -> None:
@@ -182,8 +182,8 @@ def main() -> None:
     SIZE = ("--batch", str(a.batch), "--seq", str(a.seq))
     tg = _train_gpt()
     out = {}
+    extra = [tuple(v.split()) for v in a.variant]  # each tileops mode also with these arguments
     if a.ab:
-        extra = [tuple(v.split()) for v in a.variant]  # each tileops mode also with these arguments
         variants = [("torch", "torch", ())] + [(" ".join(("tileops", *e)), "tileops", e) for e in [(), *extra]]
         if a.compile:
             variants += [("torch-compile", "torch-compile", ())] + [(" ".join(("tileops-compile", *e)), "tileops-compile", e) for e in [(), *extra]]
@@ -197,17 +197,17 @@ def main() -> None:
         write_json("profile_train_ab", [dict(variant=k, ms_per_step=v, batch=a.batch, seq=a.seq, tokens_per_s=a.batch * a.seq / v * 1e3) for k, v in res.items()])
         return
     hosts = {}
-    modes = [("torch", ()), ("tileops", ())] + [("tileops", tuple(v.split())) for v in a.variant]
+    modes = [("torch", ()), ("tileops", ())] + [("tileops", e) for e in extra]
     if a.api:
-        for mode, extra in modes:
-            print(f"\n{' '.join((mode, *extra))}: host-side events over 3 steps")
-            print(api_mode(tg, mode, extra))
+        for mode, e in modes:
+            print(f"\n{' '.join((mode, *e))}: host-side events over 3 steps")
+            print(api_mode(tg, mode, e))
             torch.cuda.empty_cache()
     if a.host:
-        for mode, extra in modes:
-            h = host_mode(tg, mode, extra)
-            hosts[" ".join((mode, *extra))] = {k: v for k, v in h.items() if k != "cprofile"}
-            print(f"\n{' '.join((mode, *extra))}: {h['wall_ms']:.2f} ms per step (synchronized), host returns after {h['host_ms']:.2f} ms; "
+        for mode, e in modes:
+            h = host_mode(tg, mode, e)
+            hosts[" ".join((mode, *e))] = {k: v for k, v in h.items() if k != "cprofile"}
+            print(f"\n{' '.join((mode, *e))}: {h['wall_ms']:.2f} ms per step (synchronized), host returns after {h['host_ms']:.2f} ms; "
                   f"per step: allocator {h['allocator_per_step']}, {h['syncs_per_step']} synchronizations {h['sync_kinds']}")
             print("\n".join(h["cprofile"].splitlines()[:45]))
             torch.cuda.empty_cache()

@@ -65,6 +65,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         saves x and weight, as ``F.linear`` does.
     """
     check_backend(backend, activation)
+    return _linear(x, weight, bias, activation, backend)
+
+
+def _linear(x, weight, bias, activation: str, backend: str) -> torch.Tensor:
+    """`linear` after its argument checks (`nn.Linear` runs them once, at construction)."""
     if torch.is_autocast_enabled(x.device.type):
         dt = torch.get_autocast_dtype(x.device.type)
         x, weight = x.to(dt), weight.to(dt)
@@ -83,6 +88,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def check_backend(backend: str, activation: str) -> None:
+    """Raises ValueError for an unknown backend, or "cublas" with an activation."""
     if backend not in BACKENDS:
         raise ValueError(f"backend: {backend!r} is not supported; supported: {', '.join(BACKENDS)}")
     if backend == "cublas" and activation != "none":

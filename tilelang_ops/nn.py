@@ -29,6 +29,13 @@ def _activation_name(m: torch.nn.Module) -> str | None:
     return _ACT_OF_MODULE.get(type(m))
 
 
+def _check_linear_args(activation: str, backend: str) -> None:
+    from .ops._checks import check_activation
+
+    check_activation(activation)
+    _F.check_backend(backend, activation)
+
+
 class Linear(torch.nn.Linear):
     """``act(x @ weight.T + bias)`` as one TileLang kernel; a drop-in for ``nn.Linear`` (+ activation).
 
@@ -40,15 +47,12 @@ class Linear(torch.nn.Linear):
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, activation: str = "none", device=None, dtype=None, backend: str = "tilelang"):
-        from .ops._checks import check_activation
-
-        check_activation(activation)
-        _F.check_backend(backend, activation)
+        _check_linear_args(activation, backend)
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.activation, self.backend = activation, backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _F.linear(x, self.weight, self.bias, self.activation, self.backend)
+        return _F._linear(x, self.weight, self.bias, self.activation, self.backend)  # checked at construction
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", activation={self.activation}" + (f", backend={self.backend}" if self.backend != "tilelang" else "")
@@ -56,10 +60,7 @@ class Linear(torch.nn.Linear):
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, activation: str = "none", backend: str = "tilelang") -> "Linear":
         """A fused module sharing `linear`'s parameters (no copy)."""
-        from .ops._checks import check_activation
-
-        check_activation(activation)
-        _F.check_backend(backend, activation)
+        _check_linear_args(activation, backend)
         new = cls.__new__(cls)
         torch.nn.Module.__init__(new)
         new.in_features, new.out_features, new.activation, new.backend = linear.in_features, linear.out_features, activation, backend
