@@ -6,7 +6,6 @@ wrong kernel shows.
     python -m benchmarks.sweep_attention --warm [--bwd]  # CPU machine: compile every candidate (sm_90a)
     python -m benchmarks.sweep_attention [--bwd]         # H200: TFLOP/s table, JSON under $OUT
     python -m benchmarks.sweep_attention --gpt [--bwd]   # examples/train_gpt.py's attention instead
-    python -m benchmarks.sweep_attention --emu [--warm]  # the defaults with part of exp2 on the FMA pipe
 
 Forward FLOPs = 4 * B * H * S^2 * D, halved when causal; backward 2.5x that (as bench_attention).
 --bwd times the backward as the op runs it (`flash_bwd_fused`: preprocess, main kernel, dQ cast).
@@ -23,10 +22,6 @@ SHAPES = [(8, 32, 32, 4096, 128), (2, 16, 16, 16384, 128), (16, 32, 32, 2048, 64
 GPT_SHAPES = [(32, 12, 12, 1024, 64), (16, 32, 32, 2048, 64)]  # and the benchmark set's D=64 shape
 CAUSAL = (False, True)
 GPT = False
-EMU = False
-# --emu: FwdConfig.exp_emu values tried on each default (one 8-key column group in N on the FMA
-# pipe). MUFU's share of a step is twice as large at D=64 as at D=128.
-EMU_FRACTIONS = {64: (2, 3, 4), 128: (4, 8)}
 
 
 def _gpt_candidates():
@@ -40,21 +35,12 @@ def _gpt_candidates():
             FwdConfig(192, 128, 2, 384, "async"), FwdConfig(192, 128, 2, 384, "pingpong")]
 
 
-def candidates(headdim: int, causal: bool = False):
+def candidates(headdim: int):
     """FwdConfigs to time beside the default at this head dim (the default is added by the caller):
     the hand-synchronized pipelines at FlashAttention-3's tiles (128 query rows, 176 keys a step at
-    D=128; the eighth session's sweep tried 128x128 and 192x96), ptxas: no spills. With --emu:
-    the default with exp_emu (EMU_FRACTIONS), and at D=128 FlashAttention-3's tile with 1 in 4."""
-    import dataclasses
+    D=128; the eighth session's sweep tried 128x128 and 192x96), ptxas: no spills."""
+    from tilelang_ops.kernels.attention import FwdConfig
 
-    from tilelang_ops.kernels.attention import FwdConfig, fwd_default_config
-
-    if EMU:
-        default = fwd_default_config(headdim, causal)
-        out = [dataclasses.replace(default, exp_emu=e) for e in EMU_FRACTIONS.get(headdim, ())]
-        if headdim == 128:
-            out += [FwdConfig(128, 176, 2, 256, "async"), FwdConfig(128, 176, 2, 256, "async", exp_emu=4)]
-        return out
     if headdim == 128:
         return [FwdConfig(128, 176, 2, 256, "async"), FwdConfig(128, 176, 2, 256, "pingpong"), FwdConfig(128, 144, 2, 256, "pingpong")]
     if headdim == 64:
@@ -87,7 +73,7 @@ def jobs(bwd: bool = False):
             if bwd:
                 cfgs = [K.bwd_default_config(D, causal)] + bwd_candidates(D)
             else:
-                cfgs = [K.fwd_default_config(D, causal)] + candidates(D, causal)
+                cfgs = [K.fwd_default_config(D, causal)] + candidates(D)
             for cfg in cfgs:
                 if (cfg, static) not in [(c, s) for c, s in out]:
                     out.append((cfg, static))
@@ -123,10 +109,7 @@ def _cases():
 
 
 def _name(cfg) -> str:
-    if isinstance(cfg, str):
-        return cfg
-    emu = f"/emu{cfg.exp_emu}" if getattr(cfg, "exp_emu", 0) else ""
-    return f"{cfg.block_m}x{cfg.block_n}/{cfg.num_stages}/{cfg.threads}/{cfg.pipeline}{emu}"
+    return cfg if isinstance(cfg, str) else f"{cfg.block_m}x{cfg.block_n}/{cfg.num_stages}/{cfg.threads}/{cfg.pipeline}"
 
 
 def _cudnn(q, k, v, causal, backward=False):
@@ -202,7 +185,7 @@ def main() -> None:
     arch = runtime.arch_for_device(torch.device("cuda", torch.cuda.current_device()))
     rows = []
     for B, H, HK, S, D, causal, static, q, k, v in _cases():
-        cfgs = [K.fwd_default_config(D, causal, arch)] + candidates(D, causal)
+        cfgs = [K.fwd_default_config(D, causal, arch)] + candidates(D)
         fns, names, checks = [], [], []
         ref = None
         for cfg in cfgs:
@@ -244,9 +227,7 @@ if __name__ == "__main__":
     ap.add_argument("--warm", action="store_true", help="compile every candidate for sm_90a (no GPU needed)")
     ap.add_argument("--bwd", action="store_true", help="the backward's configs instead of the forward's")
     ap.add_argument("--gpt", action="store_true", help="examples/train_gpt.py's shape (causal) and more D=64 tiles")
-    ap.add_argument("--emu", action="store_true", help="the forward defaults with FwdConfig.exp_emu (part of exp2 on the FMA pipe)")
     args = ap.parse_args()
-    EMU = args.emu
     if args.gpt:
         SHAPES, CAUSAL, GPT = GPT_SHAPES, (True,), True
     if args.warm:

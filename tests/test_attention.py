@@ -271,11 +271,6 @@ ASYNC_FWD_CONFIGS = {
     128: [(128, 128, 2, 256, "async"), (128, 128, 3, 256, "async"), (128, 128, 2, 256, "pingpong"), (128, 128, 3, 256, "pingpong"), (192, 96, 2, 384, "pingpong"),
           (128, 176, 2, 256, "async"), (128, 176, 2, 256, "pingpong"), (128, 144, 2, 256, "pingpong")],
 }
-# FwdConfig.exp_emu: part of the exponentials by a polynomial on the FMA pipe (the defaults' tiles
-# and FlashAttention-3's D=128 tile); masked scores (-inf) must still give exactly 0.
-for _d, _cfgs in {64: [(192, 176, 2, 384, "auto", 3), (128, 128, 2, 256, "async", 2)],
-                  128: [(192, 128, 2, 384, "auto", 4), (128, 176, 2, 256, "async", 4)]}.items():
-    ASYNC_FWD_CONFIGS[_d] += _cfgs
 ASYNC_FWD_SHAPES = [
     (1, 1, 1, 2, 2, 0),  # one query, one key
     (2, 17, 33, 4, 2, 0),  # one ragged tile, GQA
@@ -341,49 +336,6 @@ def test_flash_fwd_async_pipeline_source():
     loop = pp[pp.index("for (int kb_1 = 1"):]
     assert loop.index("__sync_thread_partial((w") < loop.index("wgmma_ss") < loop.index("wgmma_rs") < loop.index("__named_barrier_arrive") < loop.index("wait_wgmma<1>")
     assert pp.count("__named_barrier_arrive(2, 256)") == 1  # the ring's primer, by the last warpgroup
-
-
-def test_exp2_poly_recipe():
-    """kernels.attention.exp2_poly's recipe replayed in float32 (numpy, no FMA): relative error
-    <= 1.1e-4 against exp2 over [-126, 0] (bf16 probabilities round at 3.9e-3), exact at integers,
-    exactly +0 for -inf (masked scores) and at most 2^-126 below -126."""
-    import numpy as np
-
-    from tilelang_ops.kernels.attention import _EXP2_C, _ROUND_MAGIC
-
-    f32 = np.float32
-    x = np.concatenate([np.linspace(-126, 0, 200001, dtype=f32), np.arange(-126, 1, dtype=f32),
-                        np.array([-np.inf, -1e30, -127.0, -126.7], f32)])
-    xc = np.maximum(x, f32(-127))
-    t = xc + f32(_ROUND_MAGIC)
-    f = xc - (t - f32(_ROUND_MAGIC))
-    c1, c2, c3 = (f32(c) for c in _EXP2_C)
-    p = ((c3 * f + c2) * f + c1) * f + f32(1)
-    y = (p.view(np.uint32) + (t.view(np.uint32) << np.uint32(23))).view(f32)
-    ref = np.exp2(x.astype(np.float64))
-    normal = x >= -126
-    assert np.abs(y[normal] / ref[normal] - 1).max() <= 1.1e-4
-    ints = np.arange(-126, 1)
-    assert np.array_equal(y[200001:200001 + ints.size], np.exp2(ints).astype(f32))
-    assert y[-4] == 0 and y[-3] == 0 and y[-2] == 0 and not np.signbit(y[-4])
-    assert 0 <= y[-1] <= 2.0**-126
-
-
-@pytest.mark.slow
-def test_flash_fwd_exp_emu_source():
-    """exp_emu=4: one 8-key column group in four takes the polynomial (its magic-number adds stay
-    __fadd_rn), and which group is a compile-time choice: the branch tests only the unrolled
-    loop index, never the thread index (no divergence inside a warp)."""
-    from tilelang_ops.kernels import attention as K
-
-    cfg = K.FwdConfig(192, 176, 2, 384, exp_emu=4)
-    src = K.flash_fwd_kernel.source(cfg, "sm_90a", headdim=64, dtype="bfloat16", causal=False, groups=1, scale=K.default_scale(64))
-    assert "__fadd_rn" in src and "exp2f" in src
-    branch = [ln for ln in src.splitlines() if "__fadd_rn" in ln]
-    cond = src[: src.index(branch[0])].rsplit("if (", 1)[1].split("\n", 1)[0]
-    assert "threadIdx" not in cond and "i_" in cond, cond
-    off = K.flash_fwd_kernel.source(K.FwdConfig(192, 176, 2, 384), "sm_90a", headdim=64, dtype="bfloat16", causal=False, groups=1, scale=K.default_scale(64))
-    assert "__fadd_rn" not in off
 
 
 @pytest.mark.gpu

@@ -40,25 +40,6 @@ LN2 = 0.6931471805599453
 # Fast math: exp2/log2 become single ex2.approx/lg2.approx instructions (ex2.approx(-inf) = +0).
 _PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
 
-# 2^f on [-0.5, 0.5]: 1 + c1 f + c2 f^2 + c3 f^3, minimax relative error 1.0e-4 (a linear
-# program over 4001 points; bf16 probabilities round at 3.9e-3). c0 = 1 exactly, so 2^n is exact.
-_EXP2_C = (0.693282926, 0.242210961, 0.0550089349)
-_ROUND_MAGIC = 12582912.0  # 1.5 * 2^23: x + magic holds round(x) in its low mantissa bits
-
-
-def exp2_poly(x):
-    """2^x in fp32 on the FMA and integer pipes (no MUFU): n = round(x) by the magic-number add,
-    2^(x - n) by the polynomial, 2^n added into the exponent bits. x is clamped at -127 so -inf
-    (a masked score) gives exactly +0: n = -127 and f = 0 make the exponent field 0 and the
-    mantissa of p(0) = 1.0 zero. The adds are __fadd_rn so no simplifier folds (x + magic) - magic."""
-    x = T.max(x, -127.0)
-    t = T.call_extern("float32", "__fadd_rn", x, _ROUND_MAGIC)
-    f = x - T.call_extern("float32", "__fadd_rn", t, -_ROUND_MAGIC)
-    c1, c2, c3 = _EXP2_C
-    p = ((c3 * f + c2) * f + c1) * f + 1.0
-    bits = T.reinterpret(p, "uint32") + T.shift_left(T.reinterpret(t, "uint32"), T.uint32(23))
-    return T.reinterpret(bits, "float32")
-
 
 def _is_hopper(arch: str) -> bool:
     return arch.startswith("sm_90")
@@ -95,12 +76,6 @@ class FwdConfig:
     # turns issuing their GEMMs (a ring of named barriers), so one's softmax runs while the next
     # one's GEMMs occupy the tensor cores.
     pipeline: str = "auto"
-    # Exponentials of one 8-key column group in `exp_emu` computed by a polynomial on the FMA
-    # pipe instead of the MUFU unit (0: all on MUFU). MUFU.EX2 runs 16 lanes per clock per SM,
-    # one eighth of FFMA's rate: at D=64 the softmax's exponentials take as long as both
-    # GEMMs at tensor-core peak, so moving some of them to the idle FMA pipe shortens each
-    # warpgroup's softmax (FlashAttention-4's trick). See `exp2_poly`.
-    exp_emu: int = dataclasses.field(default=0, metadata={"omit_default": True})
 
     def for_arch(self, arch: str) -> "FwdConfig":
         # TileLang 0.1.15's cp.async pipeline (pre-Hopper) fails in codegen on a symbolic trip count.
@@ -206,16 +181,8 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
             # A row with no visible key yet keeps max -inf; shift by 0 so exp2 gives 0, not NaN.
             m_scaled[i] = T.if_then_else(m[i] == neg_inf, 0, m[i] * scale_log2)
             alpha[i] = T.exp2(m_prev[i] * scale_log2 - m_scaled[i])
-        emu = config.exp_emu
         for i, j in T.Parallel(bm, bn):
-            if emu:
-                # The choice is by 8-column group: every lane of a warp holds the same groups of a
-                # wgmma accumulator, so the branch resolves at compile time after unrolling.
-                s[i, j] = T.if_then_else(
-                    (j // 8) % emu == emu - 1, exp2_poly(s[i, j] * scale_log2 - m_scaled[i]), T.exp2(s[i, j] * scale_log2 - m_scaled[i])
-                )
-            else:
-                s[i, j] = T.exp2(s[i, j] * scale_log2 - m_scaled[i])
+            s[i, j] = T.exp2(s[i, j] * scale_log2 - m_scaled[i])
         T.reduce_sum(s, row_sum, dim=1)
         for i in T.Parallel(bm):
             l[i] = l[i] * alpha[i] + row_sum[i]
