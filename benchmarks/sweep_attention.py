@@ -6,6 +6,7 @@ wrong kernel shows.
     python -m benchmarks.sweep_attention --warm [--bwd]  # CPU machine: compile every candidate (sm_90a)
     python -m benchmarks.sweep_attention [--bwd]         # H200: TFLOP/s table, JSON under $OUT
     python -m benchmarks.sweep_attention --gpt [--bwd]   # examples/train_gpt.py's attention instead
+    python -m benchmarks.sweep_attention --lazy [--warm] # the defaults with lazy O rescaling
 
 Forward FLOPs = 4 * B * H * S^2 * D, halved when causal; backward 2.5x that (as bench_attention).
 --bwd times the backward as the op runs it (`flash_bwd_fused`: preprocess, main kernel, dQ cast).
@@ -22,6 +23,7 @@ SHAPES = [(8, 32, 32, 4096, 128), (2, 16, 16, 16384, 128), (16, 32, 32, 2048, 64
 GPT_SHAPES = [(32, 12, 12, 1024, 64), (16, 32, 32, 2048, 64)]  # and the benchmark set's D=64 shape
 CAUSAL = (False, True)
 GPT = False
+LAZY = False
 
 
 def _gpt_candidates():
@@ -35,12 +37,19 @@ def _gpt_candidates():
             FwdConfig(192, 128, 2, 384, "async"), FwdConfig(192, 128, 2, 384, "pingpong")]
 
 
-def candidates(headdim: int):
+def candidates(headdim: int, causal: bool = False):
     """FwdConfigs to time beside the default at this head dim (the default is added by the caller):
     the hand-synchronized pipelines at FlashAttention-3's tiles (128 query rows, 176 keys a step at
-    D=128; the eighth session's sweep tried 128x128 and 192x96), ptxas: no spills."""
-    from tilelang_ops.kernels.attention import FwdConfig
+    D=128; the eighth session's sweep tried 128x128 and 192x96), ptxas: no spills. With --lazy:
+    the default and those tiles with FwdConfig.lazy_rescale (and without, for comparison)."""
+    import dataclasses
 
+    from tilelang_ops.kernels.attention import FwdConfig, fwd_default_config
+
+    if LAZY:
+        tiles = [FwdConfig(192, 128, 2, 384), FwdConfig(128, 176, 2, 256, "async")] if headdim == 128 else [FwdConfig(192, 176, 2, 384), FwdConfig(128, 128, 2, 256, "async")]
+        default = fwd_default_config(headdim, causal)
+        return [c for t in tiles for c in (t, dataclasses.replace(t, lazy_rescale=8.0)) if c != default]
     if headdim == 128:
         return [FwdConfig(128, 176, 2, 256, "async"), FwdConfig(128, 176, 2, 256, "pingpong"), FwdConfig(128, 144, 2, 256, "pingpong")]
     if headdim == 64:
@@ -73,7 +82,7 @@ def jobs(bwd: bool = False):
             if bwd:
                 cfgs = [K.bwd_default_config(D, causal)] + bwd_candidates(D)
             else:
-                cfgs = [K.fwd_default_config(D, causal)] + candidates(D)
+                cfgs = [K.fwd_default_config(D, causal)] + candidates(D, causal)
             for cfg in cfgs:
                 if (cfg, static) not in [(c, s) for c, s in out]:
                     out.append((cfg, static))
@@ -109,7 +118,10 @@ def _cases():
 
 
 def _name(cfg) -> str:
-    return cfg if isinstance(cfg, str) else f"{cfg.block_m}x{cfg.block_n}/{cfg.num_stages}/{cfg.threads}/{cfg.pipeline}"
+    if isinstance(cfg, str):
+        return cfg
+    lazy = f"/lazy{cfg.lazy_rescale:g}" if getattr(cfg, "lazy_rescale", 0) else ""
+    return f"{cfg.block_m}x{cfg.block_n}/{cfg.num_stages}/{cfg.threads}/{cfg.pipeline}{lazy}"
 
 
 def _cudnn(q, k, v, causal, backward=False):
@@ -185,7 +197,7 @@ def main() -> None:
     arch = runtime.arch_for_device(torch.device("cuda", torch.cuda.current_device()))
     rows = []
     for B, H, HK, S, D, causal, static, q, k, v in _cases():
-        cfgs = [K.fwd_default_config(D, causal, arch)] + candidates(D)
+        cfgs = [K.fwd_default_config(D, causal, arch)] + candidates(D, causal)
         fns, names, checks = [], [], []
         ref = None
         for cfg in cfgs:
@@ -227,7 +239,9 @@ if __name__ == "__main__":
     ap.add_argument("--warm", action="store_true", help="compile every candidate for sm_90a (no GPU needed)")
     ap.add_argument("--bwd", action="store_true", help="the backward's configs instead of the forward's")
     ap.add_argument("--gpt", action="store_true", help="examples/train_gpt.py's shape (causal) and more D=64 tiles")
+    ap.add_argument("--lazy", action="store_true", help="forward tiles with and without FwdConfig.lazy_rescale")
     args = ap.parse_args()
+    LAZY = args.lazy
     if args.gpt:
         SHAPES, CAUSAL, GPT = GPT_SHAPES, (True,), True
     if args.warm:

@@ -271,6 +271,12 @@ ASYNC_FWD_CONFIGS = {
     128: [(128, 128, 2, 256, "async"), (128, 128, 3, 256, "async"), (128, 128, 2, 256, "pingpong"), (128, 128, 3, 256, "pingpong"), (192, 96, 2, 384, "pingpong"),
           (128, 176, 2, 256, "async"), (128, 176, 2, 256, "pingpong"), (128, 144, 2, 256, "pingpong")],
 }
+# FwdConfig.lazy_rescale (a row keeps a stale max until the new one is 8 above it in log2 units)
+# at the defaults' tiles and FlashAttention-3's D=128 tile.
+LAZY_FWD_CONFIGS = {64: [(192, 176, 2, 384, "auto", 8.0), (128, 128, 2, 256, "async", 8.0)],
+                    128: [(192, 128, 2, 384, "auto", 8.0), (128, 176, 2, 256, "async", 8.0)]}
+for _d, _cfgs in LAZY_FWD_CONFIGS.items():
+    ASYNC_FWD_CONFIGS[_d] += _cfgs
 ASYNC_FWD_SHAPES = [
     (1, 1, 1, 2, 2, 0),  # one query, one key
     (2, 17, 33, 4, 2, 0),  # one ragged tile, GQA
@@ -361,6 +367,42 @@ def test_flash_fwd_async_pipelines_match_reference(shape, cfg, causal):
     seen = torch.isfinite(ref_lse)  # rows with no visible key: lse = -inf on both sides
     assert torch.equal(torch.isfinite(lse), seen)
     assert (lse[seen] - ref_lse[seen].float()).abs().max().item() <= 1e-2
+
+
+def lazy_fwd_kernels():
+    """(config, static) of test_flash_fwd_lazy_rescale_growing_max; warm_attention_cache pre-builds them."""
+    from tilelang_ops.kernels import attention as K
+
+    return [(K.FwdConfig(*cfg), dict(headdim=d, dtype="bfloat16", causal=causal, groups=1, scale=K.default_scale(d)))
+            for d, cfgs in LAZY_FWD_CONFIGS.items() for cfg in cfgs for causal in (False, True)]
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("case", range(8), ids=lambda i: f"case{i}")
+def test_flash_fwd_lazy_rescale_growing_max(case):
+    """Lazy rescaling where it matters: keys whose scores grow along the sequence, so each row's
+    max moves again and again, by more than the threshold (O rescaled) and by less (the stale max
+    kept, probabilities up to 2^8), and key blocks a row sees none of (Sq > Sk, causal)."""
+    from tilelang_ops import runtime
+    from tilelang_ops.kernels import attention as K
+
+    config, static = lazy_fwd_kernels()[case]
+    kern = runtime.launcher(K.flash_fwd_kernel.compile(config, "sm_90a", **static))
+    D, causal = static["headdim"], static["causal"]
+    for B, Sq, Sk, H in ((2, 1000, 1000, 3), (1, 1100, 700, 2), (1, 17, 4097, 2)):
+        q, k, v = _inputs((B, Sq, Sk, H, H, D), torch.bfloat16, "cuda", requires_grad=False)
+        q = (q.float() * 2).bfloat16()
+        ramp = torch.linspace(0.2, 3.0, Sk, device="cuda").view(1, Sk, 1, 1)  # later keys score higher
+        k = (k.float() * ramp).bfloat16()
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full((B, H, Sq), float("nan"), device="cuda")
+        kern(q, k, v, out, lse)
+        ref_out, ref_lse, _ = _ref(q, k, v, causal)
+        assert torch.isfinite(out).all() and rel_err(out, ref_out) <= ATTENTION_REL_ERR[torch.bfloat16], (B, Sq, Sk)
+        seen = torch.isfinite(ref_lse)
+        assert torch.equal(torch.isfinite(lse), seen)
+        assert (lse[seen] - ref_lse[seen].float()).abs().max().item() <= 1e-2
 
 
 # The Hopper default forward at head dim 64, causal (the async pipeline, 128 x 128 tiles), in every

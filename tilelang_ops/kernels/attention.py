@@ -76,6 +76,12 @@ class FwdConfig:
     # turns issuing their GEMMs (a ring of named barriers), so one's softmax runs while the next
     # one's GEMMs occupy the tensor cores.
     pipeline: str = "auto"
+    # Lazy rescaling (FlashAttention-4's): a row keeps its running max until a step's max exceeds
+    # it by more than `lazy_rescale` (log2 units; probabilities then reach at most 2^lazy_rescale,
+    # harmless in fp32 and bf16), and O is rescaled only on steps where some row of the thread
+    # moved its max, which after the first steps is almost never: the bm x D multiplies leave the
+    # softmax's instruction stream. 0: rescale every step.
+    lazy_rescale: float = dataclasses.field(default=0.0, metadata={"omit_default": True})
 
     def for_arch(self, arch: str) -> "FwdConfig":
         # TileLang 0.1.15's cp.async pipeline (pre-Hopper) fails in codegen on a symbolic trip count.
@@ -95,7 +101,12 @@ def fwd_default_config(headdim: int, causal: bool, arch: str = "sm_90a") -> FwdC
         # two runs, 2026-11-30: 1.03-1.16x the former 128x128/2/256. 192 query rows = 3 consumer
         # warpgroups; 176 keys per step (22 x 8, a wgmma N).
         if headdim == 128:
-            return FwdConfig(192, 128, 2, 384)
+            # Lazy rescaling, H200 2026-12-01 (benchmarks.sweep_attention --lazy, session17):
+            # 1.04x on every non-causal shape of the set; causal, where the 192-row tile lost 1-3%
+            # with it, FlashAttention-3's 128x176 tile in the async pipeline leads instead
+            # (1.03-1.06x the former 192x128 default; 1.02-1.04x without lazy rescaling, in this
+            # and the twelfth session's sweeps).
+            return FwdConfig(128, 176, 2, 256, "async", lazy_rescale=8.0) if causal else FwdConfig(192, 128, 2, 384, lazy_rescale=8.0)
         if headdim == 64:
             # Causal: 128 x 128 tiles in the async pipeline. B16 H12 S1024 (GPT-2 small in
             # training) 1.20x the 192x176 tile (0.107 vs 0.128 ms; 1024 rows are 5.33 tiles of
@@ -120,6 +131,8 @@ FWD_SEARCH_SPACE = [
     # H200, 2026-11-30 and 2026-12-01): within -7%..+5% of the default, ahead only on causal D=128
     # (128x176, FlashAttention-3's tile: 1.01-1.03x causal, 0.94-0.96x not). Three consumer
     # warpgroups do not fit them (160 registers: s, p and o spill).
+    FwdConfig(192, 128, 2, 384, lazy_rescale=8.0),
+    FwdConfig(128, 176, 2, 256, "async", lazy_rescale=8.0),
     FwdConfig(128, 128, 2, 256, "async"),
     FwdConfig(128, 128, 2, 256, "pingpong"),
     FwdConfig(128, 176, 2, 256, "async"),
@@ -171,21 +184,47 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
                 else:
                     s[i, j] = T.if_then_else(kb * bn + j >= Sk, neg_inf, 0)
 
+    lazy = config.lazy_rescale
+    lazy_on = lazy > 0  # a Python bool: TileLang warns on a float as a condition
+
     @T.macro
-    def online_softmax(s, m, m_prev, m_scaled, alpha, row_sum, l):
+    def online_softmax(s, m, m_prev, m_scaled, alpha, row_sum, l, moved):
         """Scores s -> unnormalized probabilities in place; running max m, sum l, and the factor
-        alpha that rescales what was accumulated under the previous max."""
+        alpha that rescales what was accumulated under the previous max. With lazy rescaling,
+        moved[0] != 0 iff some row of this thread changed its max (O needs `rescale`)."""
         T.copy(m, m_prev)
         T.reduce_max(s, m, dim=1, clear=False)
-        for i in T.Parallel(bm):
-            # A row with no visible key yet keeps max -inf; shift by 0 so exp2 gives 0, not NaN.
-            m_scaled[i] = T.if_then_else(m[i] == neg_inf, 0, m[i] * scale_log2)
-            alpha[i] = T.exp2(m_prev[i] * scale_log2 - m_scaled[i])
+        if lazy_on:
+            moved[0] = 0
+            for i in T.Parallel(bm):
+                # -inf - -inf is NaN, not > lazy: a row with no visible key yet keeps -inf.
+                if m[i] * scale_log2 - m_prev[i] * scale_log2 > lazy:
+                    moved[0] = 1
+                    m_scaled[i] = m[i] * scale_log2
+                    alpha[i] = T.exp2(m_prev[i] * scale_log2 - m_scaled[i])
+                else:
+                    m[i] = m_prev[i]
+                    alpha[i] = 1.0
+        else:
+            for i in T.Parallel(bm):
+                # A row with no visible key yet keeps max -inf; shift by 0 so exp2 gives 0, not NaN.
+                m_scaled[i] = T.if_then_else(m[i] == neg_inf, 0, m[i] * scale_log2)
+                alpha[i] = T.exp2(m_prev[i] * scale_log2 - m_scaled[i])
         for i, j in T.Parallel(bm, bn):
             s[i, j] = T.exp2(s[i, j] * scale_log2 - m_scaled[i])
         T.reduce_sum(s, row_sum, dim=1)
         for i in T.Parallel(bm):
             l[i] = l[i] * alpha[i] + row_sum[i]
+
+    @T.macro
+    def rescale(o, alpha, moved):
+        if lazy_on:
+            if moved[0] != 0:
+                for i, j in T.Parallel(bm, D):
+                    o[i, j] *= alpha[i]
+        else:
+            for i, j in T.Parallel(bm, D):
+                o[i, j] *= alpha[i]
 
     @T.macro
     def normalize(o, l, m_scaled, lse):
@@ -213,6 +252,8 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
             row_sum = T.alloc_fragment((bm,), acc)
             l = T.alloc_fragment((bm,), acc)  # running sum of exp
             lse = T.alloc_fragment((bm,), acc)
+            # lazy rescaling: whether this thread's rows moved their max (only then allocated)
+            moved = T.alloc_local((1,), "int32") if lazy_on else None
 
             # Causal: heaviest query tiles (most keys) first, so the short ones fill the tail.
             qt = T.ceildiv(Sq, bm) - 1 - bx if causal else bx
@@ -222,6 +263,8 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
             T.fill(o, 0)
             T.fill(l, 0)
             T.fill(m, neg_inf)
+            if lazy_on:
+                T.fill(m_scaled, 0)  # set below only when a row's max moves
 
             if causal:
                 # Last key any row of this tile may see is (qt+1)*bm - 1 + offset. At least one step
@@ -235,10 +278,9 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
                 T.copy(K[bz, kb * bn : (kb + 1) * bn, kvh, :], k_s)
                 init_scores(s, kb, qt, offset)
                 T.gemm(q_s, k_s, s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                online_softmax(s, m, m_prev, m_scaled, alpha, row_sum, l)
+                online_softmax(s, m, m_prev, m_scaled, alpha, row_sum, l, moved)
                 T.copy(s, p)
-                for i, j in T.Parallel(bm, D):
-                    o[i, j] *= alpha[i]
+                rescale(o, alpha, moved)
 
                 T.copy(V[bz, kb * bn : (kb + 1) * bn, kvh, :], v_s)
                 T.gemm(p, v_s, o, policy=T.GemmWarpPolicy.FullRow)
@@ -301,6 +343,8 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
             row_sum = T.alloc_fragment((bm,), acc)
             l = T.alloc_fragment((bm,), acc)
             lse = T.alloc_fragment((bm,), acc)
+            # lazy rescaling: whether this thread's rows moved their max (only then allocated)
+            moved = T.alloc_local((1,), "int32") if lazy_on else None
             q_full = T.alloc_barrier([128])
             k_full = T.alloc_barrier([128] * S)
             v_full = T.alloc_barrier([128] * S)
@@ -336,6 +380,8 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
                 T.fill(o, 0)
                 T.fill(l, 0)
                 T.fill(m, neg_inf)
+                if lazy_on:
+                    T.fill(m_scaled, 0)  # set below only when a row's max moves
                 T.mbarrier_wait_parity(q_full, 0)
                 # step 0: scores and softmax only (O is still 0)
                 T.mbarrier_wait_parity(k_full[0], 0)
@@ -345,7 +391,7 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
                 pass_turn(wg, False)
                 T.wait_wgmma(0)
                 T.mbarrier_arrive(k_empty[0])
-                online_softmax(s, m, m_prev, m_scaled, alpha, row_sum, l)
+                online_softmax(s, m, m_prev, m_scaled, alpha, row_sum, l, moved)
                 T.copy(s, p)
                 for kb in T.serial(1, n_blocks):
                     st = kb % S
@@ -359,11 +405,10 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
                     pass_turn(wg, False)
                     T.wait_wgmma(1)  # S_j done; P_{j-1} V_{j-1} may still run
                     T.mbarrier_arrive(k_empty[st])
-                    online_softmax(s, m, m_prev, m_scaled, alpha, row_sum, l)
+                    online_softmax(s, m, m_prev, m_scaled, alpha, row_sum, l, moved)
                     T.wait_wgmma(0)
                     T.mbarrier_arrive(v_empty[sp])
-                    for i, j in T.Parallel(bm, D):
-                        o[i, j] *= alpha[i]
+                    rescale(o, alpha, moved)
                     T.copy(s, p)
                 last = n_blocks - 1
                 T.mbarrier_wait_parity(v_full[last % S], (last // S) & 1)
