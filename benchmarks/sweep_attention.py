@@ -7,6 +7,7 @@ wrong kernel shows.
     python -m benchmarks.sweep_attention [--bwd]         # H200: TFLOP/s table, JSON under $OUT
     python -m benchmarks.sweep_attention --gpt [--bwd]   # examples/train_gpt.py's attention instead
     python -m benchmarks.sweep_attention --lazy [--warm] # the defaults with lazy O rescaling
+    python -m benchmarks.sweep_attention --post-mask [--warm]  # the defaults with the other FwdConfig.post_mask
 
 Forward FLOPs = 4 * B * H * S^2 * D, halved when causal; backward 2.5x that (as bench_attention).
 --bwd times the backward as the op runs it (`flash_bwd_fused`: preprocess, main kernel, dQ cast).
@@ -24,6 +25,7 @@ GPT_SHAPES = [(32, 12, 12, 1024, 64), (16, 32, 32, 2048, 64)]  # and the benchma
 CAUSAL = (False, True)
 GPT = False
 LAZY = False
+POST_MASK = False
 
 
 def _gpt_candidates():
@@ -46,6 +48,9 @@ def candidates(headdim: int, causal: bool = False):
 
     from tilelang_ops.kernels.attention import FwdConfig, fwd_default_config
 
+    if POST_MASK:  # the default against itself with the other masking
+        default = fwd_default_config(headdim, causal)
+        return [dataclasses.replace(default, post_mask=not default.post_mask)]
     if LAZY:
         tiles = [FwdConfig(192, 128, 2, 384), FwdConfig(128, 176, 2, 256, "async")] if headdim == 128 else [FwdConfig(192, 176, 2, 384), FwdConfig(128, 128, 2, 256, "async")]
         default = fwd_default_config(headdim, causal)
@@ -121,7 +126,8 @@ def _name(cfg) -> str:
     if isinstance(cfg, str):
         return cfg
     lazy = f"/lazy{cfg.lazy_rescale:g}" if getattr(cfg, "lazy_rescale", 0) else ""
-    return f"{cfg.block_m}x{cfg.block_n}/{cfg.num_stages}/{cfg.threads}/{cfg.pipeline}{lazy}"
+    post = "/postmask" if getattr(cfg, "post_mask", False) else ""
+    return f"{cfg.block_m}x{cfg.block_n}/{cfg.num_stages}/{cfg.threads}/{cfg.pipeline}{lazy}{post}"
 
 
 def _cudnn(q, k, v, causal, backward=False):
@@ -240,8 +246,10 @@ if __name__ == "__main__":
     ap.add_argument("--bwd", action="store_true", help="the backward's configs instead of the forward's")
     ap.add_argument("--gpt", action="store_true", help="examples/train_gpt.py's shape (causal) and more D=64 tiles")
     ap.add_argument("--lazy", action="store_true", help="forward tiles with and without FwdConfig.lazy_rescale")
+    ap.add_argument("--post-mask", action="store_true", help="the forward defaults against themselves with the other FwdConfig.post_mask")
     args = ap.parse_args()
     LAZY = args.lazy
+    POST_MASK = args.post_mask
     if args.gpt:
         SHAPES, CAUSAL, GPT = GPT_SHAPES, (True,), True
     if args.warm:

@@ -277,6 +277,9 @@ LAZY_FWD_CONFIGS = {64: [(192, 176, 2, 384, "auto", 8.0), (128, 128, 2, 256, "as
                     128: [(192, 128, 2, 384, "auto", 8.0), (128, 176, 2, 256, "async", 8.0)]}
 for _d, _cfgs in LAZY_FWD_CONFIGS.items():
     ASYNC_FWD_CONFIGS[_d] += _cfgs
+# FwdConfig.post_mask (the S GEMM from zero, the mask applied after it) at the defaults' tiles
+ASYNC_FWD_CONFIGS[64] += [(192, 176, 2, 384, "auto", 0.0, True), (128, 128, 2, 256, "async", 0.0, True)]
+ASYNC_FWD_CONFIGS[128] += [(192, 128, 2, 384, "auto", 8.0, True), (128, 176, 2, 256, "async", 8.0, True)]
 ASYNC_FWD_SHAPES = [
     (1, 1, 1, 2, 2, 0),  # one query, one key
     (2, 17, 33, 4, 2, 0),  # one ragged tile, GQA

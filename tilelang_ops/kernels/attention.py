@@ -82,6 +82,9 @@ class FwdConfig:
     # moved its max, which after the first steps is almost never: the bm x D multiplies leave the
     # softmax's instruction stream. 0: rescale every step.
     lazy_rescale: float = dataclasses.field(default=0.0, metadata={"omit_default": True})
+    # True: the S GEMM starts from zero (wgmma scale-d = 0) and only the diagonal and tail blocks
+    # are masked after it; False: every block's accumulator is filled first (0, or the mask).
+    post_mask: bool = dataclasses.field(default=False, metadata={"omit_default": True})
 
     def for_arch(self, arch: str) -> "FwdConfig":
         # TileLang 0.1.15's cp.async pipeline (pre-Hopper) fails in codegen on a symbolic trip count.
@@ -106,12 +109,20 @@ def fwd_default_config(headdim: int, causal: bool, arch: str = "sm_90a") -> FwdC
             # with it, FlashAttention-3's 128x176 tile in the async pipeline leads instead
             # (1.03-1.06x the former 192x128 default; 1.02-1.04x without lazy rescaling, in this
             # and the twelfth session's sweeps).
-            return FwdConfig(128, 176, 2, 256, "async", lazy_rescale=8.0) if causal else FwdConfig(192, 128, 2, 384, lazy_rescale=8.0)
+            # post_mask (the S GEMM from zero, masks after it; sweep_attention --post-mask,
+            # session17/call7): 1.01-1.02x non-causal, 0.94-0.97x in the causal async kernel.
+            if causal:
+                return FwdConfig(128, 176, 2, 256, "async", lazy_rescale=8.0)
+            return FwdConfig(192, 128, 2, 384, lazy_rescale=8.0, post_mask=True)
         if headdim == 64:
             # Causal: 128 x 128 tiles in the async pipeline. B16 H12 S1024 (GPT-2 small in
             # training) 1.20x the 192x176 tile (0.107 vs 0.128 ms; 1024 rows are 5.33 tiles of
             # 192), B16 H32 S2048 1.01x (benchmarks.sweep_attention --gpt, session14/call2).
-            return FwdConfig(128, 128, 2, 256, "async") if causal else FwdConfig(192, 176, 2, 384)
+            # post_mask: 1.05x causal, 1.07x not (session17/call7): the zero fill of 88 (44)
+            # accumulators per thread a step left the chain, and the 192x176 kernel its spills.
+            if causal:
+                return FwdConfig(128, 128, 2, 256, "async", post_mask=True)
+            return FwdConfig(192, 176, 2, 384, post_mask=True)
         # D=256: Q, O and two K/V stages of 128 keys would exceed 227 KB of shared memory.
         return FwdConfig(128, 64, 2, 256)
     # Ampere (compile target only, not tuned): no TMA/wgmma, 164 KB shared memory; one stage,
@@ -165,15 +176,32 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
     scale_log2 = scale * LOG2E  # softmax in base 2: exp(x * scale) == exp2(x * scale * log2(e))
     neg_inf = -T.infinity(acc)
 
+    post_mask = config.post_mask
+
+    def full_block(kb, qt, offset):
+        """Whether every query row of tile qt sees every key of block kb."""
+        if causal:
+            return ((kb + 1) * bn <= Sk) & ((kb + 1) * bn - 1 <= qt * bm + offset)
+        return (kb + 1) * bn <= Sk
+
+    @T.macro
+    def mask_scores(s, kb, qt, offset):
+        # post_mask: -inf over the scores of keys a row may not see, after the GEMM.
+        if post_mask:
+            if not full_block(kb, qt, offset):
+                for i, j in T.Parallel(bm, bn):
+                    if causal:
+                        s[i, j] = T.if_then_else((kb * bn + j >= Sk) | (kb * bn + j > qt * bm + i + offset), neg_inf, s[i, j])
+                    else:
+                        s[i, j] = T.if_then_else(kb * bn + j >= Sk, neg_inf, s[i, j])
+
     @T.macro
     def init_scores(s, kb, qt, offset):
         # The mask is the GEMM's initial accumulator: 0 where visible, -inf elsewhere. Only the
-        # diagonal and the tail blocks need it; the others start from 0.
-        if causal:
-            full = ((kb + 1) * bn <= Sk) & ((kb + 1) * bn - 1 <= qt * bm + offset)
-        else:
-            full = (kb + 1) * bn <= Sk
-        if full:
+        # diagonal and the tail blocks need it; the others start from 0. (post_mask: nothing.)
+        if post_mask:
+            pass
+        elif full_block(kb, qt, offset):
             T.fill(s, 0)
         else:
             for i, j in T.Parallel(bm, bn):
@@ -277,7 +305,8 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
             for kb in T.Pipelined(n_blocks, num_stages=config.num_stages):
                 T.copy(K[bz, kb * bn : (kb + 1) * bn, kvh, :], k_s)
                 init_scores(s, kb, qt, offset)
-                T.gemm(q_s, k_s, s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                T.gemm(q_s, k_s, s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=post_mask)
+                mask_scores(s, kb, qt, offset)
                 online_softmax(s, m, m_prev, m_scaled, alpha, row_sum, l, moved)
                 T.copy(s, p)
                 rescale(o, alpha, moved)
@@ -387,10 +416,11 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
                 T.mbarrier_wait_parity(k_full[0], 0)
                 init_scores(s, 0, qt, offset)
                 my_turn(wg)
-                T.wgmma_gemm(q_s, k_s[0, :, :], s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                T.wgmma_gemm(q_s, k_s[0, :, :], s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=post_mask)
                 pass_turn(wg, False)
                 T.wait_wgmma(0)
                 T.mbarrier_arrive(k_empty[0])
+                mask_scores(s, 0, qt, offset)
                 online_softmax(s, m, m_prev, m_scaled, alpha, row_sum, l, moved)
                 T.copy(s, p)
                 for kb in T.serial(1, n_blocks):
@@ -400,11 +430,12 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
                     init_scores(s, kb, qt, offset)
                     T.mbarrier_wait_parity(v_full[sp], ((kb - 1) // S) & 1)
                     my_turn(wg)
-                    T.wgmma_gemm(q_s, k_s[st, :, :], s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                    T.wgmma_gemm(q_s, k_s[st, :, :], s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=post_mask)
                     T.wgmma_gemm(p, v_s[sp, :, :], o, policy=T.GemmWarpPolicy.FullRow)
                     pass_turn(wg, False)
                     T.wait_wgmma(1)  # S_j done; P_{j-1} V_{j-1} may still run
                     T.mbarrier_arrive(k_empty[st])
+                    mask_scores(s, kb, qt, offset)
                     online_softmax(s, m, m_prev, m_scaled, alpha, row_sum, l, moved)
                     T.wait_wgmma(0)
                     T.mbarrier_arrive(v_empty[sp])
