@@ -142,12 +142,16 @@ FWD_SEARCH_SPACE = [
     # H200, 2026-11-30 and 2026-12-01): within -7%..+5% of the default, ahead only on causal D=128
     # (128x176, FlashAttention-3's tile: 1.01-1.03x causal, 0.94-0.96x not). Three consumer
     # warpgroups do not fit them (160 registers: s, p and o spill).
-    FwdConfig(192, 128, 2, 384, lazy_rescale=8.0),
-    FwdConfig(128, 176, 2, 256, "async", lazy_rescale=8.0),
     FwdConfig(128, 128, 2, 256, "async"),
     FwdConfig(128, 128, 2, 256, "pingpong"),
     FwdConfig(128, 176, 2, 256, "async"),
     FwdConfig(128, 176, 2, 256, "pingpong"),
+    # lazy rescaling and masking after the S GEMM (seventeenth session): the defaults' forms
+    FwdConfig(192, 128, 2, 384, lazy_rescale=8.0),
+    FwdConfig(192, 128, 2, 384, lazy_rescale=8.0, post_mask=True),
+    FwdConfig(192, 176, 2, 384, post_mask=True),
+    FwdConfig(128, 128, 2, 256, "async", post_mask=True),
+    FwdConfig(128, 176, 2, 256, "async", lazy_rescale=8.0),
 ]
 
 
