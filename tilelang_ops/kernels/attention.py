@@ -188,33 +188,30 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
             return ((kb + 1) * bn <= Sk) & ((kb + 1) * bn - 1 <= qt * bm + offset)
         return (kb + 1) * bn <= Sk
 
+    def hidden(kb, qt, i, j, offset):
+        """Whether row i of tile qt may not see key j of block kb (past Sk, or after the diagonal)."""
+        if causal:
+            return (kb * bn + j >= Sk) | (kb * bn + j > qt * bm + i + offset)
+        return kb * bn + j >= Sk
+
+    @T.macro
+    def init_scores(s, kb, qt, offset):
+        # The mask is the GEMM's initial accumulator: 0 where visible, -inf elsewhere. Only the
+        # diagonal and the tail blocks need it; the others start from 0. (post_mask: nothing.)
+        if not post_mask:
+            if full_block(kb, qt, offset):
+                T.fill(s, 0)
+            else:
+                for i, j in T.Parallel(bm, bn):
+                    s[i, j] = T.if_then_else(hidden(kb, qt, i, j, offset), neg_inf, 0)
+
     @T.macro
     def mask_scores(s, kb, qt, offset):
         # post_mask: -inf over the scores of keys a row may not see, after the GEMM.
         if post_mask:
             if not full_block(kb, qt, offset):
                 for i, j in T.Parallel(bm, bn):
-                    if causal:
-                        s[i, j] = T.if_then_else((kb * bn + j >= Sk) | (kb * bn + j > qt * bm + i + offset), neg_inf, s[i, j])
-                    else:
-                        s[i, j] = T.if_then_else(kb * bn + j >= Sk, neg_inf, s[i, j])
-
-    @T.macro
-    def init_scores(s, kb, qt, offset):
-        # The mask is the GEMM's initial accumulator: 0 where visible, -inf elsewhere. Only the
-        # diagonal and the tail blocks need it; the others start from 0. (post_mask: nothing.)
-        if post_mask:
-            pass
-        elif full_block(kb, qt, offset):
-            T.fill(s, 0)
-        else:
-            for i, j in T.Parallel(bm, bn):
-                if causal:
-                    s[i, j] = T.if_then_else(
-                        (kb * bn + j >= Sk) | (kb * bn + j > qt * bm + i + offset), neg_inf, 0
-                    )
-                else:
-                    s[i, j] = T.if_then_else(kb * bn + j >= Sk, neg_inf, 0)
+                    s[i, j] = T.if_then_else(hidden(kb, qt, i, j, offset), neg_inf, s[i, j])
 
     lazy = config.lazy_rescale
     lazy_on = lazy > 0  # a Python bool: TileLang warns on a float as a condition
