@@ -437,14 +437,16 @@ def test_flash_fwd_d64_causal_default(case):
 # The async backward (BwdConfig.pipeline="async": our own TMA producer and mbarrier ring, wgmmas
 # kept in flight across the softmax-gradient math; the default on Hopper at D=64/128, which every
 # other GPU test runs) at the tiles of the tuner's search space, defaults included.
+# The last field of the 8-tuples: BwdConfig.dq_producer (the producer warpgroup reduce-adds dQ).
 ASYNC_BWD_CONFIGS = {
-    64: [(128, 64, 2, 256, True, True, "async"), (128, 128, 3, 256, True, True, "async"), (128, 128, 2, 256, True, True, "async")],
-    128: [(128, 64, 3, 256, True, True, "async"), (128, 64, 2, 256, True, True, "async")],
+    64: [(128, 64, 2, 256, True, True, "async"), (128, 128, 3, 256, True, True, "async"), (128, 128, 2, 256, True, True, "async"),
+         (128, 128, 2, 256, True, True, "async", True)],
+    128: [(128, 64, 3, 256, True, True, "async"), (128, 64, 2, 256, True, True, "async"), (128, 64, 2, 256, True, True, "async", True)],
 }
 
 
 def _async_bwd_cases():
-    return _config_cases(ASYNC_BWD_CONFIGS, lambda cfg: f"{cfg[0]}x{cfg[1]}x{cfg[2]}{cfg[6]}")
+    return _config_cases(ASYNC_BWD_CONFIGS, lambda cfg: f"{cfg[0]}x{cfg[1]}x{cfg[2]}{cfg[6]}" + ("-dqprod" if cfg[7:] == (True,) else ""))
 
 
 def async_bwd_kernels():

@@ -593,9 +593,15 @@ class BwdConfig:
     # warpgroups keep wgmmas in flight: S^T and dP^T issued back to back, P^T computed while
     # dP^T runs, dS^T while dV += P^T dO runs, dK += dS^T Q under the dS store (sm_90 only).
     pipeline: str = dataclasses.field(default="auto", metadata={"omit_default": True})
+    # "async" only: the producer warpgroup, not a consumer thread, issues each step's dQ
+    # reduce-add and waits for TMA to have read dQ's shared tile (FlashAttention-3's dQ writer);
+    # the consumers hand the tile over on an mbarrier instead of a second named barrier per step.
+    dq_producer: bool = dataclasses.field(default=False, metadata={"omit_default": True})
 
     def for_arch(self, arch: str) -> "BwdConfig":
-        return self if _is_hopper(arch) else dataclasses.replace(self, num_stages=1, tma_dq=False, pipeline="auto")
+        if _is_hopper(arch):
+            return self
+        return dataclasses.replace(self, num_stages=1, tma_dq=False, pipeline="auto", dq_producer=False)
 
     @property
     def min_sm(self) -> int:
@@ -747,6 +753,17 @@ def _bwd_body(config: BwdConfig, headdim: int, dtype: str, causal: bool, groups:
     # ptxas then spilled 96 bytes and the kernel ran at 0.93x; with 32 (128x64) there are none.
     skip_mask = bm * bn // consumers <= 32
 
+    dq_producer = config.dq_producer and with_dq
+
+    @T.macro
+    def reduce_dq(dQacc, dq_s, dq_full, dq_empty, it, bz, kvh, q_start, n_q):
+        """Producer side of step it's dQ: wait for the tile, reduce-add it into dQacc (one thread
+        issues it and waits until TMA has read dq_s), hand dq_s back."""
+        h, qb = head_and_block(it, kvh, q_start, n_q)
+        T.mbarrier_wait_parity(dq_full, it & 1)
+        T.atomic_add(dQacc[bz, qb * bn : (qb + 1) * bn, h, :], dq_s, use_tma=True)
+        T.mbarrier_arrive(dq_empty)
+
     @T.macro
     def body_async(Q, K, V, dO, LSE2, Delta, dQacc, dK, dV):
         # Producer warpgroup (the last one): K and V of this key block once, then Q, dO, lse2 and
@@ -772,6 +789,9 @@ def _bwd_body(config: BwdConfig, headdim: int, dtype: str, causal: bool, groups:
             kv_full = T.alloc_barrier([128])
             full = T.alloc_barrier([128] * S)
             empty = T.alloc_barrier([consumers] * S)
+            if dq_producer:
+                dq_full = T.alloc_barrier([consumers])  # dq_s written (consumers)
+                dq_empty = T.alloc_barrier([128])  # dq_s read by TMA (producer)
 
             offset = Sk - Sq
             q_start = T.max(T.floordiv(bx * bm - offset, bn), 0) if causal else 0
@@ -792,6 +812,12 @@ def _bwd_body(config: BwdConfig, headdim: int, dtype: str, causal: bool, groups:
                     T.tma_copy(LSE2[bz, h, qb * bn : (qb + 1) * bn], lse_s[st, :], barrier=full[st])
                     T.tma_copy(Delta[bz, h, qb * bn : (qb + 1) * bn], delta_s[st, :], barrier=full[st])
                     T.mbarrier_arrive(full[st])
+                    if dq_producer:
+                        if it > 0:
+                            reduce_dq(dQacc, dq_s, dq_full, dq_empty, it - 1, bz, by, q_start, n_q)
+                if dq_producer:
+                    if groups * n_q > 0:
+                        reduce_dq(dQacc, dq_s, dq_full, dq_empty, groups * n_q - 1, bz, by, q_start, n_q)
             with T.ws(*range(consumers // 128)):
                 T.inc_max_nreg(warpgroup_regs(consumers))
                 T.clear(dk)
@@ -835,7 +861,12 @@ def _bwd_body(config: BwdConfig, headdim: int, dtype: str, causal: bool, groups:
                         T.wgmma_gemm(ds_s, k_s, dq, transpose_A=True)
                     T.wait_wgmma(0)
                     T.mbarrier_arrive(empty[st])
-                    if with_dq:
+                    if dq_producer:
+                        T.mbarrier_wait_parity(dq_empty, (it & 1) ^ 1)  # the previous tile was read
+                        T.copy(dq, dq_s)
+                        T.fence_proxy_async()
+                        T.mbarrier_arrive(dq_full)
+                    elif with_dq:
                         # dq_s is free: the thread that issued the previous reduce-add waited for
                         # its read before it reached the dS barrier every thread has passed since.
                         # (Measured no faster, H200 2026-12-01: this barrier and reduce-add issued
