@@ -26,7 +26,7 @@ CAUSAL = (False, True)
 GPT = False
 LAZY = False
 POST_MASK = False
-DQ_PRODUCER = False
+DQ_PATHS = False
 
 
 def _gpt_candidates():
@@ -68,15 +68,16 @@ def candidates(headdim: int, causal: bool = False):
 def bwd_candidates(headdim: int):
     """BwdConfigs to time beside the default backward (the async pipeline at D=64/128): TileLang's
     T.Pipelined kernel at its former defaults, and the async pipeline's other tiles. With
-    --dq-producer: the default with the other BwdConfig.dq_producer, and with three stages."""
+    --dq: the default with the other BwdConfig.dq_producer (the dQ reduce-add issued by the
+    producer warpgroup or by a consumer thread), and with three stages."""
     import dataclasses
 
     from tilelang_ops.kernels.attention import BwdConfig, bwd_default_config
 
-    if DQ_PRODUCER and headdim in (64, 128):
+    if DQ_PATHS and headdim in (64, 128):  # the default: the producer's TMA reduce-add
         default = bwd_default_config(headdim, False)
         other = dataclasses.replace(default, dq_producer=not default.dq_producer)
-        return [other, dataclasses.replace(other, num_stages=3)]
+        return [other, dataclasses.replace(default, num_stages=3)]
     if headdim == 128:
         return [BwdConfig(128, 64, 2, 256), BwdConfig(128, 64, 3, 256, pipeline="async")]
     if headdim == 64:
@@ -256,9 +257,9 @@ if __name__ == "__main__":
     ap.add_argument("--gpt", action="store_true", help="examples/train_gpt.py's shape (causal) and more D=64 tiles")
     ap.add_argument("--lazy", action="store_true", help="forward tiles with and without FwdConfig.lazy_rescale")
     ap.add_argument("--post-mask", action="store_true", help="the forward defaults against themselves with the other FwdConfig.post_mask")
-    ap.add_argument("--dq-producer", action="store_true", help="--bwd: the defaults against themselves with the other BwdConfig.dq_producer")
+    ap.add_argument("--dq", action="store_true", help="--bwd: the defaults against their other BwdConfig.dq_producer")
     args = ap.parse_args()
-    DQ_PRODUCER = args.dq_producer
+    DQ_PATHS = args.dq
     LAZY = args.lazy
     POST_MASK = args.post_mask
     if args.gpt:

@@ -445,8 +445,12 @@ ASYNC_BWD_CONFIGS = {
 }
 
 
+def _async_bwd_name(cfg) -> str:
+    return f"{cfg[0]}x{cfg[1]}x{cfg[2]}{cfg[6]}" + ("-dqprod" if cfg[7:] == (True,) else "")
+
+
 def _async_bwd_cases():
-    return _config_cases(ASYNC_BWD_CONFIGS, lambda cfg: f"{cfg[0]}x{cfg[1]}x{cfg[2]}{cfg[6]}" + ("-dqprod" if cfg[7:] == (True,) else ""))
+    return _config_cases(ASYNC_BWD_CONFIGS, _async_bwd_name)
 
 
 def async_bwd_kernels():

@@ -596,6 +596,10 @@ class BwdConfig:
     # "async" only: the producer warpgroup, not a consumer thread, issues each step's dQ
     # reduce-add and waits for TMA to have read dQ's shared tile (FlashAttention-3's dQ writer);
     # the consumers hand the tile over on an mbarrier instead of a second named barrier per step.
+    # (Handing step i's tile over at step i+1, under its S^T wgmma, does not compile well: ptxas
+    # cannot follow a wgmma in flight across the loop's back edge whose accumulator is read in
+    # the loop, and serializes every wgmma of the kernel, C7514/C7518. The async pipeline always
+    # takes the TMA path: float2 atomics straight from registers measured 0.52-0.85x, session 18.)
     dq_producer: bool = dataclasses.field(default=False, metadata={"omit_default": True})
 
     def for_arch(self, arch: str) -> "BwdConfig":
@@ -618,10 +622,11 @@ def bwd_default_config(headdim: int, causal: bool, arch: str = "sm_90a") -> BwdC
     # The async pipeline, H200 2026-12-01 (benchmarks/sweep_attention.py --bwd, three runs):
     # 1.05-1.11x the T.Pipelined kernel at D=128 (128 keys x 64 queries, 2 or 3 stages alike),
     # 1.03-1.05x at D=64 with 128-query steps (64-query steps: 0.96x).
+    # The producer's dQ writer (dq_producer): 1.04-1.06x at D=128, 1.14x at D=64 (session 18).
     if headdim <= 64:
-        return BwdConfig(128, 128, 2, 256, pipeline="async")
+        return BwdConfig(128, 128, 2, 256, pipeline="async", dq_producer=True)
     if headdim <= 128:
-        return BwdConfig(128, 64, 2, 256, pipeline="async")
+        return BwdConfig(128, 64, 2, 256, pipeline="async", dq_producer=True)
     # D=256: two stages of Q/dO plus an fp32 dQ tile would not fit in shared memory, and 64x256
     # fp32 dK plus dV need 8 warps to stay in registers.
     return BwdConfig(64, 64, 1, 256, hopper, False) if hopper else BwdConfig(64, 32, 1, 256, False, False)
@@ -638,7 +643,7 @@ BWD_SEARCH_SPACE = [
         (64, 64, 256, False),
     )
     for st in (1, 2)
-] + [BwdConfig(128, bn, st, 256, pipeline="async") for bn in (64, 128) for st in (2, 3)]
+] + [BwdConfig(128, bn, st, 256, pipeline="async", dq_producer=dp) for bn in (64, 128) for st in (2, 3) for dp in (False, True)]
 
 
 def _bwd_dims():
@@ -852,8 +857,11 @@ def _bwd_body(config: BwdConfig, headdim: int, dtype: str, causal: bool, groups:
                     if with_dq:
                         # dQ = dS K sums over all bm keys: every warpgroup's dS^T goes through
                         # shared memory first (generic-proxy writes, then read by the async proxy).
-                        # ds_s is free: every warpgroup's previous dQ wgmma retired before the
-                        # dQ barrier below.
+                        # ds_s is free once every warpgroup's previous dQ wgmma retired: before
+                        # the dQ barrier below, or (dq_producer) before its arrival on dq_full.
+                        if dq_producer:
+                            if it > 0:
+                                T.mbarrier_wait_parity(dq_full, (it - 1) & 1)
                         T.copy(dsT, ds_s)
                         T.fence_proxy_async()
                         T.sync_threads(1, consumers)
