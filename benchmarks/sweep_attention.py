@@ -27,6 +27,7 @@ GPT = False
 LAZY = False
 POST_MASK = False
 DQ_PATHS = False
+PERSISTENT = False
 
 
 def _gpt_candidates():
@@ -49,6 +50,10 @@ def candidates(headdim: int, causal: bool = False):
 
     from tilelang_ops.kernels.attention import FwdConfig, fwd_default_config
 
+    if PERSISTENT:  # the async tiles with and without the persistent walk
+        tiles = [FwdConfig(128, 128, 2, 256, "async", post_mask=True)] if headdim == 64 else [FwdConfig(128, 176, 2, 256, "async", 8.0)]
+        default = fwd_default_config(headdim, causal)
+        return [c for t in tiles for c in (t, dataclasses.replace(t, persistent=True)) if c != default]
     if POST_MASK:  # the default against itself with the other masking
         default = fwd_default_config(headdim, causal)
         return [dataclasses.replace(default, post_mask=not default.post_mask)]
@@ -137,6 +142,7 @@ def _name(cfg) -> str:
     lazy = f"/lazy{cfg.lazy_rescale:g}" if getattr(cfg, "lazy_rescale", 0) else ""
     post = "/postmask" if getattr(cfg, "post_mask", False) else ""
     post += "/dqprod" if getattr(cfg, "dq_producer", False) else ""
+    post += "/persistent" if getattr(cfg, "persistent", False) else ""
     return f"{cfg.block_m}x{cfg.block_n}/{cfg.num_stages}/{cfg.threads}/{cfg.pipeline}{lazy}{post}"
 
 
@@ -257,9 +263,11 @@ if __name__ == "__main__":
     ap.add_argument("--gpt", action="store_true", help="examples/train_gpt.py's shape (causal) and more D=64 tiles")
     ap.add_argument("--lazy", action="store_true", help="forward tiles with and without FwdConfig.lazy_rescale")
     ap.add_argument("--post-mask", action="store_true", help="the forward defaults against themselves with the other FwdConfig.post_mask")
+    ap.add_argument("--persistent", action="store_true", help="forward: the async tiles with and without FwdConfig.persistent")
     ap.add_argument("--dq", action="store_true", help="--bwd: the defaults against their other BwdConfig.dq_producer")
     args = ap.parse_args()
     DQ_PATHS = args.dq
+    PERSISTENT = args.persistent
     LAZY = args.lazy
     POST_MASK = args.post_mask
     if args.gpt:

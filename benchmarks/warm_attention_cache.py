@@ -66,9 +66,9 @@ def _jobs(quick: bool) -> list[tuple]:
     if not quick:
         import tests.test_attention as t
 
-        by_config += [("fwd", c, s) for c, s in t.async_fwd_kernels() + t.d64_causal_default_kernels() + t.lazy_fwd_kernels()] + t.async_bwd_kernels()
+        by_config += [("fwd", c, s) for c, s in t.async_fwd_kernels() + t.d64_causal_default_kernels() + t.lazy_fwd_kernels() + t.persistent_fwd_kernels()] + t.async_bwd_kernels()
     for kind, cfg, st in by_config:
-        job = (kind, st["headdim"], st["dtype"], st["causal"], st["groups"], st["scale"], cfg)
+        job = (kind, st["headdim"], st["dtype"], st["causal"], st["groups"], st["scale"], cfg) + ((st["ctas"],) if "ctas" in st else ())
         if job not in jobs:
             jobs.append(job)
     return jobs
@@ -82,7 +82,8 @@ def _compile(job) -> tuple:
     # exactly what the op layer compiles for this kernel name: same static args and flags
     config = job[6] if len(job) > 6 else A.untuned_config(kind, d, causal, ARCH)
     try:
-        k = A.compile_kernel(kind, config, ARCH, dt, **A.kernel_static(kind, d, causal, groups, scale))
+        extra = {"ctas": job[7]} if len(job) > 7 else {}  # a persistent kernel's grid (tests' tiny ones)
+        k = A.compile_kernel(kind, config, ARCH, dt, **A.kernel_static(kind, d, causal, groups, scale), **extra)
     except Exception as e:  # a search-space config may not fit (shared memory, warp layout)
         return job, f"failed: {type(e).__name__}: {str(e).splitlines()[0][:100]}", None
     # the cache entry's directory: its executable.so embeds the cubin, so it alone serves the GPU host

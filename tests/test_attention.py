@@ -278,8 +278,12 @@ LAZY_FWD_CONFIGS = {64: [(192, 176, 2, 384, "auto", 8.0), (128, 128, 2, 256, "as
                     128: [(192, 128, 2, 384, "auto", 8.0), (128, 176, 2, 256, "async", 8.0)]}
 POST_MASK_FWD_CONFIGS = {64: [(192, 176, 2, 384, "auto", 0.0, True), (128, 128, 2, 256, "async", 0.0, True)],
                          128: [(192, 128, 2, 384, "auto", 8.0, True), (128, 176, 2, 256, "async", 8.0, True)]}
+# FwdConfig.persistent (one CTA per SM walking the tiles) at the async defaults' tiles: with its
+# default grid here (these shapes have at most one tile per CTA), with tiny grids in
+# test_flash_fwd_persistent_walks_many_tiles.
+PERSISTENT_FWD_CONFIGS = {64: [(128, 128, 2, 256, "async", 0.0, True, True)], 128: [(128, 176, 2, 256, "async", 8.0, False, True)]}
 for _d in ASYNC_FWD_CONFIGS:
-    ASYNC_FWD_CONFIGS[_d] += LAZY_FWD_CONFIGS[_d] + POST_MASK_FWD_CONFIGS[_d]
+    ASYNC_FWD_CONFIGS[_d] += LAZY_FWD_CONFIGS[_d] + POST_MASK_FWD_CONFIGS[_d] + PERSISTENT_FWD_CONFIGS[_d]
 ASYNC_FWD_SHAPES = [
     (1, 1, 1, 2, 2, 0),  # one query, one key
     (2, 17, 33, 4, 2, 0),  # one ragged tile, GQA
@@ -376,6 +380,44 @@ def _check_fwd_kernel(kern, q, k, v, causal):
     seen = torch.isfinite(ref_lse)  # rows with no visible key: lse = -inf on both sides
     assert torch.equal(torch.isfinite(lse), seen), shape
     assert (lse[seen] - ref_lse[seen].float()).abs().max().item() <= 1e-2, shape
+
+
+# (B, Sq, Sk, H, HK, D, ctas): many tiles per CTA, a ragged last round, Sq != Sk, GQA
+PERSISTENT_WALKS = [(3, 1000, 1000, 4, 2, 64, 5), (2, 300, 1000, 3, 3, 64, 7), (1, 1000, 300, 4, 1, 128, 3), (2, 129, 4097, 2, 2, 128, 4)]
+
+
+def persistent_fwd_kernels():
+    """(config, static) of test_flash_fwd_persistent_walks_many_tiles; warm_attention_cache pre-builds them."""
+    from tilelang_ops.kernels import attention as K
+
+    return [(K.FwdConfig(*cfg), dict(headdim=D, dtype="bfloat16", causal=causal, groups=H // HK, scale=K.default_scale(D), ctas=ctas))
+            for B, Sq, Sk, H, HK, D, ctas in PERSISTENT_WALKS for cfg in PERSISTENT_FWD_CONFIGS[D] for causal in (False, True)]
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("walk", PERSISTENT_WALKS, ids=lambda w: "x".join(map(str, w)))
+def test_flash_fwd_persistent_walks_many_tiles(walk):
+    """A persistent forward with a grid of a few CTAs, so each walks many tiles (the stage ring,
+    Q buffer and barrier phases carried from tile to tile, the rotation's ragged last round):
+    every output row written and right, causal and not."""
+    from tilelang_ops import runtime
+    from tilelang_ops.kernels import attention as K
+
+    B, Sq, Sk, H, HK, D, ctas = walk
+    for config, static in persistent_fwd_kernels():
+        if static["headdim"] == D and static["groups"] == H // HK and static["ctas"] == ctas:
+            kern = runtime.launcher(K.flash_fwd_kernel.compile(config, "sm_90a", **static))
+            _check_fwd_kernel(kern, *_inputs((B, Sq, Sk, H, HK, D), torch.bfloat16, "cuda", requires_grad=False), static["causal"])
+
+
+def test_persistent_forward_walk_covers_every_tile_once():
+    """The persistent forward's tile walk (round t, CTA c -> list index t*G + (c+t) % G) visits
+    every tile exactly once for any grid."""
+    for tiles in (1, 5, 131, 132, 133, 8192, 1000):
+        for grid in {min(tiles, g) for g in (1, 3, 7, 132)}:
+            seen = [t * grid + (c + t) % grid for c in range(grid) for t in range(-(-tiles // grid))]
+            assert sorted(i for i in seen if i < tiles) == list(range(tiles))
 
 
 def lazy_fwd_kernels():

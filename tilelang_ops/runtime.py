@@ -75,6 +75,9 @@ def sm_count(device) -> int:
 # and the buffer-init check cannot see T.tma_copy's writes to the stages.
 HAND_SYNC_PASS_CONFIGS = {"tl.disable_thread_storage_sync": True, "tl.disable_buffer_init_check": True}
 PRODUCER_REGS = 24  # setmaxnreg of the producer warpgroup (TileLang's own choice)
+# A persistent kernel's grid by default (its `ctas` static; ops pass the device's SM count): one
+# CTA per SM of an H100 SXM / H200.
+PERSISTENT_CTAS = 132
 
 
 def warpgroup_regs(threads: int, min_blocks: int = 1) -> int:

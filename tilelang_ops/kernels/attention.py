@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import tilelang
 import tilelang.language as T
 
-from ..runtime import HAND_SYNC_PASS_CONFIGS, PRODUCER_REGS, KernelDef, kernel, warpgroup_regs
+from ..runtime import HAND_SYNC_PASS_CONFIGS, PERSISTENT_CTAS, PRODUCER_REGS, KernelDef, kernel, warpgroup_regs
 
 DTYPES = ("float16", "bfloat16")
 HEADDIMS = (64, 128, 256)
@@ -85,10 +85,14 @@ class FwdConfig:
     # True: the S GEMM starts from zero (wgmma scale-d = 0) and only the diagonal and tail blocks
     # are masked after it; False: every block's accumulator is filled first (0, or the mask).
     post_mask: bool = dataclasses.field(default=False, metadata={"omit_default": True})
+    # "async" only: one CTA per SM walks the (query tile, head, batch) tiles, so the producer
+    # loads the next tile's Q and first K/V blocks while the consumers finish this one (the
+    # grid is the `ctas` static the op passes: the device's SM count).
+    persistent: bool = dataclasses.field(default=False, metadata={"omit_default": True})
 
     def for_arch(self, arch: str) -> "FwdConfig":
         # TileLang 0.1.15's cp.async pipeline (pre-Hopper) fails in codegen on a symbolic trip count.
-        return self if _is_hopper(arch) else dataclasses.replace(self, num_stages=1, pipeline="auto")
+        return self if _is_hopper(arch) else dataclasses.replace(self, num_stages=1, pipeline="auto", persistent=False)
 
     @property
     def min_sm(self) -> int:
@@ -165,9 +169,10 @@ def _qkv_param(name: str, shape: tuple, dtype: str):
 
 
 @kernel("attention", "flash_fwd", pass_configs=_PASS_CONFIGS)
-def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, groups: int, scale: float, lse: bool = True):
+def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, groups: int, scale: float, lse: bool = True, ctas: int = PERSISTENT_CTAS):
     """O (and with lse=True the base-e log-sum-exp per row, (B, H, Sq) fp32) of softmax(Q K^T) V.
-    lse=False serves inference calls: no LSE buffer to allocate or write."""
+    lse=False serves inference calls: no LSE buffer to allocate or write. ctas: the grid of a
+    persistent config (the device's SM count; unused otherwise)."""
     with_lse = lse  # the fragment below is named `lse`, as in the exported kernels
     B = T.dynamic("B")
     Sq = T.dynamic("Sq")
@@ -323,6 +328,7 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
 
     S = config.num_stages
     consumers = config.threads
+    own_o = (2 * bm + 2 * S * bn) * D * 2 <= 200 * 1024  # persistent: a separate O tile fits
     cwg = tuple(range(consumers // 128))  # consumer warpgroups; the producer is the next one
     pingpong = config.pipeline == "pingpong" and len(cwg) > 1
     _TURN = 2  # named barriers 2.. (0: __syncthreads, 1: the consumers' epilogue barrier)
@@ -458,7 +464,157 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
                 if with_lse:
                     T.copy(lse, LSE[bz, by, qt * bm : (qt + 1) * bm])
 
-    if config.pipeline != "auto":
+    def tile_index(t, cta, grid):
+        """List index of CTA cta's tile in round t of the persistent walk (see body_persistent)."""
+        return t * grid + T.truncmod(cta + t, grid)
+
+    @T.macro
+    def tile_coords(coords, i, nq, H):
+        """(query tile, head, batch) of tile list index i into coords."""
+        coords[0] = nq - 1 - T.truncmod(i, nq) if causal else T.truncmod(i, nq)
+        coords[1] = T.truncmod(T.truncdiv(i, nq), H)
+        coords[2] = T.truncdiv(T.truncdiv(i, nq), H)
+
+    def n_key_blocks(qt, offset):
+        """Key blocks query tile qt visits: up to the diagonal when causal (at least one, even
+        for a tile that sees nothing: its fully masked step gives 0 / -inf)."""
+        if causal:
+            return T.max(T.min(T.ceildiv(Sk, bn), T.ceildiv((qt + 1) * bm + offset, bn)), 1)
+        return T.ceildiv(Sk, bn)
+
+    @T.macro
+    def body_persistent(Q, K, V, O, LSE):
+        # body_async's pipeline with one CTA per SM walking tiles: tile list index i -> (head and
+        # batch i // nq, query rank i % nq; causal: rank 0 is the last, heaviest query tile), so
+        # the CTAs running together share heads' K/V in L2. Round t of the walk is list indices
+        # [t*G, t*G + G) and CTA c takes the one at (c + t) % G: a rotation, so that over the
+        # rounds every CTA meets every query rank (causal tiles differ in work) instead of the
+        # few that c + t*G alone would give it.
+        nq = T.ceildiv(Sq, bm)
+        tiles = nq * H * B
+        grid = T.min(tiles, ctas)
+        with T.Kernel(grid, threads=consumers + 128) as cta:
+            q_s = T.alloc_shared((bm, D), dtype)
+            k_s = T.alloc_shared((S, bn, D), dtype)
+            v_s = T.alloc_shared((S, bn, D), dtype)
+            # Its own buffer where it fits (the next tile's Q lands while this O is stored), else
+            # Q's (then the next Q waits for the store).
+            o_s = T.alloc_shared((bm, D), dtype) if own_o else q_s
+            s = T.alloc_fragment((bm, bn), acc)
+            p = T.alloc_fragment((bm, bn), dtype)
+            o = T.alloc_fragment((bm, D), acc)
+            m = T.alloc_fragment((bm,), acc)
+            m_prev = T.alloc_fragment((bm,), acc)
+            m_scaled = T.alloc_fragment((bm,), acc)
+            alpha = T.alloc_fragment((bm,), acc)
+            row_sum = T.alloc_fragment((bm,), acc)
+            l = T.alloc_fragment((bm,), acc)
+            lse = T.alloc_fragment((bm,), acc)
+            moved = T.alloc_local((1,), "int32") if lazy_on else None
+            coords = T.alloc_local((3,), "int32")  # this tile's query tile, head, batch
+            q_full = T.alloc_barrier([128])
+            q_empty = T.alloc_barrier([consumers])
+            k_full = T.alloc_barrier([128] * S)
+            v_full = T.alloc_barrier([128] * S)
+            k_empty = T.alloc_barrier([consumers] * S)
+            v_empty = T.alloc_barrier([consumers] * S)
+            offset = Sk - Sq
+            rounds = T.ceildiv(tiles, grid)
+
+            with T.ws(len(cwg)):
+                T.dec_max_nreg(PRODUCER_REGS)
+                g = T.alloc_var("int32", init=0)  # K/V blocks loaded so far: the ring position
+                n = T.alloc_var("int32", init=0)  # tiles loaded so far
+                for t in T.serial(rounds):
+                    if tile_index(t, cta, grid) < tiles:
+                        tile_coords(coords, tile_index(t, cta, grid), nq, H)
+                        qt, h, b = coords[0], coords[1], coords[2]
+                        nb = n_key_blocks(qt, offset)
+                        T.mbarrier_wait_parity(q_empty, (n & 1) ^ 1)
+                        T.tma_copy(Q[b, qt * bm : (qt + 1) * bm, h, :], q_s, barrier=q_full)
+                        T.mbarrier_arrive(q_full)
+                        for kb in T.serial(nb):
+                            st = (g + kb) % S
+                            ph = ((g + kb) // S) & 1
+                            T.mbarrier_wait_parity(k_empty[st], ph ^ 1)
+                            T.tma_copy(K[b, kb * bn : (kb + 1) * bn, h // groups, :], k_s[st, :, :], barrier=k_full[st])
+                            T.mbarrier_arrive(k_full[st])
+                            T.mbarrier_wait_parity(v_empty[st], ph ^ 1)
+                            T.tma_copy(V[b, kb * bn : (kb + 1) * bn, h // groups, :], v_s[st, :, :], barrier=v_full[st])
+                            T.mbarrier_arrive(v_full[st])
+                        g = g + nb
+                        n = n + 1
+            with T.ws(*cwg):
+                T.inc_max_nreg(warpgroup_regs(consumers))
+                g = T.alloc_var("int32", init=0)
+                n = T.alloc_var("int32", init=0)
+                for t in T.serial(rounds):
+                    if tile_index(t, cta, grid) < tiles:
+                        tile_coords(coords, tile_index(t, cta, grid), nq, H)
+                        qt, h, b = coords[0], coords[1], coords[2]
+                        nb = n_key_blocks(qt, offset)
+                        T.fill(o, 0)
+                        T.fill(l, 0)
+                        T.fill(m, neg_inf)
+                        if lazy_on:
+                            T.fill(m_scaled, 0)
+                        T.mbarrier_wait_parity(q_full, n & 1)
+                        st0 = g % S
+                        T.mbarrier_wait_parity(k_full[st0], (g // S) & 1)
+                        init_scores(s, 0, qt, offset)
+                        T.wgmma_gemm(q_s, k_s[st0, :, :], s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=post_mask)
+                        T.wait_wgmma(0)
+                        T.mbarrier_arrive(k_empty[st0])
+                        if own_o:
+                            if nb == 1:
+                                T.mbarrier_arrive(q_empty)  # the tile's last S GEMM has retired
+                        mask_scores(s, 0, qt, offset)
+                        online_softmax(s, m, m_prev, m_scaled, alpha, row_sum, l, moved)
+                        T.copy(s, p)
+                        for kb in T.serial(1, nb):
+                            st = (g + kb) % S
+                            sp = (g + kb - 1) % S
+                            T.mbarrier_wait_parity(k_full[st], ((g + kb) // S) & 1)
+                            init_scores(s, kb, qt, offset)
+                            T.mbarrier_wait_parity(v_full[sp], ((g + kb - 1) // S) & 1)
+                            T.wgmma_gemm(q_s, k_s[st, :, :], s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=post_mask)
+                            T.wgmma_gemm(p, v_s[sp, :, :], o, policy=T.GemmWarpPolicy.FullRow)
+                            T.wait_wgmma(1)
+                            T.mbarrier_arrive(k_empty[st])
+                            if own_o:
+                                if kb == nb - 1:
+                                    T.mbarrier_arrive(q_empty)
+                            mask_scores(s, kb, qt, offset)
+                            online_softmax(s, m, m_prev, m_scaled, alpha, row_sum, l, moved)
+                            T.wait_wgmma(0)
+                            T.mbarrier_arrive(v_empty[sp])
+                            rescale(o, alpha, moved)
+                            T.copy(s, p)
+                        sl = (g + nb - 1) % S
+                        T.mbarrier_wait_parity(v_full[sl], ((g + nb - 1) // S) & 1)
+                        T.wgmma_gemm(p, v_s[sl, :, :], o, policy=T.GemmWarpPolicy.FullRow)
+                        T.wait_wgmma(0)
+                        T.mbarrier_arrive(v_empty[sl])
+                        normalize(o, l, m_scaled, lse)
+                        # the previous tile's O store has read o_s (its issuing thread waited
+                        # for that before reaching this barrier)
+                        T.sync_threads(1, consumers)
+                        T.copy(o, o_s)
+                        T.fence_proxy_async()
+                        T.sync_threads(1, consumers)
+                        T.copy(o_s, O[b, qt * bm : (qt + 1) * bm, h, :])
+                        if with_lse:
+                            T.copy(lse, LSE[b, h, qt * bm : (qt + 1) * bm])
+                        if not own_o:
+                            T.sync_threads(1, consumers)  # the store has read o_s = q_s
+                            T.mbarrier_arrive(q_empty)
+                        g = g + nb
+                        n = n + 1
+
+    if config.persistent:
+        assert config.pipeline == "async", "FwdConfig.persistent needs pipeline='async'"
+        body = body_persistent  # noqa: F811
+    elif config.pipeline != "auto":
         body = body_async  # noqa: F811
 
     # T.prim_func needs an explicit signature per argument list: with and without LSE.

@@ -32,10 +32,9 @@ from dataclasses import dataclass
 
 import tilelang.language as T
 
-from ..runtime import HAND_SYNC_PASS_CONFIGS, PRODUCER_REGS, kernel, warpgroup_regs
+from ..runtime import HAND_SYNC_PASS_CONFIGS, PERSISTENT_CTAS, PRODUCER_REGS, kernel, warpgroup_regs
 
 DTYPES = ("float16", "bfloat16")
-PERSISTENT_CTAS = 132  # the "pingpong" grid by default: one CTA per SM of an H100 SXM / H200 (`ctas`)
 ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu")
 LAYOUTS = ("nn", "nt", "tn")
 

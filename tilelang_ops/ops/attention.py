@@ -145,6 +145,8 @@ def _kernel(name: str, dtype: torch.dtype, device: torch.device, headdim: int = 
             config = tuning.resolve_config(TUNABLES[_TUNED_AS[name]], _tune_shape(static), dtype, device)
         else:
             config = untuned_config(name)  # the preprocess and the cast: one fixed config
+        if getattr(config, "persistent", False):
+            static["ctas"] = runtime.sm_count(device)  # one CTA per SM
         k = _kernels[key] = runtime.launcher(_compile(name, config, dtype, device, **static))
     return k
 
