@@ -124,8 +124,12 @@ def fwd_default_config(headdim: int, causal: bool, arch: str = "sm_90a") -> FwdC
             # 192), B16 H32 S2048 1.01x (benchmarks.sweep_attention --gpt, session14/call2).
             # post_mask: 1.05x causal, 1.07x not (session17/call7): the zero fill of 88 (44)
             # accumulators per thread a step left the chain, and the 192x176 kernel its spills.
+            # persistent (one CTA per SM walking the tiles: the next tile's loads under this
+            # one's last steps and epilogue), causal: 1.06x (session18/call4); not causal, the
+            # async tile gains 1.08x with it but stays behind the 192x176 T.Pipelined one (0.94x);
+            # at D=128, where O has to go out through Q's buffer, it loses (0.82-0.97x).
             if causal:
-                return FwdConfig(128, 128, 2, 256, "async", post_mask=True)
+                return FwdConfig(128, 128, 2, 256, "async", post_mask=True, persistent=True)
             return FwdConfig(192, 176, 2, 384, post_mask=True)
         # D=256: Q, O and two K/V stages of 128 keys would exceed 227 KB of shared memory.
         return FwdConfig(128, 64, 2, 256)
@@ -156,6 +160,8 @@ FWD_SEARCH_SPACE = [
     FwdConfig(192, 176, 2, 384, post_mask=True),
     FwdConfig(128, 128, 2, 256, "async", post_mask=True),
     FwdConfig(128, 176, 2, 256, "async", lazy_rescale=8.0),
+    # the persistent walk (eighteenth session)
+    FwdConfig(128, 128, 2, 256, "async", post_mask=True, persistent=True),
 ]
 
 
