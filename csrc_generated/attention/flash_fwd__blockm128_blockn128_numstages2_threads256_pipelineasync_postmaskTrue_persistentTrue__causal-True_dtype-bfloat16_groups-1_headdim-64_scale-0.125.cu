@@ -146,14 +146,14 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_fwd_kernel(__grid_con
         float broadcast_var_2 = -CUDART_INF_F;
         *(float2*)(m + 0) = make_float2(broadcast_var_2, broadcast_var_2);
         q_full[0].wait((n_1 & 1));
-        int st0 = (g_1 & 1);
-        k_full[((int64_t)st0)].wait(((g_1 >> 1) & 1));
+        int g_2 = g_1;
+        k_full[(g_2 & 1)].wait(((g_2 >> 1) & 1));
         {
           tl::GmmaDescriptor desc_a;
           tl::GmmaDescriptor desc_b;
           tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a, (&(((bfloat16_t*)q_s)[0])));
           tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b, (&(((bfloat16_t*)k_s)[0])));
-          tl::increase_descriptor_offset<int>(desc_b, (st0 * 16384));
+          tl::increase_descriptor_offset<int>(desc_b, ((g_2 & 1) * 16384));
           tl::warpgroup_fence_operand(reinterpret_cast<float*>(s + 0), 128);
           tl::warpgroup_arrive();
           #pragma unroll
@@ -164,7 +164,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_fwd_kernel(__grid_con
           tl::warpgroup_fence_operand(reinterpret_cast<float*>(s + 0), 128);
         }
         tl::wait_wgmma<0>();
-        k_empty[((int64_t)st0)].arrive();
+        k_empty[(g_2 & 1)].arrive();
         if (max(min(((Sk + 127) >> 7), ((((Sk + 255) - Sq) >> 7) + qt_1)), 1) == 1) {
           q_empty[0].arrive();
         }
@@ -247,16 +247,14 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_fwd_kernel(__grid_con
           *(uint2*)(p + (i_6 * 4)) = __6;
         }
         for (int kb_1 = 1; kb_1 < max(min(((Sk + 127) >> 7), ((((Sk + 255) - Sq) >> 7) + qt_1)), 1); ++kb_1) {
-          int st_1 = ((g_1 + kb_1) & 1);
-          int sp = (((g_1 + kb_1) + 1) & 1);
-          k_full[((int64_t)st_1)].wait((((g_1 + kb_1) >> 1) & 1));
-          v_full[((int64_t)sp)].wait(((((g_1 + kb_1) - 1) >> 1) & 1));
+          k_full[((g_2 + kb_1) & 1)].wait((((g_2 + kb_1) >> 1) & 1));
+          v_full[(((g_2 + kb_1) + 1) & 1)].wait(((((g_2 + kb_1) - 1) >> 1) & 1));
           {
             tl::GmmaDescriptor desc_a_1;
             tl::GmmaDescriptor desc_b_1;
             tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_1, (&(((bfloat16_t*)q_s)[0])));
             tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_1, (&(((bfloat16_t*)k_s)[0])));
-            tl::increase_descriptor_offset<int>(desc_b_1, (st_1 * 16384));
+            tl::increase_descriptor_offset<int>(desc_b_1, (((g_2 + kb_1) & 1) * 16384));
             tl::warpgroup_fence_operand(reinterpret_cast<float*>(s + 0), 128);
             tl::warpgroup_arrive();
             #pragma unroll
@@ -269,7 +267,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_fwd_kernel(__grid_con
           {
             tl::GmmaDescriptor desc_b_2;
             tl::initialize_wgmma_descriptor<1, 0, 64>(desc_b_2, (&(((bfloat16_t*)v_s)[0])));
-            tl::increase_descriptor_offset<int>(desc_b_2, (sp * 16384));
+            tl::increase_descriptor_offset<int>(desc_b_2, ((((g_2 + kb_1) + 1) & 1) * 16384));
             tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(p + 0), 32);
             tl::warpgroup_fence_operand(reinterpret_cast<float*>(o + 0), 64);
             tl::warpgroup_arrive();
@@ -282,7 +280,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_fwd_kernel(__grid_con
             tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(p + 0), 32);
           }
           tl::wait_wgmma<1>();
-          k_empty[((int64_t)st_1)].arrive();
+          k_empty[((g_2 + kb_1) & 1)].arrive();
           if (kb_1 == max((min(((Sk + 127) >> 7), ((((Sk + 255) - Sq) >> 7) + qt_1)) - 1), 0)) {
             q_empty[0].arrive();
           }
@@ -357,7 +355,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_fwd_kernel(__grid_con
             __10.y = (__11.y+v__12.y);
           *(float2*)(l + 0) = __10;
           tl::wait_wgmma<0>();
-          v_empty[((int64_t)sp)].arrive();
+          v_empty[(((g_2 + kb_1) + 1) & 1)].arrive();
           #pragma unroll
           for (int i_12 = 0; i_12 < 16; ++i_12) {
             float2 __12;
@@ -376,12 +374,11 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_fwd_kernel(__grid_con
             *(uint2*)(p + (i_13 * 4)) = __13;
           }
         }
-        int sl = (((max(min(((Sk + 127) >> 7), ((((Sk + 255) - Sq) >> 7) + qt_1)), 1) + g_1) + 1) & 1);
-        v_full[((int64_t)sl)].wait(((((max(min(((Sk + 127) >> 7), ((((Sk + 255) - Sq) >> 7) + qt_1)), 1) + g_1) - 1) >> 1) & 1));
+        v_full[(((max(min(((Sk + 127) >> 7), ((((Sk + 255) - Sq) >> 7) + qt_1)), 1) + g_2) + 1) & 1)].wait(((((max(min(((Sk + 127) >> 7), ((((Sk + 255) - Sq) >> 7) + qt_1)), 1) + g_2) - 1) >> 1) & 1));
         {
           tl::GmmaDescriptor desc_b_3;
           tl::initialize_wgmma_descriptor<1, 0, 64>(desc_b_3, (&(((bfloat16_t*)v_s)[0])));
-          tl::increase_descriptor_offset<int>(desc_b_3, (sl * 16384));
+          tl::increase_descriptor_offset<int>(desc_b_3, ((((max(min(((Sk + 127) >> 7), ((((Sk + 255) - Sq) >> 7) + qt_1)), 1) + g_2) + 1) & 1) * 16384));
           tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(p + 0), 32);
           tl::warpgroup_fence_operand(reinterpret_cast<float*>(o + 0), 64);
           tl::warpgroup_arrive();
@@ -394,7 +391,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_fwd_kernel(__grid_con
           tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(p + 0), 32);
         }
         tl::wait_wgmma<0>();
-        v_empty[((int64_t)sl)].arrive();
+        v_empty[(((max(min(((Sk + 127) >> 7), ((((Sk + 255) - Sq) >> 7) + qt_1)), 1) + g_2) + 1) & 1)].arrive();
         #pragma unroll
         for (int i_14 = 0; i_14 < 2; ++i_14) {
           float condval_4;

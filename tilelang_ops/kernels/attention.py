@@ -360,13 +360,66 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
                         T.named_barrier_arrive(_TURN + (w + 1) % len(cwg), 256)
 
     @T.macro
+    def attend_tile(q_s, k_s, v_s, s, p, o, m, m_prev, m_scaled, alpha, row_sum, l, moved,
+                    k_full, v_full, k_empty, v_empty, q_empty, wg, g, nb, qt, offset):
+        """A consumer warpgroup's steps over one query tile's nb key blocks (ring positions g..,
+        g: blocks the CTA consumed before this tile), up to O's last P V wgmma retired. Per step
+        j >= 1: issue S_j = Q K_j^T and O += P_{j-1} V_{j-1} (two wgmma groups), wait for S_j
+        only, run step j's softmax while P V runs, then wait for P V, release both stages,
+        rescale O by step j's alpha and convert P_j. O is always on the basis of the max of the
+        P being multiplied, as in the serial order. q_empty (a persistent walk with its own O
+        buffer): arrived once the tile's last S GEMM has retired (the next Q may land); a
+        persistent walk (q_empty or not) also releases the last V stage: the ring goes on."""
+        walk = config.persistent
+        # step 0: scores and softmax only (O is still 0)
+        T.mbarrier_wait_parity(k_full[g % S], (g // S) & 1)
+        init_scores(s, 0, qt, offset)
+        my_turn(wg)
+        T.wgmma_gemm(q_s, k_s[g % S, :, :], s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=post_mask)
+        pass_turn(wg, False)
+        T.wait_wgmma(0)
+        T.mbarrier_arrive(k_empty[g % S])
+        if q_empty is not None:
+            if nb == 1:
+                T.mbarrier_arrive(q_empty)
+        mask_scores(s, 0, qt, offset)
+        online_softmax(s, m, m_prev, m_scaled, alpha, row_sum, l, moved)
+        T.copy(s, p)
+        for kb in T.serial(1, nb):
+            st = (g + kb) % S
+            sp = (g + kb - 1) % S
+            T.mbarrier_wait_parity(k_full[st], ((g + kb) // S) & 1)
+            init_scores(s, kb, qt, offset)
+            T.mbarrier_wait_parity(v_full[sp], ((g + kb - 1) // S) & 1)
+            my_turn(wg)
+            T.wgmma_gemm(q_s, k_s[st, :, :], s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=post_mask)
+            T.wgmma_gemm(p, v_s[sp, :, :], o, policy=T.GemmWarpPolicy.FullRow)
+            pass_turn(wg, False)
+            T.wait_wgmma(1)  # S_j done; P_{j-1} V_{j-1} may still run
+            T.mbarrier_arrive(k_empty[st])
+            if q_empty is not None:
+                if kb == nb - 1:
+                    T.mbarrier_arrive(q_empty)
+            mask_scores(s, kb, qt, offset)
+            online_softmax(s, m, m_prev, m_scaled, alpha, row_sum, l, moved)
+            T.wait_wgmma(0)
+            T.mbarrier_arrive(v_empty[sp])
+            rescale(o, alpha, moved)
+            T.copy(s, p)
+        last = g + nb - 1
+        T.mbarrier_wait_parity(v_full[last % S], (last // S) & 1)
+        my_turn(wg)
+        T.wgmma_gemm(p, v_s[last % S, :, :], o, policy=T.GemmWarpPolicy.FullRow)
+        pass_turn(wg, True)
+        T.wait_wgmma(0)
+        if walk:
+            T.mbarrier_arrive(v_empty[last % S])
+
+    @T.macro
     def body_async(Q, K, V, O, LSE):
         # Producer warpgroup: Q once, then K_j and V_j into an S-stage ring (full_*: the bytes
-        # landed; empty_*: every consumer thread is done with the stage). Each consumer
-        # warpgroup, per step j >= 1: issue S_j = Q K_j^T and O += P_{j-1} V_{j-1} (two wgmma
-        # groups), wait for S_j only, run step j's softmax while P V runs, then wait for P V,
-        # release both stages, rescale O by step j's alpha and convert P_j. O is always on the
-        # basis of the max of the P being multiplied, as in the serial order.
+        # landed; empty_*: every consumer thread is done with the stage); the consumer
+        # warpgroups: attend_tile.
         with T.Kernel(T.ceildiv(Sq, bm), H, B, threads=consumers + 128) as (bx, by, bz):
             q_s = T.alloc_shared((bm, D), dtype)
             k_s = T.alloc_shared((S, bn, D), dtype)
@@ -425,41 +478,8 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
                 if lazy_on:
                     T.fill(m_scaled, 0)  # set below only when a row's max moves
                 T.mbarrier_wait_parity(q_full, 0)
-                # step 0: scores and softmax only (O is still 0)
-                T.mbarrier_wait_parity(k_full[0], 0)
-                init_scores(s, 0, qt, offset)
-                my_turn(wg)
-                T.wgmma_gemm(q_s, k_s[0, :, :], s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=post_mask)
-                pass_turn(wg, False)
-                T.wait_wgmma(0)
-                T.mbarrier_arrive(k_empty[0])
-                mask_scores(s, 0, qt, offset)
-                online_softmax(s, m, m_prev, m_scaled, alpha, row_sum, l, moved)
-                T.copy(s, p)
-                for kb in T.serial(1, n_blocks):
-                    st = kb % S
-                    sp = (kb - 1) % S
-                    T.mbarrier_wait_parity(k_full[st], (kb // S) & 1)
-                    init_scores(s, kb, qt, offset)
-                    T.mbarrier_wait_parity(v_full[sp], ((kb - 1) // S) & 1)
-                    my_turn(wg)
-                    T.wgmma_gemm(q_s, k_s[st, :, :], s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=post_mask)
-                    T.wgmma_gemm(p, v_s[sp, :, :], o, policy=T.GemmWarpPolicy.FullRow)
-                    pass_turn(wg, False)
-                    T.wait_wgmma(1)  # S_j done; P_{j-1} V_{j-1} may still run
-                    T.mbarrier_arrive(k_empty[st])
-                    mask_scores(s, kb, qt, offset)
-                    online_softmax(s, m, m_prev, m_scaled, alpha, row_sum, l, moved)
-                    T.wait_wgmma(0)
-                    T.mbarrier_arrive(v_empty[sp])
-                    rescale(o, alpha, moved)
-                    T.copy(s, p)
-                last = n_blocks - 1
-                T.mbarrier_wait_parity(v_full[last % S], (last // S) & 1)
-                my_turn(wg)
-                T.wgmma_gemm(p, v_s[last % S, :, :], o, policy=T.GemmWarpPolicy.FullRow)
-                pass_turn(wg, True)
-                T.wait_wgmma(0)
+                attend_tile(q_s, k_s, v_s, s, p, o, m, m_prev, m_scaled, alpha, row_sum, l, moved,
+                            k_full, v_full, k_empty, v_empty, None, wg, 0, n_blocks, qt, offset)
                 normalize(o, l, m_scaled, lse)
                 T.copy(o, o_s)
                 # named barrier over the consumers (the producer may have exited); the generic-proxy
@@ -565,42 +585,8 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
                         if lazy_on:
                             T.fill(m_scaled, 0)
                         T.mbarrier_wait_parity(q_full, n & 1)
-                        st0 = g % S
-                        T.mbarrier_wait_parity(k_full[st0], (g // S) & 1)
-                        init_scores(s, 0, qt, offset)
-                        T.wgmma_gemm(q_s, k_s[st0, :, :], s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=post_mask)
-                        T.wait_wgmma(0)
-                        T.mbarrier_arrive(k_empty[st0])
-                        if own_o:
-                            if nb == 1:
-                                T.mbarrier_arrive(q_empty)  # the tile's last S GEMM has retired
-                        mask_scores(s, 0, qt, offset)
-                        online_softmax(s, m, m_prev, m_scaled, alpha, row_sum, l, moved)
-                        T.copy(s, p)
-                        for kb in T.serial(1, nb):
-                            st = (g + kb) % S
-                            sp = (g + kb - 1) % S
-                            T.mbarrier_wait_parity(k_full[st], ((g + kb) // S) & 1)
-                            init_scores(s, kb, qt, offset)
-                            T.mbarrier_wait_parity(v_full[sp], ((g + kb - 1) // S) & 1)
-                            T.wgmma_gemm(q_s, k_s[st, :, :], s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=post_mask)
-                            T.wgmma_gemm(p, v_s[sp, :, :], o, policy=T.GemmWarpPolicy.FullRow)
-                            T.wait_wgmma(1)
-                            T.mbarrier_arrive(k_empty[st])
-                            if own_o:
-                                if kb == nb - 1:
-                                    T.mbarrier_arrive(q_empty)
-                            mask_scores(s, kb, qt, offset)
-                            online_softmax(s, m, m_prev, m_scaled, alpha, row_sum, l, moved)
-                            T.wait_wgmma(0)
-                            T.mbarrier_arrive(v_empty[sp])
-                            rescale(o, alpha, moved)
-                            T.copy(s, p)
-                        sl = (g + nb - 1) % S
-                        T.mbarrier_wait_parity(v_full[sl], ((g + nb - 1) // S) & 1)
-                        T.wgmma_gemm(p, v_s[sl, :, :], o, policy=T.GemmWarpPolicy.FullRow)
-                        T.wait_wgmma(0)
-                        T.mbarrier_arrive(v_empty[sl])
+                        attend_tile(q_s, k_s, v_s, s, p, o, m, m_prev, m_scaled, alpha, row_sum, l, moved,
+                                    k_full, v_full, k_empty, v_empty, q_empty if own_o else None, 0, g, nb, qt, offset)
                         normalize(o, l, m_scaled, lse)
                         # the previous tile's O store has read o_s (its issuing thread waited
                         # for that before reaching this barrier)
