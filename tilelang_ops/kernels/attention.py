@@ -205,6 +205,15 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
             return (kb * bn + j >= Sk) | (kb * bn + j > qt * bm + i + offset)
         return kb * bn + j >= Sk
 
+    def tile_state():
+        """A query tile's fragments: scores s (then probabilities), p (their dtype copy, the P V
+        operand), o, the running row max m (raw scores), m_prev, m_scaled, alpha (rescale of the
+        running sums), row_sum, l (running sum of exp), lse; and with lazy rescaling `moved`
+        (whether this thread's rows moved their max; else None)."""
+        return (T.alloc_fragment((bm, bn), acc), T.alloc_fragment((bm, bn), dtype), T.alloc_fragment((bm, D), acc),
+                *(T.alloc_fragment((bm,), acc) for _ in range(7)),
+                T.alloc_local((1,), "int32") if lazy_on else None)
+
     @T.macro
     def init_scores(s, kb, qt, offset):
         # The mask is the GEMM's initial accumulator: 0 where visible, -inf elsewhere. Only the
@@ -282,18 +291,7 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
             k_s = T.alloc_shared((bn, D), dtype)
             v_s = T.alloc_shared((bn, D), dtype)
             o_s = T.alloc_shared((bm, D), dtype)
-            s = T.alloc_fragment((bm, bn), acc)  # scores, then probabilities
-            p = T.alloc_fragment((bm, bn), dtype)
-            o = T.alloc_fragment((bm, D), acc)
-            m = T.alloc_fragment((bm,), acc)  # running row max of raw scores
-            m_prev = T.alloc_fragment((bm,), acc)
-            m_scaled = T.alloc_fragment((bm,), acc)
-            alpha = T.alloc_fragment((bm,), acc)  # rescale of the running sums
-            row_sum = T.alloc_fragment((bm,), acc)
-            l = T.alloc_fragment((bm,), acc)  # running sum of exp
-            lse = T.alloc_fragment((bm,), acc)
-            # lazy rescaling: whether this thread's rows moved their max (only then allocated)
-            moved = T.alloc_local((1,), "int32") if lazy_on else None
+            s, p, o, m, m_prev, m_scaled, alpha, row_sum, l, lse, moved = tile_state()
 
             # Causal: heaviest query tiles (most keys) first, so the short ones fill the tail.
             qt = T.ceildiv(Sq, bm) - 1 - bx if causal else bx
@@ -416,6 +414,23 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
             T.mbarrier_arrive(v_empty[last % S])
 
     @T.macro
+    def store_tile(o, l, m_scaled, lse, o_s, O, LSE, b, h, qt, walk):
+        """The async forwards' epilogue: normalize, O through o_s by TMA, the LSE row."""
+        normalize(o, l, m_scaled, lse)
+        if walk:
+            # the previous tile's O store has read o_s (its issuing thread waited for that
+            # before reaching this barrier)
+            T.sync_threads(1, consumers)
+        T.copy(o, o_s)
+        # named barrier over the consumers (the producer may have exited); the generic-proxy
+        # writes to o_s made visible to the TMA store first
+        T.fence_proxy_async()
+        T.sync_threads(1, consumers)
+        T.copy(o_s, O[b, qt * bm : (qt + 1) * bm, h, :])
+        if with_lse:
+            T.copy(lse, LSE[b, h, qt * bm : (qt + 1) * bm])
+
+    @T.macro
     def body_async(Q, K, V, O, LSE):
         # Producer warpgroup: Q once, then K_j and V_j into an S-stage ring (full_*: the bytes
         # landed; empty_*: every consumer thread is done with the stage); the consumer
@@ -428,18 +443,7 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
             # rows of q_s, and its last one has retired when it writes them (saves bm x D, e.g. a
             # third K/V stage at D=128).
             o_s = q_s
-            s = T.alloc_fragment((bm, bn), acc)
-            p = T.alloc_fragment((bm, bn), dtype)
-            o = T.alloc_fragment((bm, D), acc)
-            m = T.alloc_fragment((bm,), acc)
-            m_prev = T.alloc_fragment((bm,), acc)
-            m_scaled = T.alloc_fragment((bm,), acc)
-            alpha = T.alloc_fragment((bm,), acc)
-            row_sum = T.alloc_fragment((bm,), acc)
-            l = T.alloc_fragment((bm,), acc)
-            lse = T.alloc_fragment((bm,), acc)
-            # lazy rescaling: whether this thread's rows moved their max (only then allocated)
-            moved = T.alloc_local((1,), "int32") if lazy_on else None
+            s, p, o, m, m_prev, m_scaled, alpha, row_sum, l, lse, moved = tile_state()
             q_full = T.alloc_barrier([128])
             k_full = T.alloc_barrier([128] * S)
             v_full = T.alloc_barrier([128] * S)
@@ -480,15 +484,7 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
                 T.mbarrier_wait_parity(q_full, 0)
                 attend_tile(q_s, k_s, v_s, s, p, o, m, m_prev, m_scaled, alpha, row_sum, l, moved,
                             k_full, v_full, k_empty, v_empty, None, wg, 0, n_blocks, qt, offset)
-                normalize(o, l, m_scaled, lse)
-                T.copy(o, o_s)
-                # named barrier over the consumers (the producer may have exited); the generic-proxy
-                # writes to o_s made visible to the TMA store first
-                T.fence_proxy_async()
-                T.sync_threads(1, consumers)
-                T.copy(o_s, O[bz, qt * bm : (qt + 1) * bm, by, :])
-                if with_lse:
-                    T.copy(lse, LSE[bz, by, qt * bm : (qt + 1) * bm])
+                store_tile(o, l, m_scaled, lse, o_s, O, LSE, bz, by, qt, False)
 
     def tile_index(t, cta, grid):
         """List index of CTA cta's tile in round t of the persistent walk (see body_persistent)."""
@@ -526,17 +522,7 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
             # Its own buffer where it fits (the next tile's Q lands while this O is stored), else
             # Q's (then the next Q waits for the store).
             o_s = T.alloc_shared((bm, D), dtype) if own_o else q_s
-            s = T.alloc_fragment((bm, bn), acc)
-            p = T.alloc_fragment((bm, bn), dtype)
-            o = T.alloc_fragment((bm, D), acc)
-            m = T.alloc_fragment((bm,), acc)
-            m_prev = T.alloc_fragment((bm,), acc)
-            m_scaled = T.alloc_fragment((bm,), acc)
-            alpha = T.alloc_fragment((bm,), acc)
-            row_sum = T.alloc_fragment((bm,), acc)
-            l = T.alloc_fragment((bm,), acc)
-            lse = T.alloc_fragment((bm,), acc)
-            moved = T.alloc_local((1,), "int32") if lazy_on else None
+            s, p, o, m, m_prev, m_scaled, alpha, row_sum, l, lse, moved = tile_state()
             coords = T.alloc_local((3,), "int32")  # this tile's query tile, head, batch
             q_full = T.alloc_barrier([128])
             q_empty = T.alloc_barrier([consumers])
@@ -587,16 +573,7 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
                         T.mbarrier_wait_parity(q_full, n & 1)
                         attend_tile(q_s, k_s, v_s, s, p, o, m, m_prev, m_scaled, alpha, row_sum, l, moved,
                                     k_full, v_full, k_empty, v_empty, q_empty if own_o else None, 0, g, nb, qt, offset)
-                        normalize(o, l, m_scaled, lse)
-                        # the previous tile's O store has read o_s (its issuing thread waited
-                        # for that before reaching this barrier)
-                        T.sync_threads(1, consumers)
-                        T.copy(o, o_s)
-                        T.fence_proxy_async()
-                        T.sync_threads(1, consumers)
-                        T.copy(o_s, O[b, qt * bm : (qt + 1) * bm, h, :])
-                        if with_lse:
-                            T.copy(lse, LSE[b, h, qt * bm : (qt + 1) * bm])
+                        store_tile(o, l, m_scaled, lse, o_s, O, LSE, b, h, qt, True)
                         if not own_o:
                             T.sync_threads(1, consumers)  # the store has read o_s = q_s
                             T.mbarrier_arrive(q_empty)
