@@ -93,29 +93,28 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_fwd_kernel(__grid_con
         coords[1] = ((((t * min(((((Sq + 127) >> 7) * H) * B), 132)) + ((((int)blockIdx.x) + t) % min(((((Sq + 127) >> 7) * H) * B), 132))) / ((Sq + 127) >> 7)) % H);
         coords[2] = ((((t * min(((((Sq + 127) >> 7) * H) * B), 132)) + ((((int)blockIdx.x) + t) % min(((((Sq + 127) >> 7) * H) * B), 132))) / ((Sq + 127) >> 7)) / H);
         int qt = coords[0];
-        int h = coords[1];
+        int kvh = coords[1];
         int b = coords[2];
         q_empty[0].wait(((n & 1) ^ 1));
         if (tl::tl_shuffle_elect<128>()) {
           q_full[0].expect_transaction(16384);
-          tl::tma_load(Q_desc, q_full[0], (&(((bfloat16_t*)q_s)[0])), 0, (qt * 128), h, b);
+          tl::tma_load(Q_desc, q_full[0], (&(((bfloat16_t*)q_s)[0])), 0, (qt * 128), kvh, b);
         }
         q_full[0].arrive();
+        int g_2 = g;
         for (int kb = 0; kb < max(min(((Sk + 127) >> 7), ((((Sk + 255) - Sq) >> 7) + qt)), 1); ++kb) {
-          int st = ((g + kb) & 1);
-          int ph = (((g + kb) >> 1) & 1);
-          k_empty[((int64_t)st)].wait((ph ^ 1));
+          k_empty[((g_2 + kb) & 1)].wait(((((g_2 + kb) >> 1) & 1) ^ 1));
           if (tl::tl_shuffle_elect<128>()) {
-            k_full[((int64_t)st)].expect_transaction(16384);
-            tl::tma_load(K_desc, k_full[((int64_t)st)], (&(((bfloat16_t*)k_s)[((((st & 1) * 8192) + (((st & 255) >> 1) * 64)) + (st >> 8))])), 0, (kb * 128), h, b);
+            k_full[((g_2 + kb) & 1)].expect_transaction(16384);
+            tl::tma_load(K_desc, k_full[((g_2 + kb) & 1)], (&(((bfloat16_t*)k_s)[(((g_2 + kb) & 1) * 8192)])), 0, (kb * 128), kvh, b);
           }
-          k_full[((int64_t)st)].arrive();
-          v_empty[((int64_t)st)].wait((ph ^ 1));
+          k_full[((g_2 + kb) & 1)].arrive();
+          v_empty[((g_2 + kb) & 1)].wait(((((g_2 + kb) >> 1) & 1) ^ 1));
           if (tl::tl_shuffle_elect<128>()) {
-            v_full[((int64_t)st)].expect_transaction(16384);
-            tl::tma_load(V_desc, v_full[((int64_t)st)], (&(((bfloat16_t*)v_s)[((((st & 1) * 8192) + (((st & 255) >> 1) * 64)) + (st >> 8))])), 0, (kb * 128), h, b);
+            v_full[((g_2 + kb) & 1)].expect_transaction(16384);
+            tl::tma_load(V_desc, v_full[((g_2 + kb) & 1)], (&(((bfloat16_t*)v_s)[(((g_2 + kb) & 1) * 8192)])), 0, (kb * 128), kvh, b);
           }
-          v_full[((int64_t)st)].arrive();
+          v_full[((g_2 + kb) & 1)].arrive();
         }
         g = (max(min(((Sk + 127) >> 7), ((((Sk + 255) - Sq) >> 7) + qt)), 1) + g);
         n = (n + 1);
@@ -134,7 +133,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_fwd_kernel(__grid_con
         coords[1] = ((((t_1 * min(((((Sq + 127) >> 7) * H) * B), 132)) + ((((int)blockIdx.x) + t_1) % min(((((Sq + 127) >> 7) * H) * B), 132))) / ((Sq + 127) >> 7)) % H);
         coords[2] = ((((t_1 * min(((((Sq + 127) >> 7) * H) * B), 132)) + ((((int)blockIdx.x) + t_1) % min(((((Sq + 127) >> 7) * H) * B), 132))) / ((Sq + 127) >> 7)) / H);
         int qt_1 = coords[0];
-        int h_1 = coords[1];
+        int h = coords[1];
         int b_1 = coords[2];
         #pragma unroll
         for (int i = 0; i < 8; ++i) {
@@ -146,14 +145,14 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_fwd_kernel(__grid_con
         float broadcast_var_2 = -CUDART_INF_F;
         *(float2*)(m + 0) = make_float2(broadcast_var_2, broadcast_var_2);
         q_full[0].wait((n_1 & 1));
-        int g_2 = g_1;
-        k_full[(g_2 & 1)].wait(((g_2 >> 1) & 1));
+        int g_3 = g_1;
+        k_full[(g_3 & 1)].wait(((g_3 >> 1) & 1));
         {
           tl::GmmaDescriptor desc_a;
           tl::GmmaDescriptor desc_b;
           tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a, (&(((bfloat16_t*)q_s)[0])));
           tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b, (&(((bfloat16_t*)k_s)[0])));
-          tl::increase_descriptor_offset<int>(desc_b, ((g_2 & 1) * 16384));
+          tl::increase_descriptor_offset<int>(desc_b, ((g_3 & 1) * 16384));
           tl::warpgroup_fence_operand(reinterpret_cast<float*>(s + 0), 128);
           tl::warpgroup_arrive();
           #pragma unroll
@@ -164,7 +163,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_fwd_kernel(__grid_con
           tl::warpgroup_fence_operand(reinterpret_cast<float*>(s + 0), 128);
         }
         tl::wait_wgmma<0>();
-        k_empty[(g_2 & 1)].arrive();
+        k_empty[(g_3 & 1)].arrive();
         if (max(min(((Sk + 127) >> 7), ((((Sk + 255) - Sq) >> 7) + qt_1)), 1) == 1) {
           q_empty[0].arrive();
         }
@@ -247,14 +246,14 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_fwd_kernel(__grid_con
           *(uint2*)(p + (i_6 * 4)) = __6;
         }
         for (int kb_1 = 1; kb_1 < max(min(((Sk + 127) >> 7), ((((Sk + 255) - Sq) >> 7) + qt_1)), 1); ++kb_1) {
-          k_full[((g_2 + kb_1) & 1)].wait((((g_2 + kb_1) >> 1) & 1));
-          v_full[(((g_2 + kb_1) + 1) & 1)].wait(((((g_2 + kb_1) - 1) >> 1) & 1));
+          k_full[((g_3 + kb_1) & 1)].wait((((g_3 + kb_1) >> 1) & 1));
+          v_full[(((g_3 + kb_1) + 1) & 1)].wait(((((g_3 + kb_1) - 1) >> 1) & 1));
           {
             tl::GmmaDescriptor desc_a_1;
             tl::GmmaDescriptor desc_b_1;
             tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_1, (&(((bfloat16_t*)q_s)[0])));
             tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_1, (&(((bfloat16_t*)k_s)[0])));
-            tl::increase_descriptor_offset<int>(desc_b_1, (((g_2 + kb_1) & 1) * 16384));
+            tl::increase_descriptor_offset<int>(desc_b_1, (((g_3 + kb_1) & 1) * 16384));
             tl::warpgroup_fence_operand(reinterpret_cast<float*>(s + 0), 128);
             tl::warpgroup_arrive();
             #pragma unroll
@@ -267,7 +266,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_fwd_kernel(__grid_con
           {
             tl::GmmaDescriptor desc_b_2;
             tl::initialize_wgmma_descriptor<1, 0, 64>(desc_b_2, (&(((bfloat16_t*)v_s)[0])));
-            tl::increase_descriptor_offset<int>(desc_b_2, ((((g_2 + kb_1) + 1) & 1) * 16384));
+            tl::increase_descriptor_offset<int>(desc_b_2, ((((g_3 + kb_1) + 1) & 1) * 16384));
             tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(p + 0), 32);
             tl::warpgroup_fence_operand(reinterpret_cast<float*>(o + 0), 64);
             tl::warpgroup_arrive();
@@ -280,7 +279,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_fwd_kernel(__grid_con
             tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(p + 0), 32);
           }
           tl::wait_wgmma<1>();
-          k_empty[((g_2 + kb_1) & 1)].arrive();
+          k_empty[((g_3 + kb_1) & 1)].arrive();
           if (kb_1 == max((min(((Sk + 127) >> 7), ((((Sk + 255) - Sq) >> 7) + qt_1)) - 1), 0)) {
             q_empty[0].arrive();
           }
@@ -355,7 +354,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_fwd_kernel(__grid_con
             __10.y = (__11.y+v__12.y);
           *(float2*)(l + 0) = __10;
           tl::wait_wgmma<0>();
-          v_empty[(((g_2 + kb_1) + 1) & 1)].arrive();
+          v_empty[(((g_3 + kb_1) + 1) & 1)].arrive();
           #pragma unroll
           for (int i_12 = 0; i_12 < 16; ++i_12) {
             float2 __12;
@@ -374,11 +373,11 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_fwd_kernel(__grid_con
             *(uint2*)(p + (i_13 * 4)) = __13;
           }
         }
-        v_full[(((max(min(((Sk + 127) >> 7), ((((Sk + 255) - Sq) >> 7) + qt_1)), 1) + g_2) + 1) & 1)].wait(((((max(min(((Sk + 127) >> 7), ((((Sk + 255) - Sq) >> 7) + qt_1)), 1) + g_2) - 1) >> 1) & 1));
+        v_full[(((max(min(((Sk + 127) >> 7), ((((Sk + 255) - Sq) >> 7) + qt_1)), 1) + g_3) + 1) & 1)].wait(((((max(min(((Sk + 127) >> 7), ((((Sk + 255) - Sq) >> 7) + qt_1)), 1) + g_3) - 1) >> 1) & 1));
         {
           tl::GmmaDescriptor desc_b_3;
           tl::initialize_wgmma_descriptor<1, 0, 64>(desc_b_3, (&(((bfloat16_t*)v_s)[0])));
-          tl::increase_descriptor_offset<int>(desc_b_3, ((((max(min(((Sk + 127) >> 7), ((((Sk + 255) - Sq) >> 7) + qt_1)), 1) + g_2) + 1) & 1) * 16384));
+          tl::increase_descriptor_offset<int>(desc_b_3, ((((max(min(((Sk + 127) >> 7), ((((Sk + 255) - Sq) >> 7) + qt_1)), 1) + g_3) + 1) & 1) * 16384));
           tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(p + 0), 32);
           tl::warpgroup_fence_operand(reinterpret_cast<float*>(o + 0), 64);
           tl::warpgroup_arrive();
@@ -391,7 +390,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_fwd_kernel(__grid_con
           tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(p + 0), 32);
         }
         tl::wait_wgmma<0>();
-        v_empty[(((max(min(((Sk + 127) >> 7), ((((Sk + 255) - Sq) >> 7) + qt_1)), 1) + g_2) + 1) & 1)].arrive();
+        v_empty[(((max(min(((Sk + 127) >> 7), ((((Sk + 255) - Sq) >> 7) + qt_1)), 1) + g_3) + 1) & 1)].arrive();
         #pragma unroll
         for (int i_14 = 0; i_14 < 2; ++i_14) {
           float condval_4;
@@ -426,16 +425,16 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_fwd_kernel(__grid_con
         tl::fence_proxy_async();
         tl::__sync_thread_partial(1, 256);
         if (tl::tl_shuffle_elect<256>()) {
-          tl::tma_store(O_desc, (&(((bfloat16_t*)o_s)[0])), 0, (qt_1 * 128), h_1, b_1);
+          tl::tma_store(O_desc, (&(((bfloat16_t*)o_s)[0])), 0, (qt_1 * 128), h, b_1);
           tl::tma_store_arrive();
           tl::tma_store_wait<0, true>();
         }
         if ((((int)threadIdx.x) % 4) == 0) {
-          if ((((b_1 < B) && (0 <= b_1)) && (h_1 < H)) && (0 <= h_1)) {
+          if ((((b_1 < B) && (0 <= b_1)) && (h < H)) && (0 <= h)) {
             #pragma unroll
             for (int i_17 = 0; i_17 < 2; ++i_17) {
               if ((((((qt_1 * 128) + ((((int)threadIdx.x) >> 5) * 16)) + (i_17 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < Sq) && (0 <= qt_1)) {
-                LSE[((((((((int64_t)qt_1) * (int64_t)128) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16)) + (((int64_t)i_17) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((((int64_t)b_1) * ((int64_t)Sq)) * ((int64_t)H))) + (((int64_t)h_1) * ((int64_t)Sq)))] = lse[i_17];
+                LSE[((((((((int64_t)qt_1) * (int64_t)128) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16)) + (((int64_t)i_17) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((((int64_t)b_1) * ((int64_t)Sq)) * ((int64_t)H))) + (((int64_t)h) * ((int64_t)Sq)))] = lse[i_17];
               }
             }
           }

@@ -205,6 +205,15 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
             return (kb * bn + j >= Sk) | (kb * bn + j > qt * bm + i + offset)
         return kb * bn + j >= Sk
 
+    def n_key_blocks(qt, offset):
+        """Key blocks query tile qt visits: up to the diagonal when causal — the last key any row
+        may see is (qt+1)*bm - 1 + offset. At least one step even for a tile that sees nothing
+        (Sq > Sk): the step is fully masked and gives 0 / -inf, and it waits on the Q load, whose
+        shared buffer the output tile may reuse."""
+        if causal:
+            return T.max(T.min(T.ceildiv(Sk, bn), T.ceildiv((qt + 1) * bm + offset, bn)), 1)
+        return T.ceildiv(Sk, bn)
+
     def tile_state():
         """A query tile's fragments: scores s (then probabilities), p (their dtype copy, the P V
         operand), o, the running row max m (raw scores), m_prev, m_scaled, alpha (rescale of the
@@ -304,14 +313,7 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
             if lazy_on:
                 T.fill(m_scaled, 0)  # set below only when a row's max moves
 
-            if causal:
-                # Last key any row of this tile may see is (qt+1)*bm - 1 + offset. At least one step
-                # even for a tile that sees nothing (Sq > Sk): the step is fully masked and gives
-                # 0 / -inf, and it waits on the Q load, whose shared buffer the output tile reuses.
-                n_blocks = T.max(T.min(T.ceildiv(Sk, bn), T.ceildiv((qt + 1) * bm + offset, bn)), 1)
-            else:
-                n_blocks = T.ceildiv(Sk, bn)
-
+            n_blocks = n_key_blocks(qt, offset)
             for kb in T.Pipelined(n_blocks, num_stages=config.num_stages):
                 T.copy(K[bz, kb * bn : (kb + 1) * bn, kvh, :], k_s)
                 init_scores(s, kb, qt, offset)
@@ -358,6 +360,27 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
                         T.named_barrier_arrive(_TURN + (w + 1) % len(cwg), 256)
 
     @T.macro
+    def load_kv(K, V, k_s, v_s, k_full, v_full, k_empty, v_empty, b, kvh, g, nb):
+        """Producer side of one query tile: its nb K and V blocks into the stage ring, from ring
+        position g (blocks the CTA loaded before this tile)."""
+        for kb in T.serial(nb):
+            st = (g + kb) % S
+            T.mbarrier_wait_parity(k_empty[st], (((g + kb) // S) & 1) ^ 1)
+            T.tma_copy(K[b, kb * bn : (kb + 1) * bn, kvh, :], k_s[st, :, :], barrier=k_full[st])
+            T.mbarrier_arrive(k_full[st])
+            T.mbarrier_wait_parity(v_empty[st], (((g + kb) // S) & 1) ^ 1)
+            T.tma_copy(V[b, kb * bn : (kb + 1) * bn, kvh, :], v_s[st, :, :], barrier=v_full[st])
+            T.mbarrier_arrive(v_full[st])
+
+    @T.macro
+    def reset_tile(o, l, m, m_scaled):
+        T.fill(o, 0)
+        T.fill(l, 0)
+        T.fill(m, neg_inf)
+        if lazy_on:
+            T.fill(m_scaled, 0)  # set only when a row's max moves
+
+    @T.macro
     def attend_tile(q_s, k_s, v_s, s, p, o, m, m_prev, m_scaled, alpha, row_sum, l, moved,
                     k_full, v_full, k_empty, v_empty, q_empty, wg, g, nb, qt, offset):
         """A consumer warpgroup's steps over one query tile's nb key blocks (ring positions g..,
@@ -368,7 +391,6 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
         P being multiplied, as in the serial order. q_empty (a persistent walk with its own O
         buffer): arrived once the tile's last S GEMM has retired (the next Q may land); a
         persistent walk (q_empty or not) also releases the last V stage: the ring goes on."""
-        walk = config.persistent
         # step 0: scores and softmax only (O is still 0)
         T.mbarrier_wait_parity(k_full[g % S], (g // S) & 1)
         init_scores(s, 0, qt, offset)
@@ -410,14 +432,14 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
         T.wgmma_gemm(p, v_s[last % S, :, :], o, policy=T.GemmWarpPolicy.FullRow)
         pass_turn(wg, True)
         T.wait_wgmma(0)
-        if walk:
+        if config.persistent:
             T.mbarrier_arrive(v_empty[last % S])
 
     @T.macro
-    def store_tile(o, l, m_scaled, lse, o_s, O, LSE, b, h, qt, walk):
+    def store_tile(o, l, m_scaled, lse, o_s, O, LSE, b, h, qt):
         """The async forwards' epilogue: normalize, O through o_s by TMA, the LSE row."""
         normalize(o, l, m_scaled, lse)
-        if walk:
+        if config.persistent:
             # the previous tile's O store has read o_s (its issuing thread waited for that
             # before reaching this barrier)
             T.sync_threads(1, consumers)
@@ -453,38 +475,24 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
             qt = T.ceildiv(Sq, bm) - 1 - bx if causal else bx
             kvh = by // groups
             offset = Sk - Sq
-            if causal:
-                n_blocks = T.max(T.min(T.ceildiv(Sk, bn), T.ceildiv((qt + 1) * bm + offset, bn)), 1)
-            else:
-                n_blocks = T.ceildiv(Sk, bn)
+            n_blocks = n_key_blocks(qt, offset)
 
             with T.ws(len(cwg)):
                 T.dec_max_nreg(PRODUCER_REGS)
                 T.tma_copy(Q[bz, qt * bm : (qt + 1) * bm, by, :], q_s, barrier=q_full)
                 T.mbarrier_arrive(q_full)
-                for kb in T.serial(n_blocks):
-                    st = kb % S
-                    T.mbarrier_wait_parity(k_empty[st], ((kb // S) & 1) ^ 1)
-                    T.tma_copy(K[bz, kb * bn : (kb + 1) * bn, kvh, :], k_s[st, :, :], barrier=k_full[st])
-                    T.mbarrier_arrive(k_full[st])
-                    T.mbarrier_wait_parity(v_empty[st], ((kb // S) & 1) ^ 1)
-                    T.tma_copy(V[bz, kb * bn : (kb + 1) * bn, kvh, :], v_s[st, :, :], barrier=v_full[st])
-                    T.mbarrier_arrive(v_full[st])
+                load_kv(K, V, k_s, v_s, k_full, v_full, k_empty, v_empty, bz, kvh, 0, n_blocks)
             with T.ws(*cwg):
                 T.inc_max_nreg(warpgroup_regs(consumers))
                 wg = T.get_thread_binding() // 128
                 if pingpong:
                     if wg == len(cwg) - 1:
                         T.named_barrier_arrive(_TURN, 256)  # prime the ring: warpgroup 0 goes first
-                T.fill(o, 0)
-                T.fill(l, 0)
-                T.fill(m, neg_inf)
-                if lazy_on:
-                    T.fill(m_scaled, 0)  # set below only when a row's max moves
+                reset_tile(o, l, m, m_scaled)
                 T.mbarrier_wait_parity(q_full, 0)
                 attend_tile(q_s, k_s, v_s, s, p, o, m, m_prev, m_scaled, alpha, row_sum, l, moved,
                             k_full, v_full, k_empty, v_empty, None, wg, 0, n_blocks, qt, offset)
-                store_tile(o, l, m_scaled, lse, o_s, O, LSE, bz, by, qt, False)
+                store_tile(o, l, m_scaled, lse, o_s, O, LSE, bz, by, qt)
 
     def tile_index(t, cta, grid):
         """List index of CTA cta's tile in round t of the persistent walk (see body_persistent)."""
@@ -496,13 +504,6 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
         coords[0] = nq - 1 - T.truncmod(i, nq) if causal else T.truncmod(i, nq)
         coords[1] = T.truncmod(T.truncdiv(i, nq), H)
         coords[2] = T.truncdiv(T.truncdiv(i, nq), H)
-
-    def n_key_blocks(qt, offset):
-        """Key blocks query tile qt visits: up to the diagonal when causal (at least one, even
-        for a tile that sees nothing: its fully masked step gives 0 / -inf)."""
-        if causal:
-            return T.max(T.min(T.ceildiv(Sk, bn), T.ceildiv((qt + 1) * bm + offset, bn)), 1)
-        return T.ceildiv(Sk, bn)
 
     @T.macro
     def body_persistent(Q, K, V, O, LSE):
@@ -545,15 +546,7 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
                         T.mbarrier_wait_parity(q_empty, (n & 1) ^ 1)
                         T.tma_copy(Q[b, qt * bm : (qt + 1) * bm, h, :], q_s, barrier=q_full)
                         T.mbarrier_arrive(q_full)
-                        for kb in T.serial(nb):
-                            st = (g + kb) % S
-                            ph = ((g + kb) // S) & 1
-                            T.mbarrier_wait_parity(k_empty[st], ph ^ 1)
-                            T.tma_copy(K[b, kb * bn : (kb + 1) * bn, h // groups, :], k_s[st, :, :], barrier=k_full[st])
-                            T.mbarrier_arrive(k_full[st])
-                            T.mbarrier_wait_parity(v_empty[st], ph ^ 1)
-                            T.tma_copy(V[b, kb * bn : (kb + 1) * bn, h // groups, :], v_s[st, :, :], barrier=v_full[st])
-                            T.mbarrier_arrive(v_full[st])
+                        load_kv(K, V, k_s, v_s, k_full, v_full, k_empty, v_empty, b, h // groups, g, nb)
                         g = g + nb
                         n = n + 1
             with T.ws(*cwg):
@@ -565,15 +558,11 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
                         tile_coords(coords, tile_index(t, cta, grid), nq, H)
                         qt, h, b = coords[0], coords[1], coords[2]
                         nb = n_key_blocks(qt, offset)
-                        T.fill(o, 0)
-                        T.fill(l, 0)
-                        T.fill(m, neg_inf)
-                        if lazy_on:
-                            T.fill(m_scaled, 0)
+                        reset_tile(o, l, m, m_scaled)
                         T.mbarrier_wait_parity(q_full, n & 1)
                         attend_tile(q_s, k_s, v_s, s, p, o, m, m_prev, m_scaled, alpha, row_sum, l, moved,
                                     k_full, v_full, k_empty, v_empty, q_empty if own_o else None, 0, g, nb, qt, offset)
-                        store_tile(o, l, m_scaled, lse, o_s, O, LSE, b, h, qt, True)
+                        store_tile(o, l, m_scaled, lse, o_s, O, LSE, b, h, qt)
                         if not own_o:
                             T.sync_threads(1, consumers)  # the store has read o_s = q_s
                             T.mbarrier_arrive(q_empty)
