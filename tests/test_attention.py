@@ -483,12 +483,13 @@ def test_flash_fwd_d64_causal_default(case):
 ASYNC_BWD_CONFIGS = {
     64: [(128, 64, 2, 256, True, True, "async"), (128, 128, 3, 256, True, True, "async"), (128, 128, 2, 256, True, True, "async"),
          (128, 128, 2, 256, True, True, "async", True)],
-    128: [(128, 64, 3, 256, True, True, "async"), (128, 64, 2, 256, True, True, "async"), (128, 64, 2, 256, True, True, "async", True)],
+    128: [(128, 64, 3, 256, True, True, "async"), (128, 64, 2, 256, True, True, "async"), (128, 64, 2, 256, True, True, "async", True),
+          (128, 64, 2, 256, True, True, "async", True, 1), (128, 64, 2, 256, True, True, "async", True, 2)],
 }
 
 
 def _async_bwd_name(cfg) -> str:
-    return f"{cfg[0]}x{cfg[1]}x{cfg[2]}{cfg[6]}" + ("-dqprod" if cfg[7:] == (True,) else "")
+    return f"{cfg[0]}x{cfg[1]}x{cfg[2]}{cfg[6]}" + ("-dqprod" if cfg[7:8] == (True,) else "") + (f"-stats{cfg[8]}" if cfg[8:] else "")
 
 
 def _async_bwd_cases():
@@ -526,6 +527,22 @@ def test_flash_bwd_async_pipeline_source():
     assert loop.index("wgmma_ss") < loop.index("wgmma_ss", loop.index("wgmma_ss") + 1) < first < loop.index("exp2f") < loop.index("wgmma_rs") < second
     assert loop.index("wait_wgmma<0>") < loop.index("empty[")
     assert "warpgroup_reg_dealloc<24>" in src and "warpgroup_reg_alloc<240>" in src
+
+
+@pytest.mark.slow
+def test_flash_bwd_stats_early_source():
+    """stats_early=1 (the D=128 default): each step's LSE is read from shared memory before the
+    S^T wgmma is issued, so the exp2s after its wait read registers, not shared memory."""
+    from tilelang_ops.kernels import attention as K
+
+    cfg = K.bwd_default_config(128, False)
+    assert cfg.stats_early == 1 and K.bwd_default_config(64, False).stats_early == 0
+    assert cfg.for_arch("sm_80").stats_early == 0
+    src = K.flash_bwd_kernel.source(cfg, "sm_90a", headdim=128, dtype="bfloat16", causal=False, groups=1, scale=K.default_scale(128))
+    loop = src[src.index("warpgroup_reg_alloc"):]
+    first_wait = loop.index("wait_wgmma<1>")
+    assert loop.index("(float*)lse_s)") < loop.index("wgmma_ss") < first_wait
+    assert "lse_s" not in loop[first_wait : loop.index("wgmma_rs")]
 
 
 def test_bwd_config_name_unchanged_by_the_pipeline_field():

@@ -715,11 +715,16 @@ class BwdConfig:
     # the loop, and serializes every wgmma of the kernel, C7514/C7518. The async pipeline always
     # takes the TMA path: float2 atomics straight from registers measured 0.52-0.85x, session 18.)
     dq_producer: bool = dataclasses.field(default=False, metadata={"omit_default": True})
+    # "async" only: 1: each step's base-2 LSE is read from shared memory into registers before
+    # the S^T/dP^T wgmmas are issued, not after their wait (where each use waited on its shared
+    # load: ~5% of the consumers' stall samples in Nsight Compute, session 19); 2: also Delta,
+    # read under the exp2s (after the S^T wait) instead of after the dP^T wait. 0: off.
+    stats_early: int = dataclasses.field(default=0, metadata={"omit_default": True})
 
     def for_arch(self, arch: str) -> "BwdConfig":
         if _is_hopper(arch):
             return self
-        return dataclasses.replace(self, num_stages=1, tma_dq=False, pipeline="auto", dq_producer=False)
+        return dataclasses.replace(self, num_stages=1, tma_dq=False, pipeline="auto", dq_producer=False, stats_early=0)
 
     @property
     def min_sm(self) -> int:
@@ -737,10 +742,12 @@ def bwd_default_config(headdim: int, causal: bool, arch: str = "sm_90a") -> BwdC
     # 1.05-1.11x the T.Pipelined kernel at D=128 (128 keys x 64 queries, 2 or 3 stages alike),
     # 1.03-1.05x at D=64 with 128-query steps (64-query steps: 0.96x).
     # The producer's dQ writer (dq_producer): 1.04-1.06x at D=128, 1.14x at D=64 (session 18).
+    # The LSE read into registers before the S^T wgmma (stats_early=1): 1.02-1.04x at D=128 MHA,
+    # 0.99/1.02x GQA; at D=64 (64 scores a thread) it spills and loses 0.93-0.95x (session 19).
     if headdim <= 64:
         return BwdConfig(128, 128, 2, 256, pipeline="async", dq_producer=True)
     if headdim <= 128:
-        return BwdConfig(128, 64, 2, 256, pipeline="async", dq_producer=True)
+        return BwdConfig(128, 64, 2, 256, pipeline="async", dq_producer=True, stats_early=1)
     # D=256: two stages of Q/dO plus an fp32 dQ tile would not fit in shared memory, and 64x256
     # fp32 dK plus dV need 8 warps to stay in registers.
     return BwdConfig(64, 64, 1, 256, hopper, False) if hopper else BwdConfig(64, 32, 1, 256, False, False)
@@ -757,7 +764,9 @@ BWD_SEARCH_SPACE = [
         (64, 64, 256, False),
     )
     for st in (1, 2)
-] + [BwdConfig(128, bn, st, 256, pipeline="async", dq_producer=dp) for bn in (64, 128) for st in (2, 3) for dp in (False, True)]
+] + [BwdConfig(128, bn, st, 256, pipeline="async", dq_producer=dp) for bn in (64, 128) for st in (2, 3) for dp in (False, True)] + [
+    BwdConfig(128, bn, 2, 256, pipeline="async", dq_producer=True, stats_early=1) for bn in (64, 128)
+]
 
 
 def _bwd_dims():
@@ -874,6 +883,10 @@ def _bwd_body(config: BwdConfig, headdim: int, dtype: str, causal: bool, groups:
 
     dq_producer = config.dq_producer and with_dq
 
+    def step_stat(stat_s, stat_r, st, j):
+        """Query j's LSE (or Delta) of the step in stage st: from registers (stats_early) or shared."""
+        return stat_s[st, j] if stat_r is None else stat_r[j]
+
     @T.macro
     def reduce_dq(dQacc, dq_s, dq_full, dq_empty, it, bz, kvh, q_start, n_q):
         """Producer side of step it's dQ: wait for the tile, reduce-add it into dQacc (one thread
@@ -905,6 +918,8 @@ def _bwd_body(config: BwdConfig, headdim: int, dtype: str, causal: bool, groups:
             dq = T.alloc_fragment((bn, D), acc) if with_dq else None
             dk = T.alloc_fragment((bm, D), acc)
             dv = T.alloc_fragment((bm, D), acc)
+            lse_r = T.alloc_fragment((bn,), acc) if config.stats_early else None
+            delta_r = T.alloc_fragment((bn,), acc) if config.stats_early > 1 else None
             kv_full = T.alloc_barrier([128])
             full = T.alloc_barrier([128] * S)
             empty = T.alloc_barrier([consumers] * S)
@@ -950,23 +965,27 @@ def _bwd_body(config: BwdConfig, headdim: int, dtype: str, causal: bool, groups:
                     # then dead between steps, which ptxas cannot see through the asm operands.
                     T.clear(sT)
                     T.clear(dpT)
+                    if config.stats_early:
+                        T.copy(lse_s[st, :], lse_r)
                     T.wgmma_gemm(k_s, q_s[st, :, :], sT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                     T.wgmma_gemm(v_s, do_s[st, :, :], dpT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                     T.wait_wgmma(1)  # S^T landed; dP^T may still run
                     # P^T is on the path to the dV wgmma: steps every query of which sees every
                     # key skip the mask arithmetic (H200: +1% at D=128, +2-3% causal). Without
                     # skip_mask, `interior` is Python's False and only the masked loop is emitted.
+                    if config.stats_early > 1:  # read under the exp2s below, used after the next wait
+                        T.copy(delta_s[st, :], delta_r)
                     if skip_mask and sees_all(bx, qb, offset):
                         for i, j in T.Parallel(bm, bn):
-                            sT[i, j] = T.exp2(sT[i, j] * scale_log2 - lse_s[st, j])
+                            sT[i, j] = T.exp2(sT[i, j] * scale_log2 - step_stat(lse_s, lse_r, st, j))
                     else:
                         for i, j in T.Parallel(bm, bn):
-                            sT[i, j] = prob_T(sT[i, j], i, j, lse_s[st, j], bx, qb, offset)
+                            sT[i, j] = prob_T(sT[i, j], i, j, step_stat(lse_s, lse_r, st, j), bx, qb, offset)
                     T.copy(sT, pT)
                     T.wgmma_gemm(pT, do_s[st, :, :], dv, policy=T.GemmWarpPolicy.FullRow)  # dV += P^T dO
                     T.wait_wgmma(1)  # dP^T landed; dV may still run
                     for i, j in T.Parallel(bm, bn):
-                        dsT[i, j] = sT[i, j] * (dpT[i, j] - delta_s[st, j]) * scale
+                        dsT[i, j] = sT[i, j] * (dpT[i, j] - step_stat(delta_s, delta_r, st, j)) * scale
                     T.wgmma_gemm(dsT, q_s[st, :, :], dk, policy=T.GemmWarpPolicy.FullRow)  # dK += dS^T Q
                     if with_dq:
                         # dQ = dS K sums over all bm keys: every warpgroup's dS^T goes through
