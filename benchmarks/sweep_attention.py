@@ -28,6 +28,7 @@ LAZY = False
 POST_MASK = False
 DQ_PATHS = False
 STATS = False
+DQ_FIRST = False
 PERSISTENT = False
 
 
@@ -80,6 +81,9 @@ def bwd_candidates(headdim: int):
 
     from tilelang_ops.kernels.attention import BwdConfig, bwd_default_config
 
+    if DQ_FIRST and headdim in (64, 128):  # BwdConfig.dq_first: dQ's wgmma before dK's
+        default = bwd_default_config(headdim, False)
+        return [dataclasses.replace(default, dq_first=True)]
     if STATS and headdim in (64, 128):  # BwdConfig.stats_early: LSE (and Delta) read early
         default = bwd_default_config(headdim, False)
         return [dataclasses.replace(default, stats_early=e) for e in ((1, 2) if headdim == 128 else (1,))]
@@ -148,6 +152,7 @@ def _name(cfg) -> str:
     post += "/dqprod" if getattr(cfg, "dq_producer", False) else ""
     post += "/persistent" if getattr(cfg, "persistent", False) else ""
     post += f"/stats{cfg.stats_early}" if getattr(cfg, "stats_early", 0) else ""
+    post += "/dqfirst" if getattr(cfg, "dq_first", False) else ""
     return f"{cfg.block_m}x{cfg.block_n}/{cfg.num_stages}/{cfg.threads}/{cfg.pipeline}{lazy}{post}"
 
 
@@ -269,11 +274,13 @@ if __name__ == "__main__":
     ap.add_argument("--lazy", action="store_true", help="forward tiles with and without FwdConfig.lazy_rescale")
     ap.add_argument("--post-mask", action="store_true", help="the forward defaults against themselves with the other FwdConfig.post_mask")
     ap.add_argument("--persistent", action="store_true", help="forward: the async tiles with and without FwdConfig.persistent")
+    ap.add_argument("--dq-first", action="store_true", help="--bwd: the defaults against themselves with BwdConfig.dq_first")
     ap.add_argument("--stats", action="store_true", help="--bwd: the defaults against BwdConfig.stats_early 1 and 2")
     ap.add_argument("--dq", action="store_true", help="--bwd: the defaults against their other BwdConfig.dq_producer")
     args = ap.parse_args()
     DQ_PATHS = args.dq
     STATS = args.stats
+    DQ_FIRST = args.dq_first
     PERSISTENT = args.persistent
     LAZY = args.lazy
     POST_MASK = args.post_mask

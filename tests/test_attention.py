@@ -482,14 +482,15 @@ def test_flash_fwd_d64_causal_default(case):
 # The last field of the 8-tuples: BwdConfig.dq_producer (the producer warpgroup reduce-adds dQ).
 ASYNC_BWD_CONFIGS = {
     64: [(128, 64, 2, 256, True, True, "async"), (128, 128, 3, 256, True, True, "async"), (128, 128, 2, 256, True, True, "async"),
-         (128, 128, 2, 256, True, True, "async", True)],
+         (128, 128, 2, 256, True, True, "async", True), (128, 128, 2, 256, True, True, "async", True, 0, True)],
     128: [(128, 64, 3, 256, True, True, "async"), (128, 64, 2, 256, True, True, "async"), (128, 64, 2, 256, True, True, "async", True),
-          (128, 64, 2, 256, True, True, "async", True, 1), (128, 64, 2, 256, True, True, "async", True, 2)],
+          (128, 64, 2, 256, True, True, "async", True, 1), (128, 64, 2, 256, True, True, "async", True, 2),
+          (128, 64, 2, 256, True, True, "async", True, 1, True)],
 }
 
 
 def _async_bwd_name(cfg) -> str:
-    return f"{cfg[0]}x{cfg[1]}x{cfg[2]}{cfg[6]}" + ("-dqprod" if cfg[7:8] == (True,) else "") + (f"-stats{cfg[8]}" if cfg[8:] else "")
+    return f"{cfg[0]}x{cfg[1]}x{cfg[2]}{cfg[6]}" + ("-dqprod" if cfg[7:8] == (True,) else "") + (f"-stats{cfg[8]}" if cfg[8:9] not in ((), (0,)) else "") + ("-dqfirst" if cfg[9:] == (True,) else "")
 
 
 def _async_bwd_cases():
@@ -543,6 +544,24 @@ def test_flash_bwd_stats_early_source():
     first_wait = loop.index("wait_wgmma<1>")
     assert loop.index("(float*)lse_s)") < loop.index("wgmma_ss") < first_wait
     assert "lse_s" not in loop[first_wait : loop.index("wgmma_rs")]
+
+
+@pytest.mark.slow
+def test_flash_bwd_dq_first_source():
+    """dq_first (the Hopper default at D=64 and 128): in each step the dQ wgmma (the third
+    wgmma_ss) is issued before dK's (the second wgmma_rs), and the dQ tile is stored and handed
+    over after wait<1> — under dK — before the step's wait<0>."""
+    from tilelang_ops.kernels import attention as K
+
+    for d in (64, 128):
+        cfg = K.bwd_default_config(d, True)
+        assert cfg.dq_first and cfg.dq_producer and not cfg.for_arch("sm_80").dq_first
+        src = K.flash_bwd_fused_kernel.source(cfg, "sm_90a", headdim=d, dtype="bfloat16", causal=True, groups=1, scale=K.default_scale(d))
+        loop = src[src.index("warpgroup_reg_alloc"):]
+        ss = [i for i in range(len(loop)) if loop.startswith("wgmma_ss", i)]
+        rs = [i for i in range(len(loop)) if loop.startswith("wgmma_rs", i)]
+        dq_wgmma, dk_wgmma = ss[2], rs[1]
+        assert dq_wgmma < dk_wgmma < loop.index("wait_wgmma<1>", dk_wgmma) < loop.index("dq_full", dk_wgmma) < loop.index("wait_wgmma<0>", dk_wgmma)
 
 
 def test_bwd_config_name_unchanged_by_the_pipeline_field():

@@ -720,11 +720,14 @@ class BwdConfig:
     # load: ~5% of the consumers' stall samples in Nsight Compute, session 19); 2: also Delta,
     # read under the exp2s (after the S^T wait) instead of after the dP^T wait. 0: off.
     stats_early: int = dataclasses.field(default=0, metadata={"omit_default": True})
+    # dq_producer only: the dQ wgmma is issued before dK's, so the dQ tile's store and hand-over
+    # run while dK += dS^T Q still runs (wait<1>), not after both retired.
+    dq_first: bool = dataclasses.field(default=False, metadata={"omit_default": True})
 
     def for_arch(self, arch: str) -> "BwdConfig":
         if _is_hopper(arch):
             return self
-        return dataclasses.replace(self, num_stages=1, tma_dq=False, pipeline="auto", dq_producer=False, stats_early=0)
+        return dataclasses.replace(self, num_stages=1, tma_dq=False, pipeline="auto", dq_producer=False, stats_early=0, dq_first=False)
 
     @property
     def min_sm(self) -> int:
@@ -743,11 +746,13 @@ def bwd_default_config(headdim: int, causal: bool, arch: str = "sm_90a") -> BwdC
     # 1.03-1.05x at D=64 with 128-query steps (64-query steps: 0.96x).
     # The producer's dQ writer (dq_producer): 1.04-1.06x at D=128, 1.14x at D=64 (session 18).
     # The LSE read into registers before the S^T wgmma (stats_early=1): 1.02-1.04x at D=128 MHA,
-    # 0.99/1.02x GQA; at D=64 (64 scores a thread) it spills and loses 0.93-0.95x (session 19).
+    # 0.99/1.02x GQA; at D=64 (64 scores a thread) it spills and loses 0.93-0.95x. The dQ wgmma
+    # issued before dK's (dq_first), its tile handed over under dK: 1.01-1.04x on seven of the
+    # eight shapes, 0.99x at 16384 causal (session 19).
     if headdim <= 64:
-        return BwdConfig(128, 128, 2, 256, pipeline="async", dq_producer=True)
+        return BwdConfig(128, 128, 2, 256, pipeline="async", dq_producer=True, dq_first=True)
     if headdim <= 128:
-        return BwdConfig(128, 64, 2, 256, pipeline="async", dq_producer=True, stats_early=1)
+        return BwdConfig(128, 64, 2, 256, pipeline="async", dq_producer=True, stats_early=1, dq_first=True)
     # D=256: two stages of Q/dO plus an fp32 dQ tile would not fit in shared memory, and 64x256
     # fp32 dK plus dV need 8 warps to stay in registers.
     return BwdConfig(64, 64, 1, 256, hopper, False) if hopper else BwdConfig(64, 32, 1, 256, False, False)
@@ -765,7 +770,7 @@ BWD_SEARCH_SPACE = [
     )
     for st in (1, 2)
 ] + [BwdConfig(128, bn, st, 256, pipeline="async", dq_producer=dp) for bn in (64, 128) for st in (2, 3) for dp in (False, True)] + [
-    BwdConfig(128, bn, 2, 256, pipeline="async", dq_producer=True, stats_early=1) for bn in (64, 128)
+    BwdConfig(128, bn, 2, 256, pipeline="async", dq_producer=True, stats_early=se, dq_first=df) for bn in (64, 128) for se, df in ((1, False), (0, True), (1, True))
 ]
 
 
@@ -882,6 +887,7 @@ def _bwd_body(config: BwdConfig, headdim: int, dtype: str, causal: bool, groups:
     skip_mask = bm * bn // consumers <= 32
 
     dq_producer = config.dq_producer and with_dq
+    dq_first = config.dq_first and dq_producer
 
     def step_stat(stat_s, stat_r, st, j):
         """Query j's LSE (or Delta) of the step in stage st: from registers (stats_early) or shared."""
@@ -986,7 +992,8 @@ def _bwd_body(config: BwdConfig, headdim: int, dtype: str, causal: bool, groups:
                     T.wait_wgmma(1)  # dP^T landed; dV may still run
                     for i, j in T.Parallel(bm, bn):
                         dsT[i, j] = sT[i, j] * (dpT[i, j] - step_stat(delta_s, delta_r, st, j)) * scale
-                    T.wgmma_gemm(dsT, q_s[st, :, :], dk, policy=T.GemmWarpPolicy.FullRow)  # dK += dS^T Q
+                    if not dq_first:
+                        T.wgmma_gemm(dsT, q_s[st, :, :], dk, policy=T.GemmWarpPolicy.FullRow)  # dK += dS^T Q
                     if with_dq:
                         # dQ = dS K sums over all bm keys: every warpgroup's dS^T goes through
                         # shared memory first (generic-proxy writes, then read by the async proxy).
@@ -1000,14 +1007,21 @@ def _bwd_body(config: BwdConfig, headdim: int, dtype: str, causal: bool, groups:
                         T.sync_threads(1, consumers)
                         T.clear(dq)
                         T.wgmma_gemm(ds_s, k_s, dq, transpose_A=True)
+                    if dq_first:
+                        T.wgmma_gemm(dsT, q_s[st, :, :], dk, policy=T.GemmWarpPolicy.FullRow)  # dK += dS^T Q
+                        T.wait_wgmma(1)  # dQ retired; dK may still run
+                        T.mbarrier_wait_parity(dq_empty, (it & 1) ^ 1)
+                        T.copy(dq, dq_s)
+                        T.fence_proxy_async()
+                        T.mbarrier_arrive(dq_full)
                     T.wait_wgmma(0)
                     T.mbarrier_arrive(empty[st])
-                    if dq_producer:
+                    if dq_producer and not dq_first:
                         T.mbarrier_wait_parity(dq_empty, (it & 1) ^ 1)  # the previous tile was read
                         T.copy(dq, dq_s)
                         T.fence_proxy_async()
                         T.mbarrier_arrive(dq_full)
-                    elif with_dq:
+                    elif with_dq and not dq_producer:
                         # dq_s is free: the thread that issued the previous reduce-add waited for
                         # its read before it reached the dS barrier every thread has passed since.
                         # (Measured no faster, H200 2026-12-01: this barrier and reduce-add issued
