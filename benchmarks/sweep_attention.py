@@ -8,6 +8,8 @@ wrong kernel shows.
     python -m benchmarks.sweep_attention --gpt [--bwd]   # examples/train_gpt.py's attention instead
     python -m benchmarks.sweep_attention --lazy [--warm] # the defaults with lazy O rescaling
     python -m benchmarks.sweep_attention --post-mask [--warm]  # the defaults with the other FwdConfig.post_mask
+    python -m benchmarks.sweep_attention --bwd --stats [--warm]     # backward: the defaults with the other BwdConfig.stats_early
+    python -m benchmarks.sweep_attention --bwd --dq-first [--warm]  # backward: the defaults with the other dq_first
 
 Forward FLOPs = 4 * B * H * S^2 * D, halved when causal; backward 2.5x that (as bench_attention).
 --bwd times the backward as the op runs it (`flash_bwd_fused`: preprocess, main kernel, dQ cast).
@@ -81,12 +83,12 @@ def bwd_candidates(headdim: int):
 
     from tilelang_ops.kernels.attention import BwdConfig, bwd_default_config
 
-    if DQ_FIRST and headdim in (64, 128):  # BwdConfig.dq_first: dQ's wgmma before dK's
+    if DQ_FIRST and headdim in (64, 128):  # BwdConfig.dq_first: dQ's wgmma before dK's, or not
         default = bwd_default_config(headdim, False)
-        return [dataclasses.replace(default, dq_first=True)]
+        return [dataclasses.replace(default, dq_first=not default.dq_first)]
     if STATS and headdim in (64, 128):  # BwdConfig.stats_early: LSE (and Delta) read early
         default = bwd_default_config(headdim, False)
-        return [dataclasses.replace(default, stats_early=e) for e in ((1, 2) if headdim == 128 else (1,))]
+        return [dataclasses.replace(default, stats_early=e) for e in ((0, 1, 2) if headdim == 128 else (0, 1)) if e != default.stats_early]
     if DQ_PATHS and headdim in (64, 128):  # the default: the producer's TMA reduce-add
         default = bwd_default_config(headdim, False)
         other = dataclasses.replace(default, dq_producer=not default.dq_producer)
@@ -275,7 +277,7 @@ if __name__ == "__main__":
     ap.add_argument("--post-mask", action="store_true", help="the forward defaults against themselves with the other FwdConfig.post_mask")
     ap.add_argument("--persistent", action="store_true", help="forward: the async tiles with and without FwdConfig.persistent")
     ap.add_argument("--dq-first", action="store_true", help="--bwd: the defaults against themselves with BwdConfig.dq_first")
-    ap.add_argument("--stats", action="store_true", help="--bwd: the defaults against BwdConfig.stats_early 1 and 2")
+    ap.add_argument("--stats", action="store_true", help="--bwd: the defaults against their other BwdConfig.stats_early values")
     ap.add_argument("--dq", action="store_true", help="--bwd: the defaults against their other BwdConfig.dq_producer")
     args = ap.parse_args()
     DQ_PATHS = args.dq
