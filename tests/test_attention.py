@@ -558,10 +558,27 @@ def test_flash_bwd_dq_first_source():
         assert cfg.dq_first and cfg.dq_producer and not cfg.for_arch("sm_80").dq_first
         src = K.flash_bwd_fused_kernel.source(cfg, "sm_90a", headdim=d, dtype="bfloat16", causal=True, groups=1, scale=K.default_scale(d))
         loop = src[src.index("warpgroup_reg_alloc"):]
-        ss = [i for i in range(len(loop)) if loop.startswith("wgmma_ss", i)]
-        rs = [i for i in range(len(loop)) if loop.startswith("wgmma_rs", i)]
+        ss = [m.start() for m in re.finditer("wgmma_ss", loop)]
+        rs = [m.start() for m in re.finditer("wgmma_rs", loop)]
         dq_wgmma, dk_wgmma = ss[2], rs[1]
         assert dq_wgmma < dk_wgmma < loop.index("wait_wgmma<1>", dk_wgmma) < loop.index("dq_full", dk_wgmma) < loop.index("wait_wgmma<0>", dk_wgmma)
+
+
+def test_bwd_config_rejects_fields_its_pipeline_cannot_honour():
+    """stats_early and dq_first exist only in the async pipeline, dq_first only with the
+    producer's dQ writer: a config asking otherwise is an error, not a silently different kernel."""
+    from tilelang_ops.kernels import attention as K
+
+    with pytest.raises(ValueError, match="stats_early: 0, 1 or 2"):
+        K.BwdConfig(128, 64, 2, 256, pipeline="async", stats_early=3)
+    with pytest.raises(ValueError, match="need pipeline='async'"):
+        K.BwdConfig(128, 64, 2, 256, stats_early=1)
+    with pytest.raises(ValueError, match="need pipeline='async'"):
+        K.BwdConfig(128, 64, 2, 256, dq_producer=True, dq_first=True)
+    with pytest.raises(ValueError, match="needs dq_producer=True"):
+        K.BwdConfig(128, 64, 2, 256, pipeline="async", dq_first=True)
+    for cfg in K.BWD_SEARCH_SPACE + [K.bwd_default_config(d, c) for d in (64, 128, 256) for c in (False, True)]:
+        assert cfg.for_arch("sm_80").pipeline == "auto"  # and constructing it raised nothing
 
 
 def test_bwd_config_name_unchanged_by_the_pipeline_field():

@@ -224,8 +224,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_bwd_fused_kernel_1(__
       *(float4*)(dv + (i_7 * 4)) = make_float4(broadcast_var_1, broadcast_var_1, broadcast_var_1, broadcast_var_1);
     }
     kv_full[0].wait(0);
-    for (int qb_1 = 0; qb_1 < ((Sq + 63) >> 6); ++qb_1) {
-      full[(qb_1 & 1)].wait(((qb_1 >> 1) & 1));
+    for (int it = 0; it < ((Sq + 63) >> 6); ++it) {
+      full[(it & 1)].wait(((it >> 1) & 1));
       #pragma unroll
       for (int i_8 = 0; i_8 < 8; ++i_8) {
         float broadcast_var_2 = 0x0p+0f/*0.000000e+00*/;
@@ -238,14 +238,14 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_bwd_fused_kernel_1(__
       }
       #pragma unroll
       for (int i_10 = 0; i_10 < 8; ++i_10) {
-        *(float2*)(lse_r + (i_10 * 2)) = *(float2*)(((float*)lse_s) + ((((qb_1 & 1) * 64) + (i_10 * 8)) + ((((int)threadIdx.x) & 3) * 2)));
+        *(float2*)(lse_r + (i_10 * 2)) = *(float2*)(((float*)lse_s) + ((((it & 1) * 64) + (i_10 * 8)) + ((((int)threadIdx.x) & 3) * 2)));
       }
       {
         tl::GmmaDescriptor desc_a;
         tl::GmmaDescriptor desc_b;
         tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a, (&(((bfloat16_t*)k_s)[0])));
         tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b, (&(((bfloat16_t*)q_s)[0])));
-        tl::increase_descriptor_offset<int>(desc_b, ((qb_1 & 1) * 16384));
+        tl::increase_descriptor_offset<int>(desc_b, ((it & 1) * 16384));
         tl::warpgroup_fence_operand(reinterpret_cast<float*>(sT + 0), 64);
         tl::warpgroup_arrive();
         #pragma unroll
@@ -260,7 +260,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_bwd_fused_kernel_1(__
         tl::GmmaDescriptor desc_b_1;
         tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_1, (&(((bfloat16_t*)v_s)[0])));
         tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_1, (&(((bfloat16_t*)do_s)[0])));
-        tl::increase_descriptor_offset<int>(desc_b_1, ((qb_1 & 1) * 16384));
+        tl::increase_descriptor_offset<int>(desc_b_1, ((it & 1) * 16384));
         tl::warpgroup_fence_operand(reinterpret_cast<float*>(dpT + 0), 64);
         tl::warpgroup_arrive();
         #pragma unroll
@@ -271,7 +271,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_bwd_fused_kernel_1(__
         tl::warpgroup_fence_operand(reinterpret_cast<float*>(dpT + 0), 64);
       }
       tl::wait_wgmma<1>();
-      if ((((((int)blockIdx.x) * 128) + 128) <= Sk) & (((qb_1 * 64) + 64) <= Sq)) {
+      if ((((((int)blockIdx.x) * 128) + 128) <= Sk) & (((it * 64) + 64) <= Sq)) {
         #pragma unroll
         for (int i_11 = 0; i_11 < 16; ++i_11) {
           float broadcast_var_4 = 0x1.0527dbd87e24dp-3f/*1.275174e-01*/;
@@ -293,7 +293,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_bwd_fused_kernel_1(__
         #pragma unroll
         for (int i_12 = 0; i_12 < 32; ++i_12) {
           float condval;
-          if (((((((((int)blockIdx.x) * 128) + ((((int)threadIdx.x) >> 5) * 16)) + (((i_12 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < Sk) & (((((qb_1 * 64) + ((i_12 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_12 & 1)) < Sq))) {
+          if (((((((((int)blockIdx.x) * 128) + ((((int)threadIdx.x) >> 5) * 16)) + (((i_12 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < Sk) & (((((it * 64) + ((i_12 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_12 & 1)) < Sq))) {
             condval = exp2f(((sT[i_12] * 0x1.0527dbd87e24dp-3f/*1.275174e-01*/) - lse_r[(((i_12 >> 2) * 2) + (i_12 & 1))]));
           } else {
             condval = 0x0p+0f/*0.000000e+00*/;
@@ -312,7 +312,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_bwd_fused_kernel_1(__
       {
         tl::GmmaDescriptor desc_b_2;
         tl::initialize_wgmma_descriptor<1, 512, 64>(desc_b_2, (&(((bfloat16_t*)do_s)[0])));
-        tl::increase_descriptor_offset<int>(desc_b_2, ((qb_1 & 1) * 16384));
+        tl::increase_descriptor_offset<int>(desc_b_2, ((it & 1) * 16384));
         tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(pT + 0), 16);
         tl::warpgroup_fence_operand(reinterpret_cast<float*>(dv + 0), 128);
         tl::warpgroup_arrive();
@@ -328,7 +328,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_bwd_fused_kernel_1(__
       #pragma unroll
       for (int i_14 = 0; i_14 < 16; ++i_14) {
         float delta_s_local_cast[2];
-        *(float2*)(delta_s_local_cast + 0) = *(float2*)(((float*)delta_s) + ((((qb_1 & 1) * 64) + ((i_14 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
+        *(float2*)(delta_s_local_cast + 0) = *(float2*)(((float*)delta_s) + ((((it & 1) * 64) + ((i_14 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
         float broadcast_var_5 = 0x1.6a09e667f3bccp-4f/*8.838835e-02*/;
         uint1 __5;
         float2 __6;
@@ -347,8 +347,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_bwd_fused_kernel_1(__
         (reinterpret_cast<__nv_bfloat162*>(&__5))[0] = __float22bfloat162_rn(((float2*)(&__6))[0]);
         *(uint1*)(dsT + (i_14 * 2)) = __5;
       }
-      if (0 < qb_1) {
-        dq_full[0].wait(((qb_1 - 1) & 1));
+      if (0 < it) {
+        dq_full[0].wait(((it - 1) & 1));
       }
       #pragma unroll
       for (int i_15 = 0; i_15 < 4; ++i_15) {
@@ -378,7 +378,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_bwd_fused_kernel_1(__
       {
         tl::GmmaDescriptor desc_b_4;
         tl::initialize_wgmma_descriptor<1, 512, 64>(desc_b_4, (&(((bfloat16_t*)q_s)[0])));
-        tl::increase_descriptor_offset<int>(desc_b_4, ((qb_1 & 1) * 16384));
+        tl::increase_descriptor_offset<int>(desc_b_4, ((it & 1) * 16384));
         tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(dsT + 0), 16);
         tl::warpgroup_fence_operand(reinterpret_cast<float*>(dk + 0), 128);
         tl::warpgroup_arrive();
@@ -391,7 +391,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_bwd_fused_kernel_1(__
         tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(dsT + 0), 16);
       }
       tl::wait_wgmma<1>();
-      dq_empty[0].wait(((qb_1 & 1) ^ 1));
+      dq_empty[0].wait(((it & 1) ^ 1));
       #pragma unroll
       for (int i_17 = 0; i_17 < 16; ++i_17) {
         *(float2*)(((float*)dq_s) + ((((((((((((int)threadIdx.x) >> 7) * 4096) + ((i_17 >> 3) * 2048)) + (((((int)threadIdx.x) & 127) >> 5) * 512)) + ((i_17 & 1) * 256)) + (((((int)threadIdx.x) & 31) >> 2) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((i_17 & 7) >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + ((i_17 & 3) >> 1)) & 1) * 8)) + (((((((int)threadIdx.x) & 7) >> 2) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 4)) + ((((int)threadIdx.x) & 1) * 2))) = *(float2*)(dq + (i_17 * 2));
@@ -399,7 +399,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_bwd_fused_kernel_1(__
       tl::fence_proxy_async();
       dq_full[0].arrive();
       tl::wait_wgmma<0>();
-      empty[(qb_1 & 1)].arrive();
+      empty[(it & 1)].arrive();
     }
     tl::__sync_thread_partial(1, 256);
     #pragma unroll

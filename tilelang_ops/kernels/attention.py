@@ -294,6 +294,14 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
             o[i, j] *= l[i]
 
     @T.macro
+    def reset_tile(o, l, m, m_scaled):
+        T.fill(o, 0)
+        T.fill(l, 0)
+        T.fill(m, neg_inf)
+        if lazy_on:
+            T.fill(m_scaled, 0)  # set only when a row's max moves
+
+    @T.macro
     def body(Q, K, V, O, LSE):
         with T.Kernel(T.ceildiv(Sq, bm), H, B, threads=config.threads) as (bx, by, bz):
             q_s = T.alloc_shared((bm, D), dtype)
@@ -307,11 +315,7 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
             kvh = by // groups
             offset = Sk - Sq  # bottom-right causal alignment
             T.copy(Q[bz, qt * bm : (qt + 1) * bm, by, :], q_s)
-            T.fill(o, 0)
-            T.fill(l, 0)
-            T.fill(m, neg_inf)
-            if lazy_on:
-                T.fill(m_scaled, 0)  # set below only when a row's max moves
+            reset_tile(o, l, m, m_scaled)
 
             n_blocks = n_key_blocks(qt, offset)
             for kb in T.Pipelined(n_blocks, num_stages=config.num_stages):
@@ -371,14 +375,6 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
             T.mbarrier_wait_parity(v_empty[st], (((g + kb) // S) & 1) ^ 1)
             T.tma_copy(V[b, kb * bn : (kb + 1) * bn, kvh, :], v_s[st, :, :], barrier=v_full[st])
             T.mbarrier_arrive(v_full[st])
-
-    @T.macro
-    def reset_tile(o, l, m, m_scaled):
-        T.fill(o, 0)
-        T.fill(l, 0)
-        T.fill(m, neg_inf)
-        if lazy_on:
-            T.fill(m_scaled, 0)  # set only when a row's max moves
 
     @T.macro
     def attend_tile(q_s, k_s, v_s, s, p, o, m, m_prev, m_scaled, alpha, row_sum, l, moved,
@@ -724,6 +720,14 @@ class BwdConfig:
     # run while dK += dS^T Q still runs (wait<1>), not after both retired.
     dq_first: bool = dataclasses.field(default=False, metadata={"omit_default": True})
 
+    def __post_init__(self):
+        if self.stats_early not in (0, 1, 2):
+            raise ValueError(f"BwdConfig.stats_early: 0, 1 or 2, got {self.stats_early!r}")
+        if (self.stats_early or self.dq_first) and self.pipeline != "async":
+            raise ValueError(f"BwdConfig.stats_early and dq_first need pipeline='async', got {self.pipeline!r}")
+        if self.dq_first and not self.dq_producer:
+            raise ValueError("BwdConfig.dq_first reorders the producer's dQ hand-over: it needs dq_producer=True")
+
     def for_arch(self, arch: str) -> "BwdConfig":
         if _is_hopper(arch):
             return self
@@ -887,11 +891,20 @@ def _bwd_body(config: BwdConfig, headdim: int, dtype: str, causal: bool, groups:
     skip_mask = bm * bn // consumers <= 32
 
     dq_producer = config.dq_producer and with_dq
-    dq_first = config.dq_first and dq_producer
+    dq_first = config.dq_first and with_dq
 
     def step_stat(stat_s, stat_r, st, j):
         """Query j's LSE (or Delta) of the step in stage st: from registers (stats_early) or shared."""
         return stat_s[st, j] if stat_r is None else stat_r[j]
+
+    @T.macro
+    def hand_over_dq(dq, dq_s, dq_full, dq_empty, it):
+        """Consumer side of step it's dQ (dq_producer): once the producer has read the previous
+        tile, dQ into dq_s, made visible to the async proxy, and dq_full arrived."""
+        T.mbarrier_wait_parity(dq_empty, (it & 1) ^ 1)
+        T.copy(dq, dq_s)
+        T.fence_proxy_async()
+        T.mbarrier_arrive(dq_full)
 
     @T.macro
     def reduce_dq(dQacc, dq_s, dq_full, dq_empty, it, bz, kvh, q_start, n_q):
@@ -1010,17 +1023,11 @@ def _bwd_body(config: BwdConfig, headdim: int, dtype: str, causal: bool, groups:
                     if dq_first:
                         T.wgmma_gemm(dsT, q_s[st, :, :], dk, policy=T.GemmWarpPolicy.FullRow)  # dK += dS^T Q
                         T.wait_wgmma(1)  # dQ retired; dK may still run
-                        T.mbarrier_wait_parity(dq_empty, (it & 1) ^ 1)
-                        T.copy(dq, dq_s)
-                        T.fence_proxy_async()
-                        T.mbarrier_arrive(dq_full)
+                        hand_over_dq(dq, dq_s, dq_full, dq_empty, it)
                     T.wait_wgmma(0)
                     T.mbarrier_arrive(empty[st])
                     if dq_producer and not dq_first:
-                        T.mbarrier_wait_parity(dq_empty, (it & 1) ^ 1)  # the previous tile was read
-                        T.copy(dq, dq_s)
-                        T.fence_proxy_async()
-                        T.mbarrier_arrive(dq_full)
+                        hand_over_dq(dq, dq_s, dq_full, dq_empty, it)
                     elif with_dq and not dq_producer:
                         # dq_s is free: the thread that issued the previous reduce-add waited for
                         # its read before it reached the dS barrier every thread has passed since.
