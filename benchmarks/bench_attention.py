@@ -1,6 +1,6 @@
 """FlashAttention forward and backward: tileops vs SDPA (cuDNN, FlashAttention-2) and FlexAttention.
 
-    python -m benchmarks.bench_attention [--quick] [--no-flex] [--no-deterministic]
+    python -m benchmarks.bench_attention [--quick] [--no-flex] [--no-deterministic] [--case BxH/HKxSxD ...]
 
 TFLOP/s with forward FLOPs = 4 * B * H * Sq * Sk * D (two GEMMs), halved when causal, and backward
 FLOPs = 2.5x forward (five GEMMs instead of two). The backward is timed alone: one forward with
@@ -17,6 +17,7 @@ Writes $OUT/bench_attention.json (or bench_results/) and prints a table last.
 from __future__ import annotations
 
 import argparse
+import re
 import time
 
 import torch
@@ -176,14 +177,23 @@ def _summary(rows):
     return out
 
 
+def _parse_case(text: str) -> tuple:
+    """'8x32/8x4096x128' -> (8, 32, 8, 4096, 128)."""
+    m = re.fullmatch(r"(\d+)x(\d+)/(\d+)x(\d+)x(\d+)", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"--case wants BxH/HKxSxD, e.g. 8x32/8x4096x128; got {text!r}")
+    return tuple(int(g) for g in m.groups())
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true", help="two cases only")
     p.add_argument("--no-flex", action="store_true", help="skip FlexAttention (its compiles take ~10-30 s per case)")
     p.add_argument("--no-deterministic", action="store_true", help="skip tileops_det (the deterministic backward)")
+    p.add_argument("--case", action="append", type=_parse_case, help="B x H/HK x S x D, e.g. 1x33/33x16384x128 (repeatable; replaces the default set)")
     args = p.parse_args(argv)
     t0 = time.time()
-    rows = run(QUICK if args.quick else CASES, flex=not args.no_flex, det=not args.no_deterministic)
+    rows = run(args.case or (QUICK if args.quick else CASES), flex=not args.no_flex, det=not args.no_deterministic)
     summary = _summary(rows)
     path = write_json("bench_attention", rows, {"summary": summary, "wall_s": time.time() - t0})
     impls = ["tileops", "sdpa_cudnn", "sdpa_flash", "flex_compiled"]

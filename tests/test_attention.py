@@ -546,6 +546,46 @@ def test_flash_bwd_stats_early_source():
     assert "lse_s" not in loop[first_wait : loop.index("wgmma_rs")]
 
 
+def _ptxas_report(src: str, tmp_path) -> str:
+    """ptxas's -v report for a generated CUDA source (nvcc -cubin, sm_90a, TileLang's headers)."""
+    import os
+    import shutil
+    import subprocess
+
+    import tilelang
+
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc not on PATH: ptxas's register report needs the CUDA toolkit")
+    tl = os.path.dirname(tilelang.__file__)
+    cu = tmp_path / f"k{abs(hash(src))}.cu"
+    cu.write_text(src)
+    inc = [f"-I{tl}/{d}" for d in ("src", "3rdparty/cutlass/include", "src/tl_templates")]
+    cmd = [nvcc, "-cubin", "-arch", "sm_90a", "-w", "-std=c++17", *inc, "-Xptxas", "-v", str(cu), "-o", str(cu.with_suffix(".cubin"))]
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return run.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("groups", [1, 3, 4], ids=["mha", "gqa3", "gqa4"])
+def test_flash_bwd_d128_default_keeps_wgmmas_in_flight(groups, tmp_path):
+    """The D=128 backward's consumers run at the register limit (240): anything that costs them a
+    register can make ptxas serialize wgmmas instead of spilling — C7517, "warpgroup.wait is
+    injected" — which cost the GQA backward ~7% until its steps became two nested loops instead
+    of `it // n_q` and `it % n_q` (session 20). ptxas's own report, both causal settings: no
+    injected wait, no spill."""
+    from tilelang_ops.kernels import attention as K
+
+    for causal in (False, True):
+        cfg = K.bwd_default_config(128, causal)
+        src = K.flash_bwd_fused_kernel.source(cfg, "sm_90a", headdim=128, dtype="bfloat16", causal=causal, groups=groups, scale=K.default_scale(128))
+        report = _ptxas_report(src, tmp_path)
+        assert "C7517" not in report and "C7514" not in report and "C7518" not in report, report
+        main = report[report.index("flash_bwd_fused_kernel_1' for"):]
+        assert " 0 bytes spill stores" in main.split("Compiling entry")[0], main[:600]
+
+
 @pytest.mark.slow
 def test_flash_bwd_dq_first_source():
     """dq_first (the Hopper default at D=64 and 128): in each step the dQ wgmma (the third

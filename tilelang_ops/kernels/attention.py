@@ -794,10 +794,14 @@ def _bwd_body(config: BwdConfig, headdim: int, dtype: str, causal: bool, groups:
     with_dq = dq  # the dQ fragment below is named `dq`, as in the exported kernels
 
     def head_and_block(it, kvh, q_start, n_q):
-        """Query head and query block of step `it` (a GQA group walks head by head)."""
+        """Query head and query block of step `it`. A GQA group walks head by head when causal,
+        else its heads in turn at each query block (H200, session 20: each order loses 3-8% in
+        the other setting; see the consumers' loop in body_async)."""
         if groups == 1:
             return kvh, q_start + it
-        return kvh * groups + it // n_q, q_start + it % n_q
+        if causal:
+            return kvh * groups + it // n_q, q_start + it % n_q
+        return kvh * groups + it % groups, q_start + it // groups
 
     def sees_all(bx, qb, offset):
         """Whether every query of step qb sees every key of block bx (no tail, not across the
@@ -976,9 +980,19 @@ def _bwd_body(config: BwdConfig, headdim: int, dtype: str, causal: bool, groups:
                 T.clear(dk)
                 T.clear(dv)
                 T.mbarrier_wait_parity(kv_full, 0)  # also before the epilogue reuses k_s/v_s
-                for it in T.serial(groups * n_q):
+                # A GQA group's steps as two nested loops (head and query block, in
+                # head_and_block's order), not `it // n_q` and `it % n_q` (or `it % groups` and
+                # `it // groups` at a group size not a power of 2): those cost the D=128 consumers
+                # the registers that keep the S^T and dP^T wgmmas in flight together, and ptxas
+                # serialized them (C7517; 0.93x cuDNN on GQA, session 20).
+                for step in (T.serial(n_q) if groups == 1 else T.grid(groups, n_q) if causal else T.grid(n_q, groups)):
+                    if groups == 1:
+                        it, h, qb = step, by, q_start + step
+                    elif causal:
+                        it, h, qb = step[0] * n_q + step[1], by * groups + step[0], q_start + step[1]
+                    else:
+                        it, h, qb = step[0] * groups + step[1], by * groups + step[1], q_start + step[0]
                     st = it % S
-                    h, qb = head_and_block(it, by, q_start, n_q)
                     T.mbarrier_wait_parity(full[st], (it // S) & 1)
                     # Zeroed here rather than by the wgmma's scale-d flag: the accumulators are
                     # then dead between steps, which ptxas cannot see through the asm operands.
