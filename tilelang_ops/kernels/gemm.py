@@ -120,6 +120,9 @@ DEFAULT_OVERRIDES: dict[tuple, GemmConfig] = {
     ("sm_9", "nn", 2, 3072, 768): GemmConfig(128, 192, 64, 5, 256, 8, "Square", 0, "pingpong"),
     ("sm_9", "nn", 2, 768, 2304): _PP,  # 16384x768x2304 (GPT-2's QKV dX): 673 vs 642 (1.05x), 1.00x cuBLAS (session15/call2)
     ("sm_9", "nn", 1, 4096, 4096): GemmConfig(128, 256, 64, 4, 256, 8, "Square"),  # 4096^3: 1.03x default (fifth session)
+    # 8192^3: 680 vs 649 TFLOP/s (1.05x), 1.01x cuBLAS; 128x224 and 128x192 (fewer idle SMs in the
+    # last wave) 0.72-0.92x cuBLAS (`sweep_gemm --group wave_nn_8192_8192`, session20/call4)
+    ("sm_9", "nn", 2, 8192, 8192): GemmConfig(128, 256, 64, 4, 256, 8, "Square"),
     ("sm_9", "nn", 0, 11008, 4096): GemmConfig(block_M=128, block_N=256, block_K=64, num_stages=4, threads=256, swizzle=8, policy="FullRow"),  # 1024x11008x4096: 1.04x default, 1.12x cuBLAS
     ("sm_9", "nn", 1, 11008, 4096): _PP16S7,  # 4096x11008x4096: 691 vs 657 for _PP (1.05x; call1: _PP 1.025x the auto default), 1.08x cuBLAS
     ("sm_9", "nn", 1, 14336, 4096): _PP16S7,  # 4096x14336x4096: 671 vs 635 (1.06x), 0.99x cuBLAS (call3)
