@@ -704,21 +704,21 @@ def test_tune_space_leaves_out_newer_schedules(monkeypatch):
 def test_m_buckets_select_configs(monkeypatch):
     """The symbolic token count picks one of three buckets; each resolves (and caches) its own
     kernel; DEFAULT_OVERRIDES and set_config(bucket=) apply per bucket; tuning keys name it.
-    (Static dims without a shipped override: 8192x8192, K=640.)"""
+    (Static dims without a shipped override: 6144x6144, K=640.)"""
     from tilelang_ops.kernels import gemm as K
 
     for m in (1, 1024, 1536, 1537, 4096, 6144, 6145, 16384, 10**7):
         assert G._bucket(m) == K.m_bucket(m) == (0 if m <= K.M_BUCKET_BOUNDS[0] else 1 if m <= K.M_BUCKET_BOUNDS[1] else 2)
     assert [K.m_bucket(m) for m in K.M_BUCKET_REP] == [0, 1, 2]
     small = K.GemmConfig(128, 128, 64, 4, 256, 8, "Square")
-    monkeypatch.setitem(K.DEFAULT_OVERRIDES, ("sm_9", "nn", 0, 8192, 8192), small)
+    monkeypatch.setitem(K.DEFAULT_OVERRIDES, ("sm_9", "nn", 0, 6144, 6144), small)
     monkeypatch.setitem(K.DEFAULT_OVERRIDES, ("sm_9", "nt", 1, None, 640), small)
-    assert G.config_for("nn", 8192, 8192, torch.bfloat16, "sm_90a", m=1024) == small
-    assert G.config_for("nn", 8192, 8192, torch.bfloat16, "sm_90a", m=4096) == K._HOPPER_LARGE
-    assert G.config_for("nn", 8192, 8192, torch.bfloat16, "sm_90a") == K._HOPPER_LARGE  # m=None: largest bucket
+    assert G.config_for("nn", 6144, 6144, torch.bfloat16, "sm_90a", m=1024) == small
+    assert G.config_for("nn", 6144, 6144, torch.bfloat16, "sm_90a", m=4096) == K._HOPPER_LARGE
+    assert G.config_for("nn", 6144, 6144, torch.bfloat16, "sm_90a") == K._HOPPER_LARGE  # m=None: largest bucket
     assert G.config_for("nt", 3072, 640, torch.bfloat16, "sm_90a", m=4096) == small  # any-n override
-    assert G.config_for("nn", 8192, 8192, torch.bfloat16, "sm_80", m=1024) == K._AMPERE  # overrides are Hopper-only
-    assert G.TUNABLE.key(("nn", 1024, 8192, 8192), torch.bfloat16, None)[1] == "m<=1536"
+    assert G.config_for("nn", 6144, 6144, torch.bfloat16, "sm_80", m=1024) == K._AMPERE  # overrides are Hopper-only
+    assert G.TUNABLE.key(("nn", 1024, 6144, 6144), torch.bfloat16, None)[1] == "m<=1536"
     assert G.TUNABLE.key(("tn", 8192, 8192, 16384), torch.bfloat16, None)[1] == "m>6144"  # "tn": tokens = K
 
     # the op path: one resolved kernel per (static key, bucket), a cheap lookup afterwards
@@ -731,13 +731,13 @@ def test_m_buckets_select_configs(monkeypatch):
     monkeypatch.setattr(G, "_kernels", {})
     monkeypatch.setattr(G, "TUNED", {})
     dev = torch.device("cuda", 0)
-    k0 = G._matmul_kernel(dev, "nn", 8192, 8192, torch.bfloat16, m=1000)
-    k1 = G._matmul_kernel(dev, "nn", 8192, 8192, torch.bfloat16, m=5000)
+    k0 = G._matmul_kernel(dev, "nn", 6144, 6144, torch.bfloat16, m=1000)
+    k1 = G._matmul_kernel(dev, "nn", 6144, 6144, torch.bfloat16, m=5000)
     assert k0 == ("kernel", small) and k1 == ("kernel", K._HOPPER_LARGE) and G.last_config()[1] == K._HOPPER_LARGE
-    assert G._matmul_kernel(dev, "nn", 8192, 8192, torch.bfloat16, m=1536) is k0 and len(compiled) == 2
-    G.set_config("nn", 8192, 8192, torch.bfloat16, K._HOPPER_NARROW, bucket=2)
-    assert G._matmul_kernel(dev, "nn", 8192, 8192, torch.bfloat16, m=20000)[1] == K._HOPPER_NARROW
-    assert G._matmul_kernel(dev, "nn", 8192, 8192, torch.bfloat16, m=100)[1] == small
+    assert G._matmul_kernel(dev, "nn", 6144, 6144, torch.bfloat16, m=1536) is k0 and len(compiled) == 2
+    G.set_config("nn", 6144, 6144, torch.bfloat16, K._HOPPER_NARROW, bucket=2)
+    assert G._matmul_kernel(dev, "nn", 6144, 6144, torch.bfloat16, m=20000)[1] == K._HOPPER_NARROW
+    assert G._matmul_kernel(dev, "nn", 6144, 6144, torch.bfloat16, m=100)[1] == small
 
 
 def test_pingpong_grid_is_the_device_sm_count(monkeypatch):
