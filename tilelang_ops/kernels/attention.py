@@ -793,13 +793,18 @@ def _bwd_body(config: BwdConfig, headdim: int, dtype: str, causal: bool, groups:
     scale_log2 = scale * LOG2E
     with_dq = dq  # the dQ fragment below is named `dq`, as in the exported kernels
 
+    # How the async consumers walk a GQA group's steps (its query heads x query blocks): at D=128
+    # as two nested loops (see body_async), at D=64 from one counter, as before session 20 (there
+    # the counter cost no wgmma overlap, and the nested loops spill 12-24 bytes; not timed).
+    nested_walk = groups > 1 and D > 64 and config.pipeline == "async"
+
     def head_and_block(it, kvh, q_start, n_q):
-        """Query head and query block of step `it`. A GQA group walks head by head when causal,
-        else its heads in turn at each query block (H200, session 20: each order loses 3-8% in
-        the other setting; see the consumers' loop in body_async)."""
+        """Query head and query block of step `it`. A GQA group walks head by head, except
+        non-causal with nested_walk: its heads in turn at each query block (H200, session 20:
+        each order loses 3-8% in the other setting; see the consumers' loop in body_async)."""
         if groups == 1:
             return kvh, q_start + it
-        if causal:
+        if causal or not nested_walk:
             return kvh * groups + it // n_q, q_start + it % n_q
         return kvh * groups + it % groups, q_start + it // groups
 
@@ -980,14 +985,15 @@ def _bwd_body(config: BwdConfig, headdim: int, dtype: str, causal: bool, groups:
                 T.clear(dk)
                 T.clear(dv)
                 T.mbarrier_wait_parity(kv_full, 0)  # also before the epilogue reuses k_s/v_s
-                # A GQA group's steps as two nested loops (head and query block, in
+                # A GQA group's steps at D=128 as two nested loops (head and query block, in
                 # head_and_block's order), not `it // n_q` and `it % n_q` (or `it % groups` and
                 # `it // groups` at a group size not a power of 2): those cost the D=128 consumers
                 # the registers that keep the S^T and dP^T wgmmas in flight together, and ptxas
                 # serialized them (C7517; 0.93x cuDNN on GQA, session 20).
-                for step in (T.serial(n_q) if groups == 1 else T.grid(groups, n_q) if causal else T.grid(n_q, groups)):
-                    if groups == 1:
-                        it, h, qb = step, by, q_start + step
+                for step in (T.serial(groups * n_q) if not nested_walk else T.grid(groups, n_q) if causal else T.grid(n_q, groups)):
+                    if not nested_walk:
+                        it = step
+                        h, qb = head_and_block(it, by, q_start, n_q)
                     elif causal:
                         it, h, qb = step[0] * n_q + step[1], by * groups + step[0], q_start + step[1]
                     else:
