@@ -794,19 +794,37 @@ def _bwd_body(config: BwdConfig, headdim: int, dtype: str, causal: bool, groups:
     with_dq = dq  # the dQ fragment below is named `dq`, as in the exported kernels
 
     # How the async consumers walk a GQA group's steps (its query heads x query blocks): at D=128
-    # as two nested loops (see body_async), at D=64 from one counter, as before session 20 (there
+    # as two nested loops (see consumer_steps), at D=64 from one counter, as before session 20 (there
     # the counter cost no wgmma overlap, and the nested loops spill 12-24 bytes; not timed).
     nested_walk = groups > 1 and D > 64 and config.pipeline == "async"
 
     def head_and_block(it, kvh, q_start, n_q):
         """Query head and query block of step `it`. A GQA group walks head by head, except
         non-causal with nested_walk: its heads in turn at each query block (H200, session 20:
-        each order loses 3-8% in the other setting; see the consumers' loop in body_async)."""
+        each order loses 3-8% in the other setting; see consumer_steps)."""
         if groups == 1:
             return kvh, q_start + it
         if causal or not nested_walk:
             return kvh * groups + it // n_q, q_start + it % n_q
         return kvh * groups + it % groups, q_start + it // groups
+
+    def consumer_steps(n_q):
+        """The async consumers' step loop (iterate it in the `for` statement itself: see
+        docs/tilelang_notes.md): with nested_walk two loops in head_and_block's order, so the
+        head and query block are loop variables (no `it // n_q`, `it % n_q`: at D=128 that
+        register made ptxas serialize the S^T and dP^T wgmmas, C7517; 0.93x cuDNN on GQA,
+        session 20). step_coords turns a step into (it, h, qb)."""
+        if not nested_walk:
+            return T.serial(groups * n_q)
+        return T.grid(groups, n_q) if causal else T.grid(n_q, groups)
+
+    def step_coords(step, kvh, q_start, n_q):
+        """(it, query head, query block) of a consumer_steps step."""
+        if not nested_walk:
+            return (step, *head_and_block(step, kvh, q_start, n_q))
+        if causal:
+            return step[0] * n_q + step[1], kvh * groups + step[0], q_start + step[1]
+        return step[0] * groups + step[1], kvh * groups + step[1], q_start + step[0]
 
     def sees_all(bx, qb, offset):
         """Whether every query of step qb sees every key of block bx (no tail, not across the
@@ -985,19 +1003,8 @@ def _bwd_body(config: BwdConfig, headdim: int, dtype: str, causal: bool, groups:
                 T.clear(dk)
                 T.clear(dv)
                 T.mbarrier_wait_parity(kv_full, 0)  # also before the epilogue reuses k_s/v_s
-                # A GQA group's steps at D=128 as two nested loops (head and query block, in
-                # head_and_block's order), not `it // n_q` and `it % n_q` (or `it % groups` and
-                # `it // groups` at a group size not a power of 2): those cost the D=128 consumers
-                # the registers that keep the S^T and dP^T wgmmas in flight together, and ptxas
-                # serialized them (C7517; 0.93x cuDNN on GQA, session 20).
-                for step in (T.serial(groups * n_q) if not nested_walk else T.grid(groups, n_q) if causal else T.grid(n_q, groups)):
-                    if not nested_walk:
-                        it = step
-                        h, qb = head_and_block(it, by, q_start, n_q)
-                    elif causal:
-                        it, h, qb = step[0] * n_q + step[1], by * groups + step[0], q_start + step[1]
-                    else:
-                        it, h, qb = step[0] * groups + step[1], by * groups + step[1], q_start + step[0]
+                for step in consumer_steps(n_q):
+                    it, h, qb = step_coords(step, by, q_start, n_q)
                     st = it % S
                     T.mbarrier_wait_parity(full[st], (it // S) & 1)
                     # Zeroed here rather than by the wgmma's scale-d flag: the accumulators are
