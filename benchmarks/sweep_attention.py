@@ -10,6 +10,7 @@ wrong kernel shows.
     python -m benchmarks.sweep_attention --post-mask [--warm]  # the defaults with the other FwdConfig.post_mask
     python -m benchmarks.sweep_attention --bwd --stats [--warm]     # backward: the defaults with the other BwdConfig.stats_early
     python -m benchmarks.sweep_attention --bwd --dq-first [--warm]  # backward: the defaults with the other dq_first
+    python -m benchmarks.sweep_attention --bwd --reverse [--warm]   # backward: the defaults with the other BwdConfig.reverse
 
 Forward FLOPs = 4 * B * H * S^2 * D, halved when causal; backward 2.5x that (as bench_attention).
 --bwd times the backward as the op runs it (`flash_bwd_fused`: preprocess, main kernel, dQ cast).
@@ -31,6 +32,7 @@ POST_MASK = False
 DQ_PATHS = False
 STATS = False
 DQ_FIRST = False
+REVERSE = False
 PERSISTENT = False
 
 
@@ -83,6 +85,9 @@ def bwd_candidates(headdim: int):
 
     from tilelang_ops.kernels.attention import BwdConfig, bwd_default_config
 
+    if REVERSE and headdim in (64, 128):  # BwdConfig.reverse (causal; non-causal: the same kernel, a noise row)
+        default = bwd_default_config(headdim, True)
+        return [dataclasses.replace(default, reverse=not default.reverse)]
     if DQ_FIRST and headdim in (64, 128):  # BwdConfig.dq_first: dQ's wgmma before dK's, or not
         default = bwd_default_config(headdim, False)
         return [dataclasses.replace(default, dq_first=not default.dq_first)]
@@ -155,6 +160,7 @@ def _name(cfg) -> str:
     post += "/persistent" if getattr(cfg, "persistent", False) else ""
     post += f"/stats{cfg.stats_early}" if getattr(cfg, "stats_early", 0) else ""
     post += "/dqfirst" if getattr(cfg, "dq_first", False) else ""
+    post += "/reverse" if getattr(cfg, "reverse", False) else ""
     return f"{cfg.block_m}x{cfg.block_n}/{cfg.num_stages}/{cfg.threads}/{cfg.pipeline}{lazy}{post}"
 
 
@@ -279,7 +285,9 @@ if __name__ == "__main__":
     ap.add_argument("--dq-first", action="store_true", help="--bwd: the defaults against themselves with BwdConfig.dq_first")
     ap.add_argument("--stats", action="store_true", help="--bwd: the defaults against their other BwdConfig.stats_early values")
     ap.add_argument("--dq", action="store_true", help="--bwd: the defaults against their other BwdConfig.dq_producer")
+    ap.add_argument("--reverse", action="store_true", help="--bwd: the defaults against their other BwdConfig.reverse")
     args = ap.parse_args()
+    REVERSE = args.reverse
     DQ_PATHS = args.dq
     STATS = args.stats
     DQ_FIRST = args.dq_first

@@ -479,18 +479,19 @@ def test_flash_fwd_d64_causal_default(case):
 # The async backward (BwdConfig.pipeline="async": our own TMA producer and mbarrier ring, wgmmas
 # kept in flight across the softmax-gradient math; the default on Hopper at D=64/128, which every
 # other GPU test runs) at the tiles of the tuner's search space, defaults included.
-# The last field of the 8-tuples: BwdConfig.dq_producer (the producer warpgroup reduce-adds dQ).
+# Fields past the 7th: BwdConfig.dq_producer, stats_early, dq_first, reverse.
 ASYNC_BWD_CONFIGS = {
     64: [(128, 64, 2, 256, True, True, "async"), (128, 128, 3, 256, True, True, "async"), (128, 128, 2, 256, True, True, "async"),
-         (128, 128, 2, 256, True, True, "async", True), (128, 128, 2, 256, True, True, "async", True, 0, True)],
+         (128, 128, 2, 256, True, True, "async", True), (128, 128, 2, 256, True, True, "async", True, 0, True),
+         (128, 128, 2, 256, True, True, "async", True, 0, True, True)],
     128: [(128, 64, 3, 256, True, True, "async"), (128, 64, 2, 256, True, True, "async"), (128, 64, 2, 256, True, True, "async", True),
           (128, 64, 2, 256, True, True, "async", True, 1), (128, 64, 2, 256, True, True, "async", True, 2),
-          (128, 64, 2, 256, True, True, "async", True, 1, True)],
+          (128, 64, 2, 256, True, True, "async", True, 1, True), (128, 64, 2, 256, True, True, "async", True, 1, True, True)],
 }
 
 
 def _async_bwd_name(cfg) -> str:
-    return f"{cfg[0]}x{cfg[1]}x{cfg[2]}{cfg[6]}" + ("-dqprod" if cfg[7:8] == (True,) else "") + (f"-stats{cfg[8]}" if cfg[8:9] not in ((), (0,)) else "") + ("-dqfirst" if cfg[9:] == (True,) else "")
+    return f"{cfg[0]}x{cfg[1]}x{cfg[2]}{cfg[6]}" + ("-dqprod" if cfg[7:8] == (True,) else "") + (f"-stats{cfg[8]}" if cfg[8:9] not in ((), (0,)) else "") + ("-dqfirst" if cfg[9:10] == (True,) else "") + ("-rev" if cfg[10:] == (True,) else "")
 
 
 def _async_bwd_cases():
@@ -604,6 +605,24 @@ def test_flash_bwd_dq_first_source():
         assert dq_wgmma < dk_wgmma < loop.index("wait_wgmma<1>", dk_wgmma) < loop.index("dq_full", dk_wgmma) < loop.index("wait_wgmma<0>", dk_wgmma)
 
 
+def test_flash_bwd_reverse_walks_from_the_last_query_block():
+    """BwdConfig.reverse (causal): the producer's first Q load is the last query block, counted
+    down from ceildiv(Sq, 64); without it, from the CTA's diagonal block up. GPU correctness:
+    test_flash_bwd_async_pipelines_match_reference's -rev configs."""
+    import dataclasses
+
+    from tilelang_ops.kernels import attention as K
+
+    def q_load(cfg, groups):
+        src = K.flash_bwd_fused_kernel.source(cfg, "sm_90a", headdim=128, dtype="bfloat16", causal=True, groups=groups, scale=K.default_scale(128))
+        return next(line for line in src.splitlines() if "tma_load(Q_desc" in line)
+
+    default = K.bwd_default_config(128, True)
+    for groups in (1, 4):  # a block index counted down from the step counter, or up from the diagonal
+        assert re.search(r"- \(+it\b", q_load(dataclasses.replace(default, reverse=True), groups))
+        assert "max(((((int)blockIdx.x)" in q_load(dataclasses.replace(default, reverse=False), groups)
+
+
 def test_bwd_config_rejects_fields_its_pipeline_cannot_honour():
     """stats_early and dq_first exist only in the async pipeline, dq_first only with the
     producer's dQ writer: a config asking otherwise is an error, not a silently different kernel."""
@@ -617,6 +636,8 @@ def test_bwd_config_rejects_fields_its_pipeline_cannot_honour():
         K.BwdConfig(128, 64, 2, 256, dq_producer=True, dq_first=True)
     with pytest.raises(ValueError, match="needs dq_producer=True"):
         K.BwdConfig(128, 64, 2, 256, pipeline="async", dq_first=True)
+    with pytest.raises(ValueError, match="need pipeline='async'"):
+        K.BwdConfig(128, 64, 2, 256, reverse=True)
     for cfg in K.BWD_SEARCH_SPACE + [K.bwd_default_config(d, c) for d in (64, 128, 256) for c in (False, True)]:
         assert cfg.for_arch("sm_80").pipeline == "auto"  # and constructing it raised nothing
 

@@ -719,19 +719,25 @@ class BwdConfig:
     # dq_producer only: the dQ wgmma is issued before dK's, so the dQ tile's store and hand-over
     # run while dK += dS^T Q still runs (wait<1>), not after both retired.
     dq_first: bool = dataclasses.field(default=False, metadata={"omit_default": True})
+    # "async" only, causal (no effect otherwise): each CTA walks its query blocks from the last
+    # down to its diagonal, and a GQA group's heads in turn at each block, so the CTAs in flight
+    # load the same Q/dO tile and reduce-add into the same dQ tile at the same time, as the
+    # non-causal walk does (whose CTAs all start at block 0; staggered starts lost 10% there,
+    # session 21). Forward, each CTA starts at its diagonal and the CTAs drift apart.
+    reverse: bool = dataclasses.field(default=False, metadata={"omit_default": True})
 
     def __post_init__(self):
         if self.stats_early not in (0, 1, 2):
             raise ValueError(f"BwdConfig.stats_early: 0, 1 or 2, got {self.stats_early!r}")
-        if (self.stats_early or self.dq_first) and self.pipeline != "async":
-            raise ValueError(f"BwdConfig.stats_early and dq_first need pipeline='async', got {self.pipeline!r}")
+        if (self.stats_early or self.dq_first or self.reverse) and self.pipeline != "async":
+            raise ValueError(f"BwdConfig.stats_early, dq_first and reverse need pipeline='async', got {self.pipeline!r}")
         if self.dq_first and not self.dq_producer:
             raise ValueError("BwdConfig.dq_first reorders the producer's dQ hand-over: it needs dq_producer=True")
 
     def for_arch(self, arch: str) -> "BwdConfig":
         if _is_hopper(arch):
             return self
-        return dataclasses.replace(self, num_stages=1, tma_dq=False, pipeline="auto", dq_producer=False, stats_early=0, dq_first=False)
+        return dataclasses.replace(self, num_stages=1, tma_dq=False, pipeline="auto", dq_producer=False, stats_early=0, dq_first=False, reverse=False)
 
     @property
     def min_sm(self) -> int:
@@ -797,16 +803,23 @@ def _bwd_body(config: BwdConfig, headdim: int, dtype: str, causal: bool, groups:
     # as two nested loops (see consumer_steps), at D=64 from one counter, as before session 20 (there
     # the counter cost no wgmma overlap, and the nested loops spill 12-24 bytes; not timed).
     nested_walk = groups > 1 and D > 64 and config.pipeline == "async"
+    reverse = config.reverse and causal
+    # A GQA group's heads in turn at each query block (else head by head): non-causal with
+    # nested_walk, and the reverse causal walk (H200, session 20: head by head lost 3% non-causal,
+    # heads in turn 8% causal forwards).
+    inner_heads = (nested_walk and not causal) or (reverse and groups > 1)
+
+    def block(i, q_start):
+        """The i-th query block of a CTA's walk (q_start: its first, causal: at its diagonal)."""
+        return T.ceildiv(Sq, bn) - 1 - i if reverse else q_start + i
 
     def head_and_block(it, kvh, q_start, n_q):
-        """Query head and query block of step `it`. A GQA group walks head by head, except
-        non-causal with nested_walk: its heads in turn at each query block (H200, session 20:
-        each order loses 3-8% in the other setting; see consumer_steps)."""
+        """Query head and query block of step `it` (see inner_heads)."""
         if groups == 1:
-            return kvh, q_start + it
-        if causal or not nested_walk:
-            return kvh * groups + it // n_q, q_start + it % n_q
-        return kvh * groups + it % groups, q_start + it // groups
+            return kvh, block(it, q_start)
+        if inner_heads:
+            return kvh * groups + it % groups, block(it // groups, q_start)
+        return kvh * groups + it // n_q, block(it % n_q, q_start)
 
     def consumer_steps(n_q):
         """The async consumers' step loop (iterate it in the `for` statement itself: see
@@ -816,15 +829,15 @@ def _bwd_body(config: BwdConfig, headdim: int, dtype: str, causal: bool, groups:
         session 20). step_coords turns a step into (it, h, qb)."""
         if not nested_walk:
             return T.serial(groups * n_q)
-        return T.grid(groups, n_q) if causal else T.grid(n_q, groups)
+        return T.grid(n_q, groups) if inner_heads else T.grid(groups, n_q)
 
     def step_coords(step, kvh, q_start, n_q):
         """(it, query head, query block) of a consumer_steps step."""
         if not nested_walk:
             return (step, *head_and_block(step, kvh, q_start, n_q))
-        if causal:
-            return step[0] * n_q + step[1], kvh * groups + step[0], q_start + step[1]
-        return step[0] * groups + step[1], kvh * groups + step[1], q_start + step[0]
+        if inner_heads:
+            return step[0] * groups + step[1], kvh * groups + step[1], block(step[0], q_start)
+        return step[0] * n_q + step[1], kvh * groups + step[0], block(step[1], q_start)
 
     def sees_all(bx, qb, offset):
         """Whether every query of step qb sees every key of block bx (no tail, not across the
