@@ -11,6 +11,7 @@ wrong kernel shows.
     python -m benchmarks.sweep_attention --bwd --stats [--warm]     # backward: the defaults with the other BwdConfig.stats_early
     python -m benchmarks.sweep_attention --bwd --dq-first [--warm]  # backward: the defaults with the other dq_first
     python -m benchmarks.sweep_attention --bwd --reverse [--warm]   # backward: the defaults with the other BwdConfig.reverse
+    python -m benchmarks.sweep_attention --bwd --walk [--warm]      # backward: the defaults with reverse, rotate=2, rotate=4
 
 Forward FLOPs = 4 * B * H * S^2 * D, halved when causal; backward 2.5x that (as bench_attention).
 --bwd times the backward as the op runs it (`flash_bwd_fused`: preprocess, main kernel, dQ cast).
@@ -33,6 +34,7 @@ DQ_PATHS = False
 STATS = False
 DQ_FIRST = False
 REVERSE = False
+WALK = False
 PERSISTENT = False
 
 
@@ -85,6 +87,9 @@ def bwd_candidates(headdim: int):
 
     from tilelang_ops.kernels.attention import BwdConfig, bwd_default_config
 
+    if WALK and headdim in (64, 128):  # the walk orders: reverse (causal), rotate (non-causal MHA); elsewhere noise rows
+        default = bwd_default_config(headdim, True)
+        return [dataclasses.replace(default, reverse=True)] + [dataclasses.replace(default, rotate=p) for p in (2, 4)]
     if REVERSE and headdim in (64, 128):  # BwdConfig.reverse (causal; non-causal: the same kernel, a noise row)
         default = bwd_default_config(headdim, True)
         return [dataclasses.replace(default, reverse=not default.reverse)]
@@ -161,6 +166,7 @@ def _name(cfg) -> str:
     post += f"/stats{cfg.stats_early}" if getattr(cfg, "stats_early", 0) else ""
     post += "/dqfirst" if getattr(cfg, "dq_first", False) else ""
     post += "/reverse" if getattr(cfg, "reverse", False) else ""
+    post += f"/rotate{cfg.rotate}" if getattr(cfg, "rotate", 0) else ""
     return f"{cfg.block_m}x{cfg.block_n}/{cfg.num_stages}/{cfg.threads}/{cfg.pipeline}{lazy}{post}"
 
 
@@ -286,8 +292,10 @@ if __name__ == "__main__":
     ap.add_argument("--stats", action="store_true", help="--bwd: the defaults against their other BwdConfig.stats_early values")
     ap.add_argument("--dq", action="store_true", help="--bwd: the defaults against their other BwdConfig.dq_producer")
     ap.add_argument("--reverse", action="store_true", help="--bwd: the defaults against their other BwdConfig.reverse")
+    ap.add_argument("--walk", action="store_true", help="--bwd: the defaults against reverse, rotate=2 and rotate=4")
     args = ap.parse_args()
     REVERSE = args.reverse
+    WALK = args.walk
     DQ_PATHS = args.dq
     STATS = args.stats
     DQ_FIRST = args.dq_first

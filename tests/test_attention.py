@@ -479,19 +479,20 @@ def test_flash_fwd_d64_causal_default(case):
 # The async backward (BwdConfig.pipeline="async": our own TMA producer and mbarrier ring, wgmmas
 # kept in flight across the softmax-gradient math; the default on Hopper at D=64/128, which every
 # other GPU test runs) at the tiles of the tuner's search space, defaults included.
-# Fields past the 7th: BwdConfig.dq_producer, stats_early, dq_first, reverse.
+# Fields past the 7th: BwdConfig.dq_producer, stats_early, dq_first, reverse, rotate.
 ASYNC_BWD_CONFIGS = {
     64: [(128, 64, 2, 256, True, True, "async"), (128, 128, 3, 256, True, True, "async"), (128, 128, 2, 256, True, True, "async"),
          (128, 128, 2, 256, True, True, "async", True), (128, 128, 2, 256, True, True, "async", True, 0, True),
-         (128, 128, 2, 256, True, True, "async", True, 0, True, True)],
+         (128, 128, 2, 256, True, True, "async", True, 0, True, True), (128, 128, 2, 256, True, True, "async", True, 0, True, False, 2)],
     128: [(128, 64, 3, 256, True, True, "async"), (128, 64, 2, 256, True, True, "async"), (128, 64, 2, 256, True, True, "async", True),
           (128, 64, 2, 256, True, True, "async", True, 1), (128, 64, 2, 256, True, True, "async", True, 2),
-          (128, 64, 2, 256, True, True, "async", True, 1, True), (128, 64, 2, 256, True, True, "async", True, 1, True, True)],
+          (128, 64, 2, 256, True, True, "async", True, 1, True), (128, 64, 2, 256, True, True, "async", True, 1, True, True),
+          (128, 64, 2, 256, True, True, "async", True, 1, True, False, 2)],
 }
 
 
 def _async_bwd_name(cfg) -> str:
-    return f"{cfg[0]}x{cfg[1]}x{cfg[2]}{cfg[6]}" + ("-dqprod" if cfg[7:8] == (True,) else "") + (f"-stats{cfg[8]}" if cfg[8:9] not in ((), (0,)) else "") + ("-dqfirst" if cfg[9:10] == (True,) else "") + ("-rev" if cfg[10:] == (True,) else "")
+    return f"{cfg[0]}x{cfg[1]}x{cfg[2]}{cfg[6]}" + ("-dqprod" if cfg[7:8] == (True,) else "") + (f"-stats{cfg[8]}" if cfg[8:9] not in ((), (0,)) else "") + ("-dqfirst" if cfg[9:10] == (True,) else "") + ("-rev" if cfg[10:11] == (True,) else "") + (f"-rot{cfg[11]}" if cfg[11:] else "")
 
 
 def _async_bwd_cases():
