@@ -479,20 +479,19 @@ def test_flash_fwd_d64_causal_default(case):
 # The async backward (BwdConfig.pipeline="async": our own TMA producer and mbarrier ring, wgmmas
 # kept in flight across the softmax-gradient math; the default on Hopper at D=64/128, which every
 # other GPU test runs) at the tiles of the tuner's search space, defaults included.
-# Fields past the 7th: BwdConfig.dq_producer, stats_early, dq_first, reverse, rotate.
+# Fields past the 7th: BwdConfig.dq_producer, stats_early, dq_first, reverse.
 ASYNC_BWD_CONFIGS = {
     64: [(128, 64, 2, 256, True, True, "async"), (128, 128, 3, 256, True, True, "async"), (128, 128, 2, 256, True, True, "async"),
          (128, 128, 2, 256, True, True, "async", True), (128, 128, 2, 256, True, True, "async", True, 0, True),
-         (128, 128, 2, 256, True, True, "async", True, 0, True, True), (128, 128, 2, 256, True, True, "async", True, 0, True, False, 2)],
+         (128, 128, 2, 256, True, True, "async", True, 0, True, True)],
     128: [(128, 64, 3, 256, True, True, "async"), (128, 64, 2, 256, True, True, "async"), (128, 64, 2, 256, True, True, "async", True),
           (128, 64, 2, 256, True, True, "async", True, 1), (128, 64, 2, 256, True, True, "async", True, 2),
-          (128, 64, 2, 256, True, True, "async", True, 1, True), (128, 64, 2, 256, True, True, "async", True, 1, True, True),
-          (128, 64, 2, 256, True, True, "async", True, 1, True, False, 2)],
+          (128, 64, 2, 256, True, True, "async", True, 1, True), (128, 64, 2, 256, True, True, "async", True, 1, True, True)],
 }
 
 
 def _async_bwd_name(cfg) -> str:
-    return f"{cfg[0]}x{cfg[1]}x{cfg[2]}{cfg[6]}" + ("-dqprod" if cfg[7:8] == (True,) else "") + (f"-stats{cfg[8]}" if cfg[8:9] not in ((), (0,)) else "") + ("-dqfirst" if cfg[9:10] == (True,) else "") + ("-rev" if cfg[10:11] == (True,) else "") + (f"-rot{cfg[11]}" if cfg[11:] else "")
+    return f"{cfg[0]}x{cfg[1]}x{cfg[2]}{cfg[6]}" + ("-dqprod" if cfg[7:8] == (True,) else "") + (f"-stats{cfg[8]}" if cfg[8:9] not in ((), (0,)) else "") + ("-dqfirst" if cfg[9:10] == (True,) else "") + ("-rev" if cfg[10:] == (True,) else "")
 
 
 def _async_bwd_cases():
@@ -576,7 +575,8 @@ def test_flash_bwd_d128_default_keeps_wgmmas_in_flight(groups, tmp_path):
     register can make ptxas serialize wgmmas instead of spilling — C7517, "warpgroup.wait is
     injected" — which cost the GQA backward ~7% until its steps became two nested loops instead
     of `it // n_q` and `it % n_q` (session 20). ptxas's own report, both causal settings: no
-    injected wait, no spill."""
+    injected wait; no spill but the causal GQA walk's one register (4 bytes, BwdConfig.reverse,
+    measured with it)."""
     from tilelang_ops.kernels import attention as K
 
     for causal in (False, True):
@@ -584,8 +584,9 @@ def test_flash_bwd_d128_default_keeps_wgmmas_in_flight(groups, tmp_path):
         src = K.flash_bwd_fused_kernel.source(cfg, "sm_90a", headdim=128, dtype="bfloat16", causal=causal, groups=groups, scale=K.default_scale(128))
         report = _ptxas_report(src, tmp_path)
         assert "C7517" not in report and "C7514" not in report and "C7518" not in report, report
-        main = report[report.index("flash_bwd_fused_kernel_1' for"):]
-        assert " 0 bytes spill stores" in main.split("Compiling entry")[0], main[:600]
+        main = report[report.index("flash_bwd_fused_kernel_1' for"):].split("Compiling entry")[0]
+        spilled = int(re.search(r"(\d+) bytes spill stores", main).group(1))
+        assert spilled <= (4 if causal and groups > 1 else 0), main[:600]
 
 
 @pytest.mark.slow
@@ -607,21 +608,24 @@ def test_flash_bwd_dq_first_source():
 
 
 def test_flash_bwd_reverse_walks_from_the_last_query_block():
-    """BwdConfig.reverse (causal): the producer's first Q load is the last query block, counted
-    down from ceildiv(Sq, 64); without it, from the CTA's diagonal block up. GPU correctness:
-    test_flash_bwd_async_pipelines_match_reference's -rev configs."""
+    """BwdConfig.reverse (causal GQA): the producer's first Q load is the last query block, counted
+    down from the step counter; without it, from the CTA's diagonal block up. MHA and non-causal
+    kernels are the same with or without it. GPU correctness: the -rev configs of
+    test_flash_bwd_async_pipelines_match_reference."""
     import dataclasses
 
     from tilelang_ops.kernels import attention as K
 
-    def q_load(cfg, groups):
-        src = K.flash_bwd_fused_kernel.source(cfg, "sm_90a", headdim=128, dtype="bfloat16", causal=True, groups=groups, scale=K.default_scale(128))
-        return next(line for line in src.splitlines() if "tma_load(Q_desc" in line)
+    def source(cfg, groups, causal=True):
+        return K.flash_bwd_fused_kernel.source(cfg, "sm_90a", headdim=128, dtype="bfloat16", causal=causal, groups=groups, scale=K.default_scale(128))
 
-    default = K.bwd_default_config(128, True)
-    for groups in (1, 4):  # a block index counted down from the step counter, or up from the diagonal
-        assert re.search(r"- \(+it\b", q_load(dataclasses.replace(default, reverse=True), groups))
-        assert "max(((((int)blockIdx.x)" in q_load(dataclasses.replace(default, reverse=False), groups)
+    def q_load(cfg, groups):
+        return next(line for line in source(cfg, groups).splitlines() if "tma_load(Q_desc" in line)
+
+    fwd, rev = (dataclasses.replace(K.bwd_default_config(128, True), reverse=r) for r in (False, True))
+    assert re.search(r"- \(+it\b", q_load(rev, 4))
+    assert "max(((((int)blockIdx.x)" in q_load(fwd, 4)
+    assert source(rev, 1) == source(fwd, 1) and source(rev, 4, causal=False) == source(fwd, 4, causal=False)
 
 
 def test_bwd_config_rejects_fields_its_pipeline_cannot_honour():

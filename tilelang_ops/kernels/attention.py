@@ -719,30 +719,25 @@ class BwdConfig:
     # dq_producer only: the dQ wgmma is issued before dK's, so the dQ tile's store and hand-over
     # run while dK += dS^T Q still runs (wait<1>), not after both retired.
     dq_first: bool = dataclasses.field(default=False, metadata={"omit_default": True})
-    # "async" only, causal (no effect otherwise): each CTA walks its query blocks from the last
-    # down to its diagonal, and a GQA group's heads in turn at each block, so the CTAs in flight
-    # load the same Q/dO tile and reduce-add into the same dQ tile at the same time, as the
-    # non-causal walk does (whose CTAs all start at block 0; staggered starts lost 10% there,
-    # session 21). Forward, each CTA starts at its diagonal and the CTAs drift apart.
+    # "async" only, causal GQA (no effect otherwise): each CTA walks its query blocks from the
+    # last down to its diagonal, the group's heads in turn at each block (else from the diagonal
+    # up, head by head), so the CTAs in flight load the same Q/dO tiles and reduce-add into the
+    # same dQ tiles at the same time, as the non-causal walk does (whose CTAs all start at block
+    # 0: starting each at its own block lost 10%, session 21). MHA: 0.95-0.99x, not offered.
     reverse: bool = dataclasses.field(default=False, metadata={"omit_default": True})
-    # "async" only, non-causal MHA (no effect otherwise): the CTAs of a head form `rotate` phase
-    # groups (by bx), group g starting its walk at query block g * (n_q - 1) // rotate and
-    # wrapping (the last block stays the last step), so fewer CTAs reduce-add into one dQ tile at
-    # once. 0: every CTA starts at block 0 (each CTA at its own block lost 10%, session 21).
-    rotate: int = dataclasses.field(default=0, metadata={"omit_default": True})
 
     def __post_init__(self):
         if self.stats_early not in (0, 1, 2):
             raise ValueError(f"BwdConfig.stats_early: 0, 1 or 2, got {self.stats_early!r}")
-        if (self.stats_early or self.dq_first or self.reverse or self.rotate) and self.pipeline != "async":
-            raise ValueError(f"BwdConfig.stats_early, dq_first, reverse and rotate need pipeline='async', got {self.pipeline!r}")
+        if (self.stats_early or self.dq_first or self.reverse) and self.pipeline != "async":
+            raise ValueError(f"BwdConfig.stats_early, dq_first and reverse need pipeline='async', got {self.pipeline!r}")
         if self.dq_first and not self.dq_producer:
             raise ValueError("BwdConfig.dq_first reorders the producer's dQ hand-over: it needs dq_producer=True")
 
     def for_arch(self, arch: str) -> "BwdConfig":
         if _is_hopper(arch):
             return self
-        return dataclasses.replace(self, num_stages=1, tma_dq=False, pipeline="auto", dq_producer=False, stats_early=0, dq_first=False, reverse=False, rotate=0)
+        return dataclasses.replace(self, num_stages=1, tma_dq=False, pipeline="auto", dq_producer=False, stats_early=0, dq_first=False, reverse=False)
 
     @property
     def min_sm(self) -> int:
@@ -766,8 +761,10 @@ def bwd_default_config(headdim: int, causal: bool, arch: str = "sm_90a") -> BwdC
     # eight shapes, 0.99x at 16384 causal (session 19).
     if headdim <= 64:
         return BwdConfig(128, 128, 2, 256, pipeline="async", dq_producer=True, dq_first=True)
+    # reverse (causal GQA: the query blocks from the last down, heads in turn):
+    # 1.02-1.03x at 8 x 32/8 x 4096 (session 21); D=64 not measured.
     if headdim <= 128:
-        return BwdConfig(128, 64, 2, 256, pipeline="async", dq_producer=True, stats_early=1, dq_first=True)
+        return BwdConfig(128, 64, 2, 256, pipeline="async", dq_producer=True, stats_early=1, dq_first=True, reverse=causal)
     # D=256: two stages of Q/dO plus an fp32 dQ tile would not fit in shared memory, and 64x256
     # fp32 dK plus dV need 8 warps to stay in registers.
     return BwdConfig(64, 64, 1, 256, hopper, False) if hopper else BwdConfig(64, 32, 1, 256, False, False)
@@ -808,8 +805,7 @@ def _bwd_body(config: BwdConfig, headdim: int, dtype: str, causal: bool, groups:
     # as two nested loops (see consumer_steps), at D=64 from one counter, as before session 20 (there
     # the counter cost no wgmma overlap, and the nested loops spill 12-24 bytes; not timed).
     nested_walk = groups > 1 and D > 64 and config.pipeline == "async"
-    reverse = config.reverse and causal
-    rotate = config.rotate if groups == 1 and not causal else 0
+    reverse = config.reverse and causal and groups > 1
     # A GQA group's heads in turn at each query block (else head by head): non-causal with
     # nested_walk, and the reverse causal walk (H200, session 20: head by head lost 3% non-causal,
     # heads in turn 8% causal forwards).
@@ -819,15 +815,9 @@ def _bwd_body(config: BwdConfig, headdim: int, dtype: str, causal: bool, groups:
         """The i-th query block of a CTA's walk (q_start: its first, causal: at its diagonal)."""
         return T.ceildiv(Sq, bn) - 1 - i if reverse else q_start + i
 
-    def head_and_block(it, kvh, q_start, n_q, rot=None):
-        """Query head and query block of step `it` (see inner_heads). rot (the producer's, with
-        rotate): the walk starts at block rot and wraps over every block but the last, which stays
-        the last step, so the consumers' `qb = it` still finds the tail block (every other step is
-        a full block, whichever): they hold no wrapped index (that made ptxas serialize wgmmas)."""
+    def head_and_block(it, kvh, q_start, n_q):
+        """Query head and query block of step `it` (see inner_heads)."""
         if groups == 1:
-            if rot is not None:
-                late = T.if_then_else(it == n_q - 1, it, rot + it - (n_q - 1))
-                return kvh, T.if_then_else(it + rot < n_q - 1, it + rot, late)
             return kvh, block(it, q_start)
         if inner_heads:
             return kvh * groups + it % groups, block(it // groups, q_start)
@@ -959,10 +949,10 @@ def _bwd_body(config: BwdConfig, headdim: int, dtype: str, causal: bool, groups:
         T.mbarrier_arrive(dq_full)
 
     @T.macro
-    def reduce_dq(dQacc, dq_s, dq_full, dq_empty, it, bz, kvh, q_start, n_q, rot):
+    def reduce_dq(dQacc, dq_s, dq_full, dq_empty, it, bz, kvh, q_start, n_q):
         """Producer side of step it's dQ: wait for the tile, reduce-add it into dQacc (one thread
         issues it and waits until TMA has read dq_s), hand dq_s back."""
-        h, qb = head_and_block(it, kvh, q_start, n_q, rot)
+        h, qb = head_and_block(it, kvh, q_start, n_q)
         T.mbarrier_wait_parity(dq_full, it & 1)
         T.atomic_add(dQacc[bz, qb * bn : (qb + 1) * bn, h, :], dq_s, use_tma=True)
         T.mbarrier_arrive(dq_empty)
@@ -1004,13 +994,12 @@ def _bwd_body(config: BwdConfig, headdim: int, dtype: str, causal: bool, groups:
 
             with T.ws(consumers // 128):
                 T.dec_max_nreg(PRODUCER_REGS)
-                rot = (bx % rotate) * (T.max(n_q - 1, 0) // rotate) if rotate else None
                 T.tma_copy(K[bz, bx * bm : (bx + 1) * bm, by, :], k_s, barrier=kv_full)
                 T.tma_copy(V[bz, bx * bm : (bx + 1) * bm, by, :], v_s, barrier=kv_full)
                 T.mbarrier_arrive(kv_full)
                 for it in T.serial(groups * n_q):
                     st = it % S
-                    h, qb = head_and_block(it, by, q_start, n_q, rot)
+                    h, qb = head_and_block(it, by, q_start, n_q)
                     T.mbarrier_wait_parity(empty[st], ((it // S) & 1) ^ 1)
                     T.tma_copy(Q[bz, qb * bn : (qb + 1) * bn, h, :], q_s[st, :, :], barrier=full[st])
                     T.tma_copy(dO[bz, qb * bn : (qb + 1) * bn, h, :], do_s[st, :, :], barrier=full[st])
@@ -1020,10 +1009,10 @@ def _bwd_body(config: BwdConfig, headdim: int, dtype: str, causal: bool, groups:
                     T.mbarrier_arrive(full[st])
                     if dq_producer:
                         if it > 0:
-                            reduce_dq(dQacc, dq_s, dq_full, dq_empty, it - 1, bz, by, q_start, n_q, rot)
+                            reduce_dq(dQacc, dq_s, dq_full, dq_empty, it - 1, bz, by, q_start, n_q)
                 if dq_producer:
                     if groups * n_q > 0:
-                        reduce_dq(dQacc, dq_s, dq_full, dq_empty, groups * n_q - 1, bz, by, q_start, n_q, rot)
+                        reduce_dq(dQacc, dq_s, dq_full, dq_empty, groups * n_q - 1, bz, by, q_start, n_q)
             with T.ws(*range(consumers // 128)):
                 T.inc_max_nreg(warpgroup_regs(consumers))
                 T.clear(dk)
