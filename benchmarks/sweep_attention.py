@@ -11,7 +11,7 @@ wrong kernel shows.
     python -m benchmarks.sweep_attention --bwd --stats [--warm]     # backward: the defaults with the other BwdConfig.stats_early
     python -m benchmarks.sweep_attention --bwd --dq-first [--warm]  # backward: the defaults with the other dq_first
     python -m benchmarks.sweep_attention --bwd --reverse [--warm]   # backward: the defaults with the other BwdConfig.reverse
-    python -m benchmarks.sweep_attention --bwd --walk [--shapes 0 3]  # backward: the default twice and with the other reverse
+    python -m benchmarks.sweep_attention --bwd --walk [--shapes 0 3]  # backward: the default twice and with the other reverse (4: D=64 GQA)
 
 Forward FLOPs = 4 * B * H * S^2 * D, halved when causal; backward 2.5x that (as bench_attention).
 --bwd times the backward as the op runs it (`flash_bwd_fused`: preprocess, main kernel, dQ cast).
@@ -23,6 +23,8 @@ import sys
 
 # (B, H, HK, S, D) as bench_attention.CASES
 SHAPES = [(8, 32, 32, 4096, 128), (2, 16, 16, 16384, 128), (16, 32, 32, 2048, 64), (8, 32, 8, 4096, 128)]
+# --shapes may also pick these (indexes after SHAPES'): GQA at D=64
+EXTRA_SHAPES = [(16, 32, 8, 2048, 64)]
 # --gpt: examples/train_gpt.py's attention (GPT-2 small, 32 x 1024 tokens, causal). 1024 rows are
 # 5.33 tiles of 192 (the last two-thirds empty) and 8 of 128.
 GPT_SHAPES = [(32, 12, 12, 1024, 64), (16, 32, 32, 2048, 64)]  # and the benchmark set's D=64 shape
@@ -301,7 +303,7 @@ if __name__ == "__main__":
     ap.add_argument("--shapes", type=int, nargs="+", help="only these SHAPES (indexes)")
     args = ap.parse_args()
     if args.shapes:
-        SHAPES = [SHAPES[i] for i in args.shapes]
+        SHAPES = [(SHAPES + EXTRA_SHAPES)[i] for i in args.shapes]
     REVERSE = args.reverse
     WALK = args.walk
     DQ_PATHS = args.dq
