@@ -759,11 +759,11 @@ def bwd_default_config(headdim: int, causal: bool, arch: str = "sm_90a") -> BwdC
     # 0.99/1.02x GQA; at D=64 (64 scores a thread) it spills and loses 0.93-0.95x. The dQ wgmma
     # issued before dK's (dq_first), its tile handed over under dK: 1.01-1.04x on seven of the
     # eight shapes, 0.99x at 16384 causal (session 19).
-    if headdim <= 64:
-        return BwdConfig(128, 128, 2, 256, pipeline="async", dq_producer=True, dq_first=True)
     # reverse (causal GQA: the query blocks from the last down, heads in turn): 1.02-1.04x at
-    # 8 x 32/8 x 4096 x 128 in three sweeps (session 21, the default timed twice: 1.1% apart);
-    # D=64 GQA not measured (its MHA kernels are the same either way).
+    # 8 x 32/8 x 4096 x 128 in three sweeps, 1.03x at 16 x 32/8 x 2048 x 64 in two (session 21,
+    # the default timed twice in each: up to 1.1% apart). MHA kernels are the same either way.
+    if headdim <= 64:
+        return BwdConfig(128, 128, 2, 256, pipeline="async", dq_producer=True, dq_first=True, reverse=causal)
     if headdim <= 128:
         return BwdConfig(128, 64, 2, 256, pipeline="async", dq_producer=True, stats_early=1, dq_first=True, reverse=causal)
     # D=256: two stages of Q/dO plus an fp32 dQ tile would not fit in shared memory, and 64x256
