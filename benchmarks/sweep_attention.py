@@ -10,7 +10,6 @@ wrong kernel shows.
     python -m benchmarks.sweep_attention --post-mask [--warm]  # the defaults with the other FwdConfig.post_mask
     python -m benchmarks.sweep_attention --bwd --stats [--warm]     # backward: the defaults with the other BwdConfig.stats_early
     python -m benchmarks.sweep_attention --bwd --dq-first [--warm]  # backward: the defaults with the other dq_first
-    python -m benchmarks.sweep_attention --bwd --reverse [--warm]   # backward: the defaults with the other BwdConfig.reverse
     python -m benchmarks.sweep_attention --bwd --walk [--shapes 0 3]  # backward: the default twice and with the other reverse (4: D=64 GQA)
 
 Forward FLOPs = 4 * B * H * S^2 * D, halved when causal; backward 2.5x that (as bench_attention).
@@ -35,7 +34,6 @@ POST_MASK = False
 DQ_PATHS = False
 STATS = False
 DQ_FIRST = False
-REVERSE = False
 WALK = False
 PERSISTENT = False
 
@@ -92,9 +90,6 @@ def bwd_candidates(headdim: int):
     if WALK and headdim in (64, 128):  # the default again (the run's noise) and the other BwdConfig.reverse (causal GQA)
         default = bwd_default_config(headdim, True)
         return [default, dataclasses.replace(default, reverse=not default.reverse)]
-    if REVERSE and headdim in (64, 128):  # BwdConfig.reverse (causal; non-causal: the same kernel, a noise row)
-        default = bwd_default_config(headdim, True)
-        return [dataclasses.replace(default, reverse=not default.reverse)]
     if DQ_FIRST and headdim in (64, 128):  # BwdConfig.dq_first: dQ's wgmma before dK's, or not
         default = bwd_default_config(headdim, False)
         return [dataclasses.replace(default, dq_first=not default.dq_first)]
@@ -298,13 +293,11 @@ if __name__ == "__main__":
     ap.add_argument("--dq-first", action="store_true", help="--bwd: the defaults against themselves with BwdConfig.dq_first")
     ap.add_argument("--stats", action="store_true", help="--bwd: the defaults against their other BwdConfig.stats_early values")
     ap.add_argument("--dq", action="store_true", help="--bwd: the defaults against their other BwdConfig.dq_producer")
-    ap.add_argument("--reverse", action="store_true", help="--bwd: the defaults against their other BwdConfig.reverse")
     ap.add_argument("--walk", action="store_true", help="--bwd: the default, itself again and with the other BwdConfig.reverse")
     ap.add_argument("--shapes", type=int, nargs="+", help="only these SHAPES (indexes)")
     args = ap.parse_args()
     if args.shapes:
         SHAPES = [(SHAPES + EXTRA_SHAPES)[i] for i in args.shapes]
-    REVERSE = args.reverse
     WALK = args.walk
     DQ_PATHS = args.dq
     STATS = args.stats
