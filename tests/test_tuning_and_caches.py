@@ -1,6 +1,7 @@
 """Tuned-config cache and kernel disk cache: round trip, corruption, concurrent writers."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -34,6 +35,39 @@ def test_store_lookup_round_trip(tuned_dir):
     assert tuning.config_from(AddConfig, {"block": 1, "warps": 4}, AddConfig()) == AddConfig()  # unknown field → default
     # a field the dataclass gained after the entry was stored takes its declared default
     assert tuning.config_from(AddConfig, {"block": 1024}, AddConfig()) == AddConfig(1024, AddConfig().threads)
+
+
+@pytest.mark.parametrize("confirmed", [False, True])
+def test_tune_keeps_the_default_unless_the_winner_wins_again(tuned_dir, monkeypatch, confirmed):
+    """The search's fastest config is timed again against the default, in turns; a winner by
+    noise (faster once, slower when re-timed) does not replace the default."""
+    import torch
+
+    from tilelang_ops import runtime
+
+    monkeypatch.setattr(runtime, "arch_for_device", lambda device: "sm_90a")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    default, lucky, slow = AddConfig(1024, 128), AddConfig(2048, 128), AddConfig(4096, 256)
+    first = {default: 1.0, lucky: 0.9, slow: 1.5}  # the search pass
+    again = {default: 1.0, lucky: 0.95 if confirmed else 1.02}  # the confirmation
+    calls = []
+
+    def time_fn(fn):
+        cfg = fn()
+        calls.append(cfg)
+        return (first if calls.count(cfg) == 1 else again)[cfg]
+
+    tunable = tuning.Tunable(
+        "add", {}, (torch.bfloat16,), lambda shape, dtype, device: ({"n": shape[0]}, "any"),
+        lambda shape, dtype: [default, lucky, slow], lambda shape, dtype: default,
+        lambda cfg, shape, dtype, device: (lambda: cfg),
+    )
+    (row,) = tuning.tune(tunable, [(4096,)], torch.bfloat16, "cuda", time_fn)
+    assert calls.count(lucky) == 4 and calls.count(default) == 4 and calls.count(slow) == 1
+    want = lucky if confirmed else default
+    key = tuning.entry_key("add", "bfloat16", {"n": 4096}, "any", "NVIDIA H200", "sm_90a")
+    assert tuning.lookup(key) == dataclasses.asdict(want)
+    assert row["speedup"] == pytest.approx(1.0 / again[lucky] if confirmed else 1.0)
 
 
 def test_gemm_entries_tuned_before_the_two_cta_fields_still_apply():

@@ -177,6 +177,8 @@ def tune(tunable: Tunable, shapes, dtype, device, time_fn, progress=None) -> lis
         if default not in timings:
             timings[default] = time_fn(tunable.runner(default, shape, dtype, device))
         best = min(timings, key=timings.get)
+        if best != default and timings[best] < float("inf"):
+            best = _confirm(tunable, best, default, shape, dtype, device, time_fn, timings)
         static, bucket = tunable.key(shape, dtype, device)
         store(
             entry_key(tunable.op, dname, static, bucket, gpu, arch),
@@ -191,6 +193,23 @@ def tune(tunable: Tunable, shapes, dtype, device, time_fn, progress=None) -> lis
                  speedup=timings[default] / timings[best])
         )
     return rows
+
+
+def _confirm(tunable: Tunable, best, default, shape, dtype, device, time_fn, timings: dict, rounds: int = 3):
+    """The search's winner against the default once more, in turns (`rounds` timings each, their
+    medians replace both entries of `timings`): the fastest of many noisy timings is biased low,
+    and identical kernels built and fed separately ran up to ~3% apart on the H200 (session 21).
+    The default stays unless the winner still wins."""
+    import statistics
+
+    runs = {cfg: tunable.runner(cfg, shape, dtype, device) for cfg in (best, default)}
+    again = {cfg: [] for cfg in runs}
+    for _ in range(rounds):
+        for cfg, fn in runs.items():
+            again[cfg].append(time_fn(fn))
+    for cfg, ts in again.items():
+        timings[cfg] = statistics.median(ts)
+    return best if timings[best] < timings[default] else default
 
 
 def time_cuda(fn, warmup: int = 5, rep: int = 30, flush_l2: bool = True) -> float:
