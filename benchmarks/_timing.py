@@ -49,14 +49,14 @@ def graph_ms(fn, n: int = 10, rep: int = 10) -> float:
 
 
 def interleaved(timer, fns, rounds: int = 3) -> list[float]:
-    """Median over `rounds` of timer(fn) per fn, the fns taking turns within each round (each round
-    starting one contender later). The H200's
-    clock falls as it heats: timing one side after the other favours whichever runs first
-    (8192³, sixth session: ours 782 TFLOP/s timed first, 678 in the graph replays after cuBLAS)."""
+    """Median over `rounds` of timer(fn) per fn, the fns taking turns within each round, each round
+    starting one contender later. The H200's clock falls as it heats: timing one side after the
+    other favours whichever runs first (8192³, sixth session: ours 782 TFLOP/s timed first, 678 in
+    the graph replays after cuBLAS)."""
     times = [[] for _ in fns]
-    for r in range(rounds):
-        # each round starts at the next contender, so none always runs right after the same one
-        for i in [(r + j) % len(fns) for j in range(len(fns))]:
+    for r in range(rounds):  # none always runs right after the same one
+        for j in range(len(fns)):
+            i = (r + j) % len(fns)
             times[i].append(timer(fns[i]))
     return [statistics.median(t) for t in times]
 

@@ -208,7 +208,7 @@ def main_bwd() -> None:
                 g.fill_(float("nan"))
             try:
                 kern = runtime.launcher(K.flash_bwd_fused_kernel.compile(cfg, arch, **static))
-                run = lambda kern=kern, g=grads: kern(q, k, v, out, dout, lse, delta, lse2, dq_acc, *g)
+                run = lambda kern=kern: kern(q, k, v, out, dout, lse, delta, lse2, dq_acc, *grads)
                 run()
                 torch.cuda.synchronize()
             except Exception as e:

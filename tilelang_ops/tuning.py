@@ -178,7 +178,11 @@ def tune(tunable: Tunable, shapes, dtype, device, time_fn, progress=None) -> lis
             timings[default] = time_fn(tunable.runner(default, shape, dtype, device))
         best = min(timings, key=timings.get)
         if best != default and timings[best] < float("inf"):
-            best = _confirm(tunable, best, default, shape, dtype, device, time_fn, timings)
+            # The fastest of many noisy timings is biased low, and identical kernels built and fed
+            # separately ran up to ~3% apart on the H200 (session 21): the winner and the default
+            # again, in turns, and the default stays unless the winner still wins.
+            timings.update(_in_turns({cfg: tunable.runner(cfg, shape, dtype, device) for cfg in (best, default)}, time_fn))
+            best = best if timings[best] < timings[default] else default
         static, bucket = tunable.key(shape, dtype, device)
         store(
             entry_key(tunable.op, dname, static, bucket, gpu, arch),
@@ -195,21 +199,18 @@ def tune(tunable: Tunable, shapes, dtype, device, time_fn, progress=None) -> lis
     return rows
 
 
-def _confirm(tunable: Tunable, best, default, shape, dtype, device, time_fn, timings: dict, rounds: int = 3):
-    """The search's winner against the default once more, in turns (`rounds` timings each, their
-    medians replace both entries of `timings`): the fastest of many noisy timings is biased low,
-    and identical kernels built and fed separately ran up to ~3% apart on the H200 (session 21).
-    The default stays unless the winner still wins."""
+def _in_turns(runs: dict, time_fn, rounds: int = 3) -> dict:
+    """Median of `rounds` time_fn(fn) per key of runs {key: fn}, the fns taking turns and each
+    round starting one later (as benchmarks/_timing.interleaved)."""
     import statistics
 
-    runs = {cfg: tunable.runner(cfg, shape, dtype, device) for cfg in (best, default)}
-    again = {cfg: [] for cfg in runs}
-    for _ in range(rounds):
-        for cfg, fn in runs.items():
-            again[cfg].append(time_fn(fn))
-    for cfg, ts in again.items():
-        timings[cfg] = statistics.median(ts)
-    return best if timings[best] < timings[default] else default
+    keys = list(runs)
+    times = {k: [] for k in keys}
+    for r in range(rounds):
+        for j in range(len(keys)):
+            k = keys[(r + j) % len(keys)]
+            times[k].append(time_fn(runs[k]))
+    return {k: statistics.median(t) for k, t in times.items()}
 
 
 def time_cuda(fn, warmup: int = 5, rep: int = 30, flush_l2: bool = True) -> float:
