@@ -11,6 +11,7 @@ wrong kernel shows.
     python -m benchmarks.sweep_attention --bwd --stats [--warm]     # backward: the defaults with the other BwdConfig.stats_early
     python -m benchmarks.sweep_attention --bwd --dq-first [--warm]  # backward: the defaults with the other dq_first
     python -m benchmarks.sweep_attention --bwd --walk [--shapes 0 3]  # backward: the default twice and with the other reverse (4: D=64 GQA)
+    python -m benchmarks.sweep_attention --wide --shapes 2 4 5  # forward, D=64: 192 x 128 in the async pipelines (5: GPT-2's shape)
 
 Forward FLOPs = 4 * B * H * S^2 * D, halved when causal; backward 2.5x that (as bench_attention).
 --bwd times the backward as the op runs it (`flash_bwd_fused`: preprocess, main kernel, dQ cast).
@@ -22,8 +23,8 @@ import sys
 
 # (B, H, HK, S, D) as bench_attention.CASES
 SHAPES = [(8, 32, 32, 4096, 128), (2, 16, 16, 16384, 128), (16, 32, 32, 2048, 64), (8, 32, 8, 4096, 128)]
-# --shapes may also pick these (indexes after SHAPES'): GQA at D=64
-EXTRA_SHAPES = [(16, 32, 8, 2048, 64)]
+# --shapes may also pick these (indexes after SHAPES'): GQA at D=64, GPT-2 small's attention
+EXTRA_SHAPES = [(16, 32, 8, 2048, 64), (32, 12, 12, 1024, 64)]
 # --gpt: examples/train_gpt.py's attention (GPT-2 small, 32 x 1024 tokens, causal). 1024 rows are
 # 5.33 tiles of 192 (the last two-thirds empty) and 8 of 128.
 GPT_SHAPES = [(32, 12, 12, 1024, 64), (16, 32, 32, 2048, 64)]  # and the benchmark set's D=64 shape
@@ -36,6 +37,7 @@ STATS = False
 DQ_FIRST = False
 WALK = False
 PERSISTENT = False
+WIDE = False
 
 
 def _gpt_candidates():
@@ -58,6 +60,10 @@ def candidates(headdim: int, causal: bool = False):
 
     from tilelang_ops.kernels.attention import FwdConfig, fwd_default_config
 
+    if WIDE and headdim == 64:  # FlashAttention-3's D=64 tile: three consumer warpgroups, 192 x 128
+        wide = FwdConfig(192, 128, 2, 384, "async", post_mask=True)
+        return [wide, dataclasses.replace(wide, persistent=True), dataclasses.replace(wide, pipeline="pingpong"),
+                dataclasses.replace(wide, num_stages=3, persistent=True)]
     if PERSISTENT:  # the async tiles with and without the persistent walk
         tiles = [FwdConfig(128, 128, 2, 256, "async", post_mask=True)] if headdim == 64 else [FwdConfig(128, 176, 2, 256, "async", 8.0)]
         default = fwd_default_config(headdim, causal)
@@ -294,6 +300,7 @@ if __name__ == "__main__":
     ap.add_argument("--stats", action="store_true", help="--bwd: the defaults against their other BwdConfig.stats_early values")
     ap.add_argument("--dq", action="store_true", help="--bwd: the defaults against their other BwdConfig.dq_producer")
     ap.add_argument("--walk", action="store_true", help="--bwd: the default, itself again and with the other BwdConfig.reverse")
+    ap.add_argument("--wide", action="store_true", help="forward, D=64: 192 x 128 tiles in the async pipelines (three consumer warpgroups)")
     ap.add_argument("--shapes", type=int, nargs="+", help="only these SHAPES (indexes)")
     args = ap.parse_args()
     if args.shapes:
@@ -303,6 +310,7 @@ if __name__ == "__main__":
     STATS = args.stats
     DQ_FIRST = args.dq_first
     PERSISTENT = args.persistent
+    WIDE = args.wide
     LAZY = args.lazy
     POST_MASK = args.post_mask
     if args.gpt:
