@@ -292,7 +292,10 @@ def main() -> None:
         for cfg, t, (err, lerr) in zip(names, times, checks):
             rows.append(dict(shape=f"{B}x{H}/{HK}x{S}x{D}", causal=causal, config=_name(cfg),
                              ms=t, tflops=flops / t / 1e9, vs_default=times[0] / t, max_abs_diff=err, lse_diff=lerr))
-        print(f"done {B}x{H}/{HK}x{S}x{D} causal={causal}", flush=True)
+        # each shape's rows as they come (a hung candidate must not take the others' with it)
+        print(table([r for r in rows if r["shape"] == f"{B}x{H}/{HK}x{S}x{D}" and r["causal"] == causal],
+                    ["shape", "causal", "config", "ms", "tflops", "vs_default", "max_abs_diff", "error"]), flush=True)
+        write_json("sweep_attention", rows)
     write_json("sweep_attention", rows)
     print(table(rows, ["shape", "causal", "config", "ms", "tflops", "vs_default", "max_abs_diff", "lse_diff", "error"]))
 

@@ -453,7 +453,7 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
         T.wgmma_gemm(p, v_s[last % S, :, :], o, policy=T.GemmWarpPolicy.FullRow)
         pass_turn(wg, True)
         T.wait_wgmma(0)
-        if config.persistent:
+        if config.persistent or wg_skip:  # wg_skip: a skipping warpgroup's later V loads wait for it
             T.mbarrier_arrive(v_empty[last % S])
         if wg_skip:
             # The blocks this warpgroup skips: release each stage once it has landed (the landing
