@@ -12,7 +12,6 @@ wrong kernel shows.
     python -m benchmarks.sweep_attention --bwd --dq-first [--warm]  # backward: the defaults with the other dq_first
     python -m benchmarks.sweep_attention --bwd --walk [--shapes 0 3]  # backward: the default twice and with the other reverse (4: D=64 GQA)
     python -m benchmarks.sweep_attention --wide --shapes 2 4 5  # forward, D=64: 192 x 128 in the async pipelines (5: GPT-2's shape)
-    python -m benchmarks.sweep_attention --skip   # forward: the async tiles with and without FwdConfig.wg_skip
 
 Forward FLOPs = 4 * B * H * S^2 * D, halved when causal; backward 2.5x that (as bench_attention).
 --bwd times the backward as the op runs it (`flash_bwd_fused`: preprocess, main kernel, dQ cast).
@@ -39,7 +38,6 @@ DQ_FIRST = False
 WALK = False
 PERSISTENT = False
 WIDE = False
-SKIP = False
 
 
 def _gpt_candidates():
@@ -62,12 +60,6 @@ def candidates(headdim: int, causal: bool = False):
 
     from tilelang_ops.kernels.attention import FwdConfig, fwd_default_config
 
-    if SKIP:  # FwdConfig.wg_skip: the async default (D=128 causal) and FlashAttention-3's D=64 tile
-        default = fwd_default_config(headdim, causal)
-        if headdim == 128:
-            return [dataclasses.replace(default, wg_skip=True)] if default.pipeline == "async" else []
-        wide = FwdConfig(192, 128, 2, 384, "async", post_mask=True, persistent=True)
-        return [wide, dataclasses.replace(wide, wg_skip=True), dataclasses.replace(wide, persistent=False, wg_skip=True)]
     if WIDE and headdim == 64:  # FlashAttention-3's D=64 tile: three consumer warpgroups, 192 x 128
         wide = FwdConfig(192, 128, 2, 384, "async", post_mask=True)
         return [wide, dataclasses.replace(wide, persistent=True), dataclasses.replace(wide, pipeline="pingpong"),
@@ -174,7 +166,6 @@ def _name(cfg) -> str:
     post = "/postmask" if getattr(cfg, "post_mask", False) else ""
     post += "/dqprod" if getattr(cfg, "dq_producer", False) else ""
     post += "/persistent" if getattr(cfg, "persistent", False) else ""
-    post += "/wgskip" if getattr(cfg, "wg_skip", False) else ""
     post += f"/stats{cfg.stats_early}" if getattr(cfg, "stats_early", 0) else ""
     post += "/dqfirst" if getattr(cfg, "dq_first", False) else ""
     post += "/reverse" if getattr(cfg, "reverse", False) else ""
@@ -313,7 +304,6 @@ if __name__ == "__main__":
     ap.add_argument("--dq", action="store_true", help="--bwd: the defaults against their other BwdConfig.dq_producer")
     ap.add_argument("--walk", action="store_true", help="--bwd: the default, itself again and with the other BwdConfig.reverse")
     ap.add_argument("--wide", action="store_true", help="forward, D=64: 192 x 128 tiles in the async pipelines (three consumer warpgroups)")
-    ap.add_argument("--skip", action="store_true", help="forward: the async tiles with and without FwdConfig.wg_skip")
     ap.add_argument("--shapes", type=int, nargs="+", help="only these SHAPES (indexes)")
     args = ap.parse_args()
     if args.shapes:
@@ -324,7 +314,6 @@ if __name__ == "__main__":
     DQ_FIRST = args.dq_first
     PERSISTENT = args.persistent
     WIDE = args.wide
-    SKIP = args.skip
     LAZY = args.lazy
     POST_MASK = args.post_mask
     if args.gpt:

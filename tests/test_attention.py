@@ -283,13 +283,9 @@ POST_MASK_FWD_CONFIGS = {64: [(192, 176, 2, 384, "auto", 0.0, True), (128, 128, 
 # test_flash_fwd_persistent_walks_many_tiles.
 # And FlashAttention-3's D=64 tile, three consumer warpgroups of 64 rows each (session 22), persistent
 # here and not in WIDE_FWD_CONFIGS.
-PERSISTENT_FWD_CONFIGS = {64: [(128, 128, 2, 256, "async", 0.0, True, True), (192, 128, 2, 384, "async", 0.0, True, True),
-                               (192, 128, 2, 384, "async", 0.0, True, True, True)],
+PERSISTENT_FWD_CONFIGS = {64: [(128, 128, 2, 256, "async", 0.0, True, True), (192, 128, 2, 384, "async", 0.0, True, True)],
                           128: [(128, 176, 2, 256, "async", 8.0, False, True)]}
-# FlashAttention-3's D=64 tile not persistent; FwdConfig.wg_skip (each warpgroup stops at its own rows' last key
-# block; rows past Sq: one block) there and at the D=128 causal default's tile
-WIDE_FWD_CONFIGS = {64: [(192, 128, 2, 384, "async", 0.0, True), (192, 128, 2, 384, "async", 0.0, True, False, True)],
-                    128: [(128, 176, 2, 256, "async", 8.0, False, False, True)]}
+WIDE_FWD_CONFIGS = {64: [(192, 128, 2, 384, "async", 0.0, True)], 128: []}
 for _d in ASYNC_FWD_CONFIGS:
     ASYNC_FWD_CONFIGS[_d] += LAZY_FWD_CONFIGS[_d] + POST_MASK_FWD_CONFIGS[_d] + PERSISTENT_FWD_CONFIGS[_d] + WIDE_FWD_CONFIGS[_d]
 ASYNC_FWD_SHAPES = [
