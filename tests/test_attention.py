@@ -284,7 +284,7 @@ POST_MASK_FWD_CONFIGS = {64: [(192, 176, 2, 384, "auto", 0.0, True), (128, 128, 
 # And FlashAttention-3's D=64 tile, three consumer warpgroups of 64 rows each (session 22), persistent
 # here and not in WIDE_FWD_CONFIGS.
 PERSISTENT_FWD_CONFIGS = {64: [(128, 128, 2, 256, "async", 0.0, True, True), (192, 128, 2, 384, "async", 0.0, True, True)],
-                          128: [(128, 176, 2, 256, "async", 8.0, False, True)]}
+                          128: [(128, 176, 2, 256, "async", 8.0, False, True), (128, 128, 2, 256, "async", 8.0, False, True)]}
 WIDE_FWD_CONFIGS = {64: [(192, 128, 2, 384, "async", 0.0, True)], 128: []}
 for _d in ASYNC_FWD_CONFIGS:
     ASYNC_FWD_CONFIGS[_d] += LAZY_FWD_CONFIGS[_d] + POST_MASK_FWD_CONFIGS[_d] + PERSISTENT_FWD_CONFIGS[_d] + WIDE_FWD_CONFIGS[_d]
