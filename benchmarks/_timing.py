@@ -17,6 +17,29 @@ import torch
 from tilelang_ops.tuning import time_cuda
 
 
+def first_run(fn, label: str, timeout: float = 60.0, sync=None, exit_code: int = 3) -> None:
+    """Run fn once and synchronize under a watchdog: a candidate kernel that hangs (a barrier
+    that never completes) ends the process, naming it, after `timeout` seconds, instead of holding
+    the GPU until the call's time limit (session 22: one hung sweep took 400 s of a 30-minute
+    budget). A CUDA synchronize cannot be interrupted, hence the exit; what the sweep wrote before
+    stays. sync: torch.cuda.synchronize by default."""
+    import threading
+
+    done = threading.Event()
+
+    def watch():
+        if not done.wait(timeout):
+            print(f"HUNG: {label} did not finish in {timeout:.0f} s; exiting", flush=True)
+            os._exit(exit_code)
+
+    threading.Thread(target=watch, daemon=True).start()
+    try:
+        fn()
+        (sync or torch.cuda.synchronize)()
+    finally:
+        done.set()
+
+
 def bench(fn, warmup: int = 10, rep: int = 50, flush_l2: bool = False) -> float:
     """The tuner's clock (`tilelang_ops.tuning.time_cuda`) with the benchmarks' defaults: flush_l2
     zeroes 256 MB before each timed run, outside the events."""

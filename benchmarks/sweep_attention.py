@@ -202,7 +202,7 @@ def main_bwd() -> None:
     from tilelang_ops.kernels import attention as K
     from tilelang_ops.ops.attention import lse_rows
 
-    from ._timing import bench, interleaved, table, write_json
+    from ._timing import bench, first_run, interleaved, table, write_json
 
     arch = runtime.arch_for_device(torch.device("cuda", torch.cuda.current_device()))
     rows = []
@@ -220,8 +220,7 @@ def main_bwd() -> None:
             try:
                 kern = runtime.launcher(K.flash_bwd_fused_kernel.compile(cfg, arch, **static))
                 run = lambda kern=kern: kern(q, k, v, out, dout, lse, delta, lse2, dq_acc, *grads)
-                run()
-                torch.cuda.synchronize()
+                first_run(run, f"{shape} causal={causal} {_name(cfg)}")
             except Exception as e:
                 rows.append(dict(shape=shape, causal=causal, config=str(cfg), error=str(e).splitlines()[0][:80]))
                 continue
@@ -247,7 +246,7 @@ def main() -> None:
     from tilelang_ops import runtime
     from tilelang_ops.kernels import attention as K
 
-    from ._timing import bench, interleaved, table, write_json
+    from ._timing import bench, first_run, interleaved, table, write_json
 
     arch = runtime.arch_for_device(torch.device("cuda", torch.cuda.current_device()))
     rows = []
@@ -268,8 +267,7 @@ def main() -> None:
             out.fill_(float("nan"))
             lse.fill_(float("nan"))
             try:
-                kern(q, k, v, out, lse)
-                torch.cuda.synchronize()
+                first_run(lambda: kern(q, k, v, out, lse), f"{B}x{H}/{HK}x{S}x{D} causal={causal} {_name(cfg)}")
             except Exception as e:  # e.g. more shared memory than the SM has
                 rows.append(dict(shape=f"{B}x{H}/{HK}x{S}x{D}", causal=causal, config=str(cfg), error=str(e).splitlines()[0][:80]))
                 continue

@@ -136,3 +136,18 @@ def test_truncated_kernel_cache_entry_is_reported_and_rebuilt(tmp_path):
     assert rc == 0 and "failed integrity verification" in out, out[-2000:]
     out, _, rc = run()  # rebuilt: the next process loads cleanly
     assert rc == 0 and "integrity" not in out and "begins to compile" not in out, out[-2000:]
+
+
+def test_benchmark_first_run_ends_a_hung_candidate():
+    """benchmarks._timing.first_run: a run that does not finish within its timeout ends the process
+    with exit code 3 and the candidate's name (a hung kernel must not hold the GPU until the call's
+    limit); one that finishes returns normally."""
+    code = (
+        "import time\nfrom benchmarks._timing import first_run\n"
+        "first_run(lambda: None, 'quick', timeout=5, sync=lambda: None)\nprint('quick ok', flush=True)\n"
+        "first_run(lambda: time.sleep(30), 'cfg-x', timeout=0.5, sync=lambda: None)\nprint('not reached')\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert p.returncode == 3, (p.stdout, p.stderr[-1000:])
+    assert "quick ok" in p.stdout and "HUNG: cfg-x" in p.stdout and "not reached" not in p.stdout
