@@ -12,7 +12,7 @@ wrong kernel shows.
     python -m benchmarks.sweep_attention --bwd --dq-first [--warm]  # backward: the defaults with the other dq_first
     python -m benchmarks.sweep_attention --bwd --walk [--shapes 0 3]  # backward: the default twice and with the other reverse (4: D=64 GQA)
     python -m benchmarks.sweep_attention --wide --shapes 2 4 5  # forward, D=64: 192 x 128 in the async pipelines (5: GPT-2's shape)
-    python -m benchmarks.sweep_attention --tiles128 --shapes 0 1 3  # forward, D=128 causal: 128 x 128 async tiles, persistent or not
+    python -m benchmarks.sweep_attention --tiles128 --shapes 0 1 3 [--causal-only]  # forward, D=128: 128 x 128 async tiles, persistent or not
 
 Forward FLOPs = 4 * B * H * S^2 * D, halved when causal; backward 2.5x that (as bench_attention).
 --bwd times the backward as the op runs it (`flash_bwd_fused`: preprocess, main kernel, dQ cast).
@@ -62,9 +62,13 @@ def candidates(headdim: int, causal: bool = False):
 
     from tilelang_ops.kernels.attention import FwdConfig, fwd_default_config
 
-    if TILES128 and headdim == 128:  # causal: 128 x 128 wastes 3% of a 4096-token causal tile set on the diagonal, 128 x 176 7%
-        tile = FwdConfig(128, 128, 2, 256, "async", 8.0)
-        return [fwd_default_config(headdim, causal), tile, dataclasses.replace(tile, persistent=True)]
+    if TILES128 and headdim == 128:
+        # causal: 128 x 128 wastes 3% of a 4096-token causal tile set on the diagonal, 128 x 176 7%;
+        # non-causal: the default's 192 rows pad 4096 to 4224, and at 128 x 128 O has its own shared
+        # buffer in the persistent walk (the next tile's Q lands under this one's epilogue)
+        tile = FwdConfig(128, 128, 2, 256, "async", 8.0, post_mask=not causal)
+        extra = [dataclasses.replace(tile, post_mask=False, persistent=True)] if not causal else []
+        return [fwd_default_config(headdim, causal), tile, dataclasses.replace(tile, persistent=True)] + extra
     if WIDE and headdim == 64:  # FlashAttention-3's D=64 tile: three consumer warpgroups, 192 x 128
         wide = FwdConfig(192, 128, 2, 384, "async", post_mask=True)
         return [wide, dataclasses.replace(wide, persistent=True), dataclasses.replace(wide, pipeline="pingpong"),
@@ -307,7 +311,8 @@ if __name__ == "__main__":
     ap.add_argument("--dq", action="store_true", help="--bwd: the defaults against their other BwdConfig.dq_producer")
     ap.add_argument("--walk", action="store_true", help="--bwd: the default, itself again and with the other BwdConfig.reverse")
     ap.add_argument("--wide", action="store_true", help="forward, D=64: 192 x 128 tiles in the async pipelines (three consumer warpgroups)")
-    ap.add_argument("--tiles128", action="store_true", help="forward, D=128, causal only: the default twice, 128 x 128 async tiles (persistent or not)")
+    ap.add_argument("--tiles128", action="store_true", help="forward, D=128: the default twice, 128 x 128 async tiles (persistent or not)")
+    ap.add_argument("--causal-only", action="store_true", help="causal shapes only")
     ap.add_argument("--shapes", type=int, nargs="+", help="only these SHAPES (indexes)")
     args = ap.parse_args()
     if args.shapes:
@@ -319,7 +324,7 @@ if __name__ == "__main__":
     PERSISTENT = args.persistent
     WIDE = args.wide
     TILES128 = args.tiles128
-    if TILES128:
+    if args.causal_only:
         CAUSAL = (True,)
     LAZY = args.lazy
     POST_MASK = args.post_mask
