@@ -281,8 +281,8 @@ POST_MASK_FWD_CONFIGS = {64: [(192, 176, 2, 384, "auto", 0.0, True), (128, 128, 
 # FwdConfig.persistent (one CTA per SM walking the tiles) at the async defaults' tiles: with its
 # default grid here (these shapes have at most one tile per CTA), with tiny grids in
 # test_flash_fwd_persistent_walks_many_tiles.
-# And FlashAttention-3's D=64 tile, three consumer warpgroups of 64 rows each (session 22), persistent
-# here and not in WIDE_FWD_CONFIGS.
+# Session 22: FlashAttention-3's D=64 tile (three consumer warpgroups of 64 rows each) and the
+# 128 x 128 tile at D=128, persistent; WIDE_FWD_CONFIGS: the D=64 tile not persistent.
 PERSISTENT_FWD_CONFIGS = {64: [(128, 128, 2, 256, "async", 0.0, True, True), (192, 128, 2, 384, "async", 0.0, True, True)],
                           128: [(128, 176, 2, 256, "async", 8.0, False, True), (128, 128, 2, 256, "async", 8.0, False, True)]}
 WIDE_FWD_CONFIGS = {64: [(192, 128, 2, 384, "async", 0.0, True)], 128: []}
