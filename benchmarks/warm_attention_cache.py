@@ -71,6 +71,14 @@ def _jobs(quick: bool) -> list[tuple]:
         job = (kind, st["headdim"], st["dtype"], st["causal"], st["groups"], st["scale"], cfg) + ((st["ctas"],) if "ctas" in st else ())
         if job not in jobs:
             jobs.append(job)
+    # the causal forward's default for short sequences (ops.attention.SHORT_CAUSAL_KEYS), where it
+    # differs from the long one the jobs above compile
+    from tilelang_ops.ops import attention as A
+
+    for kind, d, dt, c, g, s in [j for j in jobs if len(j) == 6 and j[0] in ("fwd", "fwd_nolse") and j[3]]:
+        short = A.untuned_config(kind, d, c, ARCH, A.SHORT_CAUSAL_KEYS)
+        if short != A.untuned_config(kind, d, c, ARCH):
+            jobs.append((kind, d, dt, c, g, s, short))
     return jobs
 
 

@@ -275,7 +275,8 @@ ASYNC_FWD_CONFIGS = {
 # at the defaults' tiles and FlashAttention-3's D=128 tile, and FwdConfig.post_mask (the S GEMM
 # from zero, the mask applied after it) at the defaults' tiles.
 LAZY_FWD_CONFIGS = {64: [(192, 176, 2, 384, "auto", 8.0), (128, 128, 2, 256, "async", 8.0)],
-                    128: [(192, 128, 2, 384, "auto", 8.0), (128, 176, 2, 256, "async", 8.0)]}
+                    128: [(192, 128, 2, 384, "auto", 8.0), (128, 176, 2, 256, "async", 8.0),
+                          (128, 128, 2, 256, "async", 8.0)]}  # the last: the short causal default (session 22)
 POST_MASK_FWD_CONFIGS = {64: [(192, 176, 2, 384, "auto", 0.0, True), (128, 128, 2, 256, "async", 0.0, True)],
                          128: [(192, 128, 2, 384, "auto", 8.0, True), (128, 176, 2, 256, "async", 8.0, True)]}
 # FwdConfig.persistent (one CTA per SM walking the tiles) at the async defaults' tiles: with its
@@ -328,6 +329,31 @@ def async_fwd_kernels():
             if k not in out:
                 out.append(k)
     return out
+
+
+def test_causal_forward_default_by_sequence_length(monkeypatch):
+    """The causal head-dim-128 forward takes 128 x 128 tiles up to SHORT_CAUSAL_KEYS keys and
+    FlashAttention-3's 128 x 176 above (session 22: 1.02-1.03x at 4096 keys, 0.985x at 16384):
+    the op picks the bucket by the call's key count, the default table answers by it, and no other
+    default depends on the length."""
+    from tilelang_ops.kernels import attention as K
+    from tilelang_ops.ops import attention as A
+
+    assert A.SHORT_CAUSAL_KEYS == K.SHORT_CAUSAL_KEYS
+    short = K.fwd_default_config(128, True, seqlen_k=K.SHORT_CAUSAL_KEYS)
+    long = K.fwd_default_config(128, True, seqlen_k=K.SHORT_CAUSAL_KEYS + 1)
+    assert (short.block_m, short.block_n, short.pipeline) == (128, 128, "async") and (long.block_m, long.block_n) == (128, 176)
+    assert K.fwd_default_config(128, True) == long and A.untuned_config("fwd", 128, True, "sm_90a", 4096) == short
+    for d, c in ((64, True), (64, False), (128, False), (256, True)):
+        assert K.fwd_default_config(d, c, seqlen_k=1) == K.fwd_default_config(d, c)
+    assert A._tune_shape(dict(groups=1, headdim=128, causal=True), False)[1] > K.SHORT_CAUSAL_KEYS
+    seen = []
+    monkeypatch.setattr(A, "_kernel", lambda name, *args: seen.append(args[-1]) or (lambda *a: None))
+    for sk, causal, want in ((17, True, True), (8192, True, True), (8193, True, False), (100, False, None)):
+        q = torch.randn(1, 5, 2, 128, dtype=torch.bfloat16)
+        kv = torch.randn(1, sk, 2, 128, dtype=torch.bfloat16)
+        A._fwd_launch(q, kv, kv, causal, None, True)
+        assert seen[-1] is want, (sk, causal, seen[-1])
 
 
 @pytest.mark.slow

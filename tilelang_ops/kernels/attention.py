@@ -26,6 +26,7 @@ Backward, two paths over the same preprocess (Delta, base-2 LSE):
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import tilelang
 import tilelang.language as T
@@ -102,7 +103,17 @@ class FwdConfig:
         return {} if self.pipeline == "auto" else HAND_SYNC_PASS_CONFIGS
 
 
-def fwd_default_config(headdim: int, causal: bool, arch: str = "sm_90a") -> FwdConfig:
+# Causal head-dim-128 forwards over at most this many keys take 128 x 128 tiles, longer ones
+# FlashAttention-3's 128 x 176: a causal tile computes up to its diagonal block, and at 4096 keys
+# that wastes 3.1% of the scores with 128 x 128 against 7.1% with 128 x 176, at 16384 0.8% against
+# 1.8% — where 176-key steps' better efficiency wins (sweep_attention --tiles128, H200, session 22:
+# 1.02-1.03x at 4096 keys in three runs, MHA and GQA; 0.985x at 16384 in two).
+SHORT_CAUSAL_KEYS = 8192
+
+
+def fwd_default_config(headdim: int, causal: bool, arch: str = "sm_90a", seqlen_k: Optional[int] = None) -> FwdConfig:
+    """seqlen_k: the key count a call has, for the one default that depends on it (causal, head dim
+    128: SHORT_CAUSAL_KEYS); None gives the long-sequence default."""
     if _is_hopper(arch):
         # `tileops tune --op flash_attn` on an H200 (B8 H32 S4096 D128 / B16 H32 S2048 D64, bf16),
         # two runs, 2026-11-30: 1.03-1.16x the former 128x128/2/256. 192 query rows = 3 consumer
@@ -116,6 +127,8 @@ def fwd_default_config(headdim: int, causal: bool, arch: str = "sm_90a") -> FwdC
             # post_mask (the S GEMM from zero, masks after it; sweep_attention --post-mask,
             # session17/call7): 1.01-1.02x non-causal, 0.94-0.97x in the causal async kernel.
             if causal:
+                if seqlen_k is not None and seqlen_k <= SHORT_CAUSAL_KEYS:
+                    return FwdConfig(128, 128, 2, 256, "async", lazy_rescale=8.0)
                 return FwdConfig(128, 176, 2, 256, "async", lazy_rescale=8.0)
             return FwdConfig(192, 128, 2, 384, lazy_rescale=8.0, post_mask=True)
         if headdim == 64:
@@ -1355,9 +1368,12 @@ flash_bwd_dq_kernel = _arch_aware(flash_bwd_dq_kernel)
 cast_f32_kernel = _arch_aware(cast_f32_kernel)
 
 
-def default_config(headdim: int, causal: bool, arch: str = "sm_90a", kind: str = "fwd"):
-    """Default config of the forward ("fwd"), backward main ("bwd") or deterministic dQ ("dq") kernel."""
-    return {"fwd": fwd_default_config, "bwd": bwd_default_config, "dq": dq_default_config}[kind](headdim, causal, arch)
+def default_config(headdim: int, causal: bool, arch: str = "sm_90a", kind: str = "fwd", seqlen_k: Optional[int] = None):
+    """Default config of the forward ("fwd"), backward main ("bwd") or deterministic dQ ("dq") kernel
+    (seqlen_k: the forward's, see fwd_default_config)."""
+    if kind == "fwd":
+        return fwd_default_config(headdim, causal, arch, seqlen_k)
+    return {"bwd": bwd_default_config, "dq": dq_default_config}[kind](headdim, causal, arch)
 
 
 SEARCH_SPACE = {"fwd": FWD_SEARCH_SPACE, "bwd": BWD_SEARCH_SPACE, "dq": DQ_SEARCH_SPACE}
@@ -1371,6 +1387,8 @@ def default_scale(headdim: int) -> float:
 REPRESENTATIVE = [
     (flash_fwd_kernel, fwd_default_config(128, False), dict(headdim=128, dtype="bfloat16", causal=False, groups=1, scale=default_scale(128))),
     (flash_fwd_kernel, fwd_default_config(128, True), dict(headdim=128, dtype="bfloat16", causal=True, groups=1, scale=default_scale(128))),
+    # the causal D=128 default for at most SHORT_CAUSAL_KEYS keys
+    (flash_fwd_kernel, fwd_default_config(128, True, seqlen_k=SHORT_CAUSAL_KEYS), dict(headdim=128, dtype="bfloat16", causal=True, groups=1, scale=default_scale(128))),
     (flash_fwd_kernel, fwd_default_config(64, False), dict(headdim=64, dtype="bfloat16", causal=False, groups=1, scale=default_scale(64))),
     (flash_fwd_kernel, fwd_default_config(64, True), dict(headdim=64, dtype="bfloat16", causal=True, groups=1, scale=default_scale(64))),
     # the hand-synchronized pipelines the tuner may pick (FWD_SEARCH_SPACE)

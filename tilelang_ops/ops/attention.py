@@ -68,15 +68,19 @@ def _scale(q: torch.Tensor, softmax_scale: Optional[float]) -> float:
 
 
 # ----------------------------------------------------------------------------- kernel resolution
-# (kernel name, dtype, device index, static) -> compiled kernel. Resolved once per key, so a call
-# is a dict lookup and a launch. Forward and backward-main configs: tuned cache ▸ default table,
-# one per (headdim, causal, GQA ratio) since one kernel serves every length.
+# (kernel name, dtype, device index, static, short) -> compiled kernel. Resolved once per key, so a
+# call is a dict lookup and a launch. Forward and backward-main configs: tuned cache ▸ default
+# table, one per (headdim, causal, GQA ratio) since one kernel serves every length — but for the
+# causal forward, whose default table has a second entry for at most SHORT_CAUSAL_KEYS keys
+# (`short`: kernels.attention.fwd_default_config).
 _kernels: dict[tuple, object] = {}
+SHORT_CAUSAL_KEYS = 8192  # kernels.attention.SHORT_CAUSAL_KEYS (that module imports tilelang)
 
 
-def _tune_shape(static: dict) -> tuple:
-    # (B, S, H, HK, D, causal) at which `tileops tune` / TILEOPS_AUTOTUNE time a static key
-    return (4, 4096, 8 * static["groups"], 8, static["headdim"], int(static["causal"]))
+def _tune_shape(static: dict, short: Optional[bool] = None) -> tuple:
+    # (B, S, H, HK, D, causal) at which `tileops tune` / TILEOPS_AUTOTUNE time a static key; its S
+    # also picks the causal forward's default (short=False: a long sequence)
+    return (4, 16384 if short is False else 4096, 8 * static["groups"], 8, static["headdim"], int(static["causal"]))
 
 
 # kernel name -> (KernelDef in kernels/attention.py, static flags the name fixes). The *_nodq
@@ -110,13 +114,14 @@ def kernel_static(name: str, headdim: int, causal: bool, groups: int, softmax_sc
     return dict(headdim=headdim) if name != "cast" else {}
 
 
-def untuned_config(name: str, headdim: int = 0, causal: bool = False, arch: Optional[str] = None):
+def untuned_config(name: str, headdim: int = 0, causal: bool = False, arch: Optional[str] = None, seqlen_k: Optional[int] = None):
     """Kernel `name`'s config without a tuned entry: the default table of kernels/attention.py for
-    the main kernels (by headdim, causal and arch), the fixed config of the preprocess and cast."""
+    the main kernels (by headdim, causal, arch, and for the forward the key count: None = long),
+    the fixed config of the preprocess and cast."""
     from ..kernels import attention as K
 
     if name in _TUNED_AS:
-        return K.default_config(headdim, causal, arch, _TUNED_AS[name])
+        return K.default_config(headdim, causal, arch, _TUNED_AS[name], seqlen_k)
     return K.PrepConfig() if name != "cast" else K.CastConfig()
 
 
@@ -133,16 +138,17 @@ def _compile(name: str, config, dtype: torch.dtype, device: torch.device, **stat
     return compile_kernel(name, config, runtime.arch_for_device(device), TL_DTYPE[dtype], **static)
 
 
-def _kernel(name: str, dtype: torch.dtype, device: torch.device, headdim: int = 0, causal: bool = False, groups: int = 1, softmax_scale: Optional[float] = None):
+def _kernel(name: str, dtype: torch.dtype, device: torch.device, headdim: int = 0, causal: bool = False, groups: int = 1, softmax_scale: Optional[float] = None, short: Optional[bool] = None):
     """Launcher for kernel `name`: "fwd"/"fwd_nolse"/"bwd"/"bwd_nodq"/"dq" (every static arg), "prep"/"prep_nodq"
     (headdim), "cast" (none). Keyed by the call's own arguments (positional, softmax_scale as
-    given): a hit costs no math."""
-    key = (name, dtype, device.index, headdim, causal, groups, softmax_scale)
+    given): a hit costs no math. short: for a causal forward, whether it has at most
+    SHORT_CAUSAL_KEYS keys (None elsewhere)."""
+    key = (name, dtype, device.index, headdim, causal, groups, softmax_scale, short)
     k = _kernels.get(key)
     if k is None:
         static = kernel_static(name, headdim, causal, groups, softmax_scale)
         if name in _TUNED_AS:
-            config = tuning.resolve_config(TUNABLES[_TUNED_AS[name]], _tune_shape(static), dtype, device)
+            config = tuning.resolve_config(TUNABLES[_TUNED_AS[name]], _tune_shape(static, short), dtype, device)
         else:
             config = untuned_config(name)  # the preprocess and the cast: one fixed config
         if getattr(config, "persistent", False):
@@ -159,7 +165,7 @@ def _tune_key(shape, dtype, device):
 def _tune_default(kind):
     def default(shape, dtype):
         arch = runtime.arch_for_device(torch.cuda.current_device()) if torch.cuda.is_available() else "sm_90a"
-        return untuned_config(kind, shape[4], bool(shape[5]), arch)
+        return untuned_config(kind, shape[4], bool(shape[5]), arch, shape[1])
 
     return default
 
@@ -280,7 +286,8 @@ def _fwd_launch(q, k, v, causal, softmax_scale, with_lse: bool):
     lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device) if with_lse else None
     if Sk == 0 or out.numel() == 0:  # nothing to attend to
         return out.zero_(), (lse.fill_(float("-inf")) if with_lse else None)
-    kern = _kernel("fwd" if with_lse else "fwd_nolse", q.dtype, q.device, D, causal, H // HK, softmax_scale)
+    short = Sk <= SHORT_CAUSAL_KEYS if causal else None  # the causal default by sequence length
+    kern = _kernel("fwd" if with_lse else "fwd_nolse", q.dtype, q.device, D, causal, H // HK, softmax_scale, short)
     kern(q, k, v, out, lse) if with_lse else kern(q, k, v, out)
     return out, lse
 
