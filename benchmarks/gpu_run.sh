@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session: `tileops check`, benchmarks, then GPU tests. Logs and JSON under $OUT.
-# On the device host (no package index):  source .gpu-bundle/activate.sh; bash benchmarks/gpu_run.sh [tests...] -- [bench modules...]
+# On the device host (no package index):  source .gpu-bundle/activate.sh; [TESTS_FIRST=1] bash benchmarks/gpu_run.sh [tests...] -- [bench modules...]
 # A bench entry may carry arguments as one quoted word: 'benchmarks.sweep_gemm --group nn_3072_768'.
 # Carry .gpu-bundle and .tl-carry (warm and pack it here with: benchmarks/warm_all.sh).
 set -uo pipefail
@@ -20,17 +20,24 @@ status=0
 # shellcheck disable=SC2086
 python3 -m tilelang_ops.cli check ${CHECK_ARGS:-} > "$OUT/check.log" 2>&1; rc=$?; status=$((status|rc))
 echo "tileops check: rc=$rc  $(tail -1 "$OUT/check.log")"
-i=0
-for b in "${benches[@]}"; do  # "module [args]" (one word each: quote a module with arguments)
-  i=$((i+1)); log="$OUT/${i}_${b%% *}.log"  # numbered: one module may run twice with other arguments
-  # under a timeout: a hung kernel must not eat the whole call
-  # shellcheck disable=SC2086  # word splitting wanted: the module and its arguments
-  timeout "${BENCH_TIMEOUT:-900}" python3 -m $b > "$log" 2>&1; rc=$?; status=$((status|rc)); echo "== $b rc=$rc"; grep -v "INFO\|WARNING" "$log" | tail -40
-done
-if ((${#tests[@]})); then
+run_benches() {
+  local i=0 b log rc
+  for b in "${benches[@]}"; do  # "module [args]" (one word each: quote a module with arguments)
+    i=$((i+1)); log="$OUT/${i}_${b%% *}.log"  # numbered: one module may run twice with other arguments
+    # under a timeout: a hung kernel must not eat the whole call
+    # shellcheck disable=SC2086  # word splitting wanted: the module and its arguments
+    timeout "${BENCH_TIMEOUT:-900}" python3 -m $b > "$log" 2>&1; rc=$?; status=$((status|rc)); echo "== $b rc=$rc"; grep -v "INFO\|WARNING" "$log" | tail -40
+  done
+}
+run_tests() {
+  local rc
+  ((${#tests[@]})) || return 0
   HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-gpu} timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider -rs --durations=15 "${tests[@]}" > "$OUT/pytest.log" 2>&1; rc=$?; status=$((status|rc))
   echo "pytest ${tests[*]}: rc=$rc  $(tail -1 "$OUT/pytest.log")"
-fi
+}
+# TESTS_FIRST=1: the tests before the benchmarks (new kernels: a wrong or hanging one shows before
+# the benchmarks spend the call's time on it)
+if [[ ${TESTS_FIRST:-0} == 1 ]]; then run_tests; run_benches; else run_benches; run_tests; fi
 grep -E "FAILED|Error" "$OUT/pytest.log" 2>/dev/null | head -30
 # Kernels compiled here cost device time (the tma softmax kernels ~20-80 s of nvcc each): say so,
 # so the next call carries them (warm on the CPU machine: benchmarks/warm_all.sh, pack_cache.sh).
