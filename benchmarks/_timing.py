@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from tilelang_ops.tuning import time_cuda
+from tilelang_ops.tuning import in_turns, time_cuda
 
 
 def first_run(fn, label: str, timeout: float = 60.0, sync=None, exit_code: int = 3) -> None:
@@ -76,12 +76,7 @@ def interleaved(timer, fns, rounds: int = 3) -> list[float]:
     starting one contender later. The H200's clock falls as it heats: timing one side after the
     other favours whichever runs first (8192³, sixth session: ours 782 TFLOP/s timed first, 678 in
     the graph replays after cuBLAS)."""
-    times = [[] for _ in fns]
-    for r in range(rounds):  # none always runs right after the same one
-        for j in range(len(fns)):
-            i = (r + j) % len(fns)
-            times[i].append(timer(fns[i]))
-    return [statistics.median(t) for t in times]
+    return list(in_turns(dict(enumerate(fns)), timer, rounds).values())
 
 
 def host_us(fn, n: int = 2000, warmup: int = 200) -> float:

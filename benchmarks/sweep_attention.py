@@ -240,7 +240,7 @@ def main_bwd() -> None:
         for cfg, t, err in zip(names, times, checks):
             rows.append(dict(shape=shape, causal=causal, config=_name(cfg), ms=t, tflops=flops / t / 1e9, vs_default=times[0] / t, max_abs_diff=err))
         print(f"done bwd {shape} causal={causal}", flush=True)
-    write_json("sweep_attention_bwd", rows)
+        write_json("sweep_attention_bwd", rows)  # each shape as it finishes (a hung candidate ends the process)
     print(table(rows, ["shape", "causal", "config", "ms", "tflops", "vs_default", "max_abs_diff", "error"]))
 
 
@@ -294,7 +294,6 @@ def main() -> None:
         print(table([r for r in rows if r["shape"] == f"{B}x{H}/{HK}x{S}x{D}" and r["causal"] == causal],
                     ["shape", "causal", "config", "ms", "tflops", "vs_default", "max_abs_diff", "error"]), flush=True)
         write_json("sweep_attention", rows)
-    write_json("sweep_attention", rows)
     print(table(rows, ["shape", "causal", "config", "ms", "tflops", "vs_default", "max_abs_diff", "lse_diff", "error"]))
 
 

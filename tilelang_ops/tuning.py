@@ -181,7 +181,7 @@ def tune(tunable: Tunable, shapes, dtype, device, time_fn, progress=None) -> lis
             # The fastest of many noisy timings is biased low, and identical kernels built and fed
             # separately ran up to ~3% apart on the H200 (session 21): the winner and the default
             # again, in turns, and the default stays unless the winner still wins.
-            timings.update(_in_turns({cfg: tunable.runner(cfg, shape, dtype, device) for cfg in (best, default)}, time_fn))
+            timings.update(in_turns({cfg: tunable.runner(cfg, shape, dtype, device) for cfg in (best, default)}, time_fn))
             best = best if timings[best] < timings[default] else default
         static, bucket = tunable.key(shape, dtype, device)
         store(
@@ -199,9 +199,11 @@ def tune(tunable: Tunable, shapes, dtype, device, time_fn, progress=None) -> lis
     return rows
 
 
-def _in_turns(runs: dict, time_fn, rounds: int = 3) -> dict:
+def in_turns(runs: dict, time_fn, rounds: int = 3) -> dict:
     """Median of `rounds` time_fn(fn) per key of runs {key: fn}, the fns taking turns and each
-    round starting one later (as benchmarks/_timing.interleaved)."""
+    round starting one later, so none always runs right after the same one (the H200's clock falls
+    as it heats). The tuner's confirmation pass and every benchmark comparison
+    (benchmarks/_timing.interleaved) time through this."""
     import statistics
 
     keys = list(runs)
