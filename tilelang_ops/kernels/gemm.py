@@ -65,6 +65,11 @@ class GemmConfig:
     # 128x256 on 132 SMs) the one-tile-per-CTA grid leaves SMs idle; 64 tiles of 192x192 x 2
     # slices fill one wave (cuBLAS's choice there). Deterministic: a fixed summation order.
     split_k: int = dataclasses.field(default=1, metadata={"omit_default": True})
+    # "async" only: 2 = a thread-block cluster of two CTAs on neighbouring row tiles (same columns),
+    # which load their shared B tile once: one TMA multicast into both CTAs' shared memory
+    # (cuBLAS's 2x1 clusters). Each k-step then moves 3/4 of the bytes from L2 a 128x256 tile
+    # pair would (A twice, B once), and a stage is refilled only when both CTAs released it.
+    cluster: int = dataclasses.field(default=1, metadata={"omit_default": True})
 
     @property
     def min_sm(self) -> int:
@@ -320,6 +325,9 @@ def matmul_kernel(
     hand_sync = config.pipeline != "auto"
     pingpong = config.pipeline == "pingpong"
     consumers = config.threads
+    pair = config.cluster == 2
+    if config.cluster not in (1, 2) or (pair and (config.pipeline != "async" or batched or split > 1)):
+        raise ValueError(f"cluster={config.cluster}: 1, or 2 with pipeline 'async' (not batched, no split_k)")
     if pingpong and consumers != 256:
         raise ValueError(f"pipeline 'pingpong' takes threads=256 (two consumer warpgroups), got {consumers}")
 
@@ -425,11 +433,24 @@ def matmul_kernel(
         for kk in T.serial(nk):
             T.mbarrier_wait_parity(empty[slot(g0, kk)], parity(g0, kk) ^ 1)
             T.tma_copy(a_src(A, ix, xy[1], kk), A_s[slot(g0, kk), :, :], barrier=full[slot(g0, kk)])
-            T.tma_copy(b_src(B, ix, xy[0], kk), B_s[slot(g0, kk), :, :], barrier=full[slot(g0, kk)])
+            if pair:  # rank 0 issues B for both CTAs; each CTA expects its bytes on its own `full`
+                T.tma_copy(b_src(B, ix, xy[0], kk), B_s[slot(g0, kk), :, :], barrier=full[slot(g0, kk)], cluster_mask=0b11)
+            else:
+                T.tma_copy(b_src(B, ix, xy[0], kk), B_s[slot(g0, kk), :, :], barrier=full[slot(g0, kk)])
             T.mbarrier_arrive(full[slot(g0, kk)])
 
     @T.macro
-    def mma_k_steps(A_s, B_s, full, empty, C_f, g0, nk):
+    def release(empty, s, peer):
+        """Every consumer thread releases stage s; in a CTA pair, each consumer warp's first lane
+        also tells the peer CTA, whose producer multicasts into this CTA's stage (or whose stage
+        this CTA's producer fills)."""
+        T.mbarrier_arrive(empty[s])
+        if pair:
+            if T.get_thread_binding() % 32 == 0:
+                T.mbarrier_arrive(empty[s], peer)
+
+    @T.macro
+    def mma_k_steps(A_s, B_s, full, empty, C_f, g0, nk, peer=None):
         # k-step kk-1's stage is released once its wgmma batch retired (see body_async); the
         # tile's last stage is the caller's to release.
         for kk in T.serial(nk):
@@ -437,10 +458,10 @@ def matmul_kernel(
             T.wgmma_gemm(A_s[slot(g0, kk), :, :], B_s[slot(g0, kk), :, :], C_f, transpose_A=trans_a, transpose_B=trans_b, policy=policy)
             T.wait_wgmma(1)
             if kk > 0:
-                T.mbarrier_arrive(empty[(stage(g0, kk) + S - 1) % S])
+                release(empty, (stage(g0, kk) + S - 1) % S, peer)
 
     @T.macro
-    def body_async(A, B, Bias, C, Z, bx, by, bz):
+    def body_async(A, B, Bias, C, Z, bx, by, bz, rank=None):
         # CUTLASS-style warp specialization with explicit mbarriers: full[s] completes when the
         # stage's TMA bytes landed, empty[s] when every consumer thread released it. A consumer
         # issues k-step kk's wgmma, waits until at most one batch is in flight (so k-step kk-1's
@@ -453,8 +474,13 @@ def matmul_kernel(
         C_f = T.alloc_fragment((bm, bn), accum)
         C_s = None if direct_store else T.alloc_shared((bm, bn), dtype)
         full = T.alloc_barrier([128] * S)
-        empty = T.alloc_barrier([consumers] * S)
-        if config.swizzle:
+        if pair:  # this CTA's consumer threads, and the peer's consumer warps
+            # (TileLang syncs the cluster after initializing a cluster barrier: both CTAs' barriers
+            # exist before either signals the other)
+            empty = T.alloc_cluster_barrier([consumers + consumers // 32] * S)
+        else:
+            empty = T.alloc_barrier([consumers] * S)
+        if config.swizzle and not pair:  # a pair's tile order is the launch's (`pair_tile`)
             T.use_swizzle(config.swizzle)
         nk = T.ceildiv(K, bk)
         # Two loops, one per role (a shared loop makes ptxas allocate the producer's branch with
@@ -465,13 +491,15 @@ def matmul_kernel(
         with T.ws(*cwg):
             T.inc_max_nreg(warpgroup_regs(consumers, max(config.min_blocks, 1)))
             T.clear(C_f)
-            mma_k_steps(A_s, B_s, full, empty, C_f, None, nk)
+            mma_k_steps(A_s, B_s, full, empty, C_f, None, nk, None if rank is None else 1 - rank)
             T.wait_wgmma(0)
             if not direct_store:
                 # If the shared-memory planner ever lets C_s overlap the stages, the other
                 # consumer warpgroup's last wgmma may still be reading them: meet first.
                 T.sync_threads(1, consumers)
             epilogue(C_f, C_s, Bias, C, Z, ix, bx, by)
+        if pair:  # neither CTA exits while the other may still signal its barriers
+            T.cluster_sync()
 
     # Persistent ping-pong: PERSISTENT_CTAS CTAs (one per SM) walk the output tiles. The producer
     # loads every tile's k-steps, in tile order, into one ring of S stages; consumer warpgroup w
@@ -554,6 +582,12 @@ def matmul_kernel(
     # T.Pipelined adds its producer warpgroup itself; the async pipelines declare it.
     cta_threads = consumers + 128 if hand_sync else consumers
 
+    def panel_tile(r, rows_total, sw):
+        """(column, row) of tile r when panels of `sw` tile rows are walked column by column."""
+        panel = T.truncdiv(r, sw * n_blocks)
+        rows = T.min(sw, rows_total - panel * sw)  # the last panel may be shorter
+        return T.truncdiv(r - panel * sw * n_blocks, rows), panel * sw + T.truncmod(r - panel * sw * n_blocks, rows)
+
     # split_k: the partial tiles' sum, cast to dtype (rows and n are static here: the guards go
     # only where a block would overhang).
     rbm, rbn = 16, 256
@@ -581,6 +615,15 @@ def matmul_kernel(
         elif pingpong:
             with T.Kernel(grid, threads=384) as bid:
                 body_pingpong(A, B, Bias, C, Z, bid)
+        elif pair:
+            # Pairs of row tiles (rank = blockIdx.x, the CTA's rank in its cluster), walked in
+            # panels of `swizzle` tile rows as T.use_swizzle would: the pairs in flight share
+            # their B columns in L2. An odd last row tile's partner computes an empty tile
+            # (TMA zero-fills its loads, its stores fall outside C).
+            pairs = T.ceildiv(m_blocks, 2)
+            with T.Kernel(2, n_blocks * pairs, threads=cta_threads, cluster_dims=(2, 1, 1)) as (rank, c):
+                col, prow = panel_tile(c, pairs, max(config.swizzle // 2, 1))
+                body(A, B, Bias, C, Z, col, prow * 2 + rank, None, rank)
         elif batched:
             with T.Kernel(n_blocks, m_blocks, Bt, threads=cta_threads) as (bx, by, bz):
                 body(A, B, Bias, C, Z, bx, by, bz)
