@@ -513,6 +513,12 @@ def matmul_kernel(
     n_tiles = m_tiles * Bt if batched else m_tiles
     grid = T.min(n_tiles, ctas)
 
+    def panel_tile(r, rows_total, sw):
+        """(column, row) of tile r when panels of `sw` tile rows are walked column by column."""
+        panel = T.truncdiv(r, sw * n_blocks)
+        rows = T.min(sw, rows_total - panel * sw)  # the last panel may be shorter
+        return T.truncdiv(r - panel * sw * n_blocks, rows), panel * sw + T.truncmod(r - panel * sw * n_blocks, rows)
+
     @T.macro
     def set_tile(tc, t):
         """tc[0:3] = (bx, by, bz) of tile t, computed once per tile into registers: panels of
@@ -522,11 +528,7 @@ def matmul_kernel(
         r = T.truncmod(t, m_tiles) if batched else t
         tc[2] = T.truncdiv(t, m_tiles) if batched else 0
         if config.swizzle:
-            sw = config.swizzle
-            panel = T.truncdiv(r, sw * n_blocks)
-            rows = T.min(sw, m_blocks - panel * sw)  # the last panel may be shorter
-            tc[0] = T.truncdiv(r - panel * sw * n_blocks, rows)
-            tc[1] = panel * sw + T.truncmod(r - panel * sw * n_blocks, rows)
+            tc[0], tc[1] = panel_tile(r, m_blocks, config.swizzle)
         else:
             tc[0] = T.truncmod(r, n_blocks)
             tc[1] = T.truncdiv(r, n_blocks)
@@ -581,12 +583,6 @@ def matmul_kernel(
     body = body_async if hand_sync else body_auto
     # T.Pipelined adds its producer warpgroup itself; the async pipelines declare it.
     cta_threads = consumers + 128 if hand_sync else consumers
-
-    def panel_tile(r, rows_total, sw):
-        """(column, row) of tile r when panels of `sw` tile rows are walked column by column."""
-        panel = T.truncdiv(r, sw * n_blocks)
-        rows = T.min(sw, rows_total - panel * sw)  # the last panel may be shorter
-        return T.truncdiv(r - panel * sw * n_blocks, rows), panel * sw + T.truncmod(r - panel * sw * n_blocks, rows)
 
     # split_k: the partial tiles' sum, cast to dtype (rows and n are static here: the guards go
     # only where a block would overhang).
