@@ -163,9 +163,12 @@ def _cluster_groups(gemm, lin, nt_plain):
     """Two-CTA clusters sharing their B tile through one TMA multicast (`GemmConfig.cluster`, the
     async pipeline) at the shapes where we trail cuBLAS, whose kernels there are 2-CTA clusters:
     8192^3 and the MLP block's six GEMMs (d=4096, hidden=14336, 8192 tokens). Groups "cl_*"; the
-    async pipeline without the cluster is the control."""
+    async pipeline without the cluster is the control, the ping-pong pipeline's defaults the incumbents."""
     cands = [_cfg(128, 256, 64, 4, pipe="async"), _cfg(128, 256, 64, 4, pipe="async", cluster=2), _cfg(128, 256, 64, 3, pipe="async", cluster=2),
-             _cfg(128, 256, 64, 4, pol="FullRow", pipe="async", cluster=2), _cfg(128, 192, 64, 5, pipe="async", cluster=2)]
+             _cfg(128, 256, 64, 4, pol="FullRow", pipe="async", cluster=2), _cfg(128, 192, 64, 5, pipe="async", cluster=2),
+             # persistent ping-pong pairs (66 clusters walk the pair tiles)
+             _cfg(128, 192, 64, 5, pipe="pingpong", cluster=2), _cfg(128, 128, 64, 6, pipe="pingpong", cluster=2),
+             _cfg(128, 128, 64, 7, sw=16, pipe="pingpong", cluster=2)]
     m = 8192
     spec = {
         "cl_nn_8192_8192": (dict(gemm, n=8192, k=8192), [("gemm", m)]),

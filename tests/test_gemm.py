@@ -424,6 +424,12 @@ ASYNC_CASES = [
     (dict(cluster=2, num_stages=4), dict(layout="nt", n=200, k=1000, bias=True, activation="gelu_tanh", save_preact=True), [7, 700, 5000]),
     (dict(cluster=2), dict(layout="tn", n=136, k=0, rows=264), [1, 1000]),  # 3 row tiles
     (dict(cluster=2, block_N=192, num_stages=5, policy="FullRow"), dict(layout="nn", n=3072, k=768, dtype="float16"), [1000, 4097]),
+    # persistent ping-pong pairs: fewer pair tiles than clusters, several per cluster (odd and even
+    # per warpgroup), an odd row-tile count
+    (dict(block_N=128, num_stages=6, pipeline="pingpong", cluster=2), dict(layout="nn", n=200, k=1000), [1, 129, 300, 700, 4097]),
+    (dict(block_N=128, num_stages=6, pipeline="pingpong", cluster=2), dict(layout="nt", n=200, k=1000, bias=True, activation="gelu_tanh", save_preact=True), [7, 700, 5000]),
+    (dict(block_N=192, num_stages=5, pipeline="pingpong", cluster=2), dict(layout="nn", n=3072, k=768), [1000, 4097, 16384]),
+    (dict(block_N=128, num_stages=7, swizzle=16, pipeline="pingpong", cluster=2), dict(layout="tn", n=136, k=0, rows=264), [1, 1000]),
 ]
 
 
@@ -500,13 +506,13 @@ def test_gemm_cluster_pair_source():
     assert src.rstrip().endswith("tl::cluster_sync();\n}") or src.rstrip()[:-1].rstrip().endswith("tl::cluster_sync();")
 
 
-def test_gemm_cluster_needs_the_async_pipeline():
+def test_gemm_cluster_needs_a_hand_synchronized_pipeline():
     from tilelang_ops.kernels import gemm as K
 
-    for bad in (dict(pipeline="auto"), dict(pipeline="pingpong"), dict(cluster=4)):
+    for bad, static in ((dict(pipeline="auto"), {}), (dict(cluster=4), {}), ({}, dict(batched=True))):
         cfg = K.GemmConfig(**{"pipeline": "async", "cluster": 2, **bad})
         with pytest.raises(ValueError, match="cluster="):
-            K.matmul_kernel.build(cfg, layout="nn", n=128, k=64, dtype="bfloat16")
+            K.matmul_kernel.build(cfg, layout="nn", n=128, k=64, dtype="bfloat16", **static)
 
 
 def test_gemm_pingpong_needs_two_consumer_warpgroups():

@@ -326,8 +326,8 @@ def matmul_kernel(
     pingpong = config.pipeline == "pingpong"
     consumers = config.threads
     pair = config.cluster == 2
-    if config.cluster not in (1, 2) or (pair and (config.pipeline != "async" or batched or split > 1)):
-        raise ValueError(f"cluster={config.cluster}: 1, or 2 with pipeline 'async' (not batched, no split_k)")
+    if config.cluster not in (1, 2) or (pair and (not hand_sync or batched or split > 1)):
+        raise ValueError(f"cluster={config.cluster}: 1, or 2 with pipeline 'async' or 'pingpong' (not batched, no split_k)")
     if pingpong and consumers != 256:
         raise ValueError(f"pipeline 'pingpong' takes threads=256 (two consumer warpgroups), got {consumers}")
 
@@ -512,6 +512,12 @@ def matmul_kernel(
     m_tiles = m_blocks * n_blocks
     n_tiles = m_tiles * Bt if batched else m_tiles
     grid = T.min(n_tiles, ctas)
+    # CTA pairs: ctas / 2 clusters walk the pair tiles (two row tiles on the same columns); the
+    # two CTAs of a cluster take the same tiles in the same order (rank = which row of the pair).
+    # (An SM pair, a TPC, hosts a cluster of two: every SM takes part.)
+    m_pairs = T.ceildiv(m_blocks, 2)
+    if pair:
+        n_tiles, grid = m_pairs * n_blocks, T.min(m_pairs * n_blocks, ctas // 2)
 
     def panel_tile(r, rows_total, sw):
         """(column, row) of tile r when panels of `sw` tile rows are walked column by column."""
@@ -520,21 +526,26 @@ def matmul_kernel(
         return T.truncdiv(r - panel * sw * n_blocks, rows), panel * sw + T.truncmod(r - panel * sw * n_blocks, rows)
 
     @T.macro
-    def set_tile(tc, t):
+    def set_tile(tc, t, rank=None):
         """tc[0:3] = (bx, by, bz) of tile t, computed once per tile into registers: panels of
         `swizzle` tile rows walked column by column, so the CTAs running at once share their A
         rows and B columns in L2. (Every value is non-negative: C's truncating / and % suffice,
-        where floordiv/floormod would expand into sign tests at every use.)"""
+        where floordiv/floormod would expand into sign tests at every use.) In a CTA pair, t
+        numbers pair tiles and `rank` picks the row of the pair."""
         r = T.truncmod(t, m_tiles) if batched else t
         tc[2] = T.truncdiv(t, m_tiles) if batched else 0
-        if config.swizzle:
+        if pair:
+            col, prow = panel_tile(r, m_pairs, max(config.swizzle // 2, 1)) if config.swizzle else (T.truncmod(r, n_blocks), T.truncdiv(r, n_blocks))
+            tc[0] = col
+            tc[1] = prow * 2 + rank
+        elif config.swizzle:
             tc[0], tc[1] = panel_tile(r, m_blocks, config.swizzle)
         else:
             tc[0] = T.truncmod(r, n_blocks)
             tc[1] = T.truncdiv(r, n_blocks)
 
     @T.macro
-    def consumer(A_s, B_s, full, empty, C_f, tc, Bias, C, Z, bid, w, n_mine, nk):
+    def consumer(A_s, B_s, full, empty, C_f, tc, Bias, C, Z, bid, w, n_mine, nk, rank=None):
         # The two warpgroups take turns at the main loop (named barriers TURN + w: bar.sync on
         # one's own, bar.arrive on the other's once its k-steps are issued). Besides keeping one
         # warpgroup's wgmmas from contending with the other's, the turns keep the stage ring
@@ -548,18 +559,18 @@ def matmul_kernel(
             T.named_barrier_arrive(TURN, 256)
         for j in T.serial(T.truncdiv(n_mine - w + 1, 2)):
             i = 2 * j + w
-            set_tile(tc, bid + i * grid)
+            set_tile(tc, bid + i * grid, rank)
             T.clear(C_f)
             T.sync_threads(TURN + w, 256)
-            mma_k_steps(A_s, B_s, full, empty, C_f, i * nk, nk)
+            mma_k_steps(A_s, B_s, full, empty, C_f, i * nk, nk, None if rank is None else 1 - rank)
             if i + 1 < n_mine:
                 T.named_barrier_arrive(TURN + 1 - w, 256)
             T.wait_wgmma(0)
-            T.mbarrier_arrive(empty[(i * nk + nk - 1) % S])  # the tile's last stage
+            release(empty, (i * nk + nk - 1) % S, None if rank is None else 1 - rank)  # the tile's last stage
             epilogue(C_f, None, Bias, C, Z, (tc[2],) if batched else (), tc[0], tc[1])
 
     @T.macro
-    def body_pingpong(A, B, Bias, C, Z, bid):
+    def body_pingpong(A, B, Bias, C, Z, bid, rank=None):
         T.annotate_min_blocks_per_sm(1)
         A_s = T.alloc_shared((S,) + a_tile, dtype)
         B_s = T.alloc_shared((S,) + b_tile, dtype)
@@ -567,18 +578,23 @@ def matmul_kernel(
         C1 = T.alloc_fragment((bm, bn), accum)  # warpgroup 1's
         tc = T.alloc_local((3,), "int32")  # the current tile's (bx, by, bz), per thread
         full = T.alloc_barrier([128] * S)
-        empty = T.alloc_barrier([128] * S)  # one consumer warpgroup reads a stage
+        if pair:  # one consumer warpgroup reads a stage: its threads, and the peer's 4 warps
+            empty = T.alloc_cluster_barrier([128 + 4] * S)
+        else:
+            empty = T.alloc_barrier([128] * S)  # one consumer warpgroup reads a stage
         nk = T.ceildiv(K, bk)
         n_mine = T.truncdiv(n_tiles - bid + grid - 1, grid)  # tiles bid, bid + grid, ...
         with T.ws(2):
             T.dec_max_nreg(PRODUCER_REGS)
             for i in T.serial(n_mine):
-                set_tile(tc, bid + i * grid)
+                set_tile(tc, bid + i * grid, rank)
                 load_k_steps(A, B, A_s, B_s, full, empty, (tc[2],) if batched else (), tc, i * nk, nk)
         with T.ws(0):
-            consumer(A_s, B_s, full, empty, C0, tc, Bias, C, Z, bid, 0, n_mine, nk)
+            consumer(A_s, B_s, full, empty, C0, tc, Bias, C, Z, bid, 0, n_mine, nk, rank)
         with T.ws(1):
-            consumer(A_s, B_s, full, empty, C1, tc, Bias, C, Z, bid, 1, n_mine, nk)
+            consumer(A_s, B_s, full, empty, C1, tc, Bias, C, Z, bid, 1, n_mine, nk, rank)
+        if pair:  # neither CTA exits while the other may still signal its barriers
+            T.cluster_sync()
 
     body = body_async if hand_sync else body_auto
     # T.Pipelined adds its producer warpgroup itself; the async pipelines declare it.
@@ -608,6 +624,9 @@ def matmul_kernel(
             with T.Kernel(n_blocks, m_blocks, split, threads=cta_threads) as (bx, by, bz):
                 body(A, B, Bias, C, Z, bx, by, bz)
             reduce_partials(Z, C)
+        elif pingpong and pair:
+            with T.Kernel(2, grid, threads=384, cluster_dims=(2, 1, 1)) as (rank, bid):
+                body_pingpong(A, B, Bias, C, Z, bid, rank)
         elif pingpong:
             with T.Kernel(grid, threads=384) as bid:
                 body_pingpong(A, B, Bias, C, Z, bid)
@@ -616,9 +635,8 @@ def matmul_kernel(
             # panels of `swizzle` tile rows as T.use_swizzle would: the pairs in flight share
             # their B columns in L2. An odd last row tile's partner computes an empty tile
             # (TMA zero-fills its loads, its stores fall outside C).
-            pairs = T.ceildiv(m_blocks, 2)
-            with T.Kernel(2, n_blocks * pairs, threads=cta_threads, cluster_dims=(2, 1, 1)) as (rank, c):
-                col, prow = panel_tile(c, pairs, max(config.swizzle // 2, 1))
+            with T.Kernel(2, n_blocks * m_pairs, threads=cta_threads, cluster_dims=(2, 1, 1)) as (rank, c):
+                col, prow = panel_tile(c, m_pairs, max(config.swizzle // 2, 1))
                 body(A, B, Bias, C, Z, col, prow * 2 + rank, None, rank)
         elif batched:
             with T.Kernel(n_blocks, m_blocks, Bt, threads=cta_threads) as (bx, by, bz):
