@@ -38,10 +38,10 @@ GRAPH_N = 10
 REP = 10
 
 
-def _cfg(bm, bn, bk, st, th=256, sw=8, pol="Square", mb=0, pipe="auto", cluster=1):
+def _cfg(bm, bn, bk, st, th=256, sw=8, pol="Square", mb=0, pipe="auto"):
     from tilelang_ops.kernels.gemm import GemmConfig
 
-    return GemmConfig(bm, bn, bk, st, th, sw, pol, mb, pipe, cluster=cluster)
+    return GemmConfig(bm, bn, bk, st, th, sw, pol, mb, pipe)
 
 
 def candidates():
@@ -68,7 +68,6 @@ def candidates():
         **_pingpong_groups(gemm, lin),
         **_gpt_groups(gemm, lin, nt_plain),
         **_split_groups(gemm),
-        **_cluster_groups(gemm, lin, nt_plain),
         "async_nn_8192_8192": (dict(gemm, n=8192, k=8192), [C0] + asy, [("gemm", 8192)]),
         # 8192^3 in 128x256 tiles: 2048 tiles = 15.5 waves of 132 SMs (the last half empty); 128x224:
         # 2368 = 17.9 waves, 128x192: 2752 = 20.8 (their ragged last column wastes 1.2% / 0.8%)
@@ -159,29 +158,6 @@ def _split_groups(gemm):
     return out
 
 
-def _cluster_groups(gemm, lin, nt_plain):
-    """Two-CTA clusters sharing their B tile through one TMA multicast (`GemmConfig.cluster`, the
-    async pipeline) at the shapes where we trail cuBLAS, whose kernels there are 2-CTA clusters:
-    8192^3 and the MLP block's six GEMMs (d=4096, hidden=14336, 8192 tokens). Groups "cl_*"; the
-    async pipeline without the cluster is the control, the ping-pong pipeline's defaults the incumbents."""
-    cands = [_cfg(128, 256, 64, 4, pipe="async"), _cfg(128, 256, 64, 4, pipe="async", cluster=2), _cfg(128, 256, 64, 3, pipe="async", cluster=2),
-             _cfg(128, 256, 64, 4, pol="FullRow", pipe="async", cluster=2), _cfg(128, 192, 64, 5, pipe="async", cluster=2),
-             # persistent ping-pong pairs (66 clusters walk the pair tiles)
-             _cfg(128, 192, 64, 5, pipe="pingpong", cluster=2), _cfg(128, 128, 64, 6, pipe="pingpong", cluster=2),
-             _cfg(128, 128, 64, 7, sw=16, pipe="pingpong", cluster=2)]
-    m = 8192
-    spec = {
-        "cl_nn_8192_8192": (dict(gemm, n=8192, k=8192), [("gemm", m)]),
-        "cl_lin_14336_4096": (dict(lin, n=14336, k=4096), [("linear", m)]),  # up-projection + GELU
-        "cl_ntplain_4096_14336": (dict(nt_plain, n=4096, k=14336), [("linear_noepi", m)]),  # down-projection
-        "cl_nn_14336_4096": (dict(gemm, n=14336, k=4096), [("gemm", m)]),  # dX of the down-projection
-        "cl_nn_4096_14336": (dict(gemm, n=4096, k=14336), [("gemm", m)]),  # dX of the up-projection
-        "cl_tn_14336x4096": (dict(gemm, layout="tn", rows=14336, n=4096, k=0), [("wgrad", m)]),  # dW up
-        "cl_tn_4096x14336": (dict(gemm, layout="tn", rows=4096, n=14336, k=0), [("wgrad", m)]),  # dW down
-    }
-    return _beside_defaults(spec, cands)
-
-
 def _pp_groups(prefix, gemm, lin, pp):
     ms = [1024, 4096, 16384]
     spec = {f"{prefix}_nn_{n}_{k}": (dict(gemm, n=n, k=k), [("gemm", m) for m in ms]) for n, k in ((4096, 4096), (14336, 4096), (4096, 14336), (11008, 4096), (3072, 768))}
@@ -244,7 +220,7 @@ def _graph_ms(fn) -> float:
 
 
 def _short(c) -> str:
-    extra = (f"/mb{c.min_blocks}" if c.min_blocks else "") + (f"/{c.pipeline}" if c.pipeline != "auto" else "") + (f"/split{c.split_k}" if c.split_k > 1 else "") + (f"/cluster{c.cluster}" if c.cluster > 1 else "")
+    extra = (f"/mb{c.min_blocks}" if c.min_blocks else "") + (f"/{c.pipeline}" if c.pipeline != "auto" else "") + (f"/split{c.split_k}" if c.split_k > 1 else "")
     return f"{c.block_M}x{c.block_N}x{c.block_K}/s{c.num_stages}/t{c.threads}/sw{c.swizzle}/{c.policy}{extra}"
 
 

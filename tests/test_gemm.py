@@ -417,19 +417,6 @@ ASYNC_CASES = [
     (dict(block_N=128, num_stages=7, swizzle=16, pipeline="pingpong"), dict(layout="nt", n=200, k=1000, bias=True, activation="relu"), [700, 5000]),
     (dict(block_N=128, num_stages=6, pipeline="pingpong", swizzle=0), dict(layout="tn", n=136, k=0, rows=200), [1, 1000]),
     (dict(block_N=128, num_stages=6, pipeline="pingpong"), dict(layout="nn", n=128, k=72, dtype="float16", batched=True), [17, 300, 2000]),
-    # two-CTA clusters sharing B by multicast: one row tile (the partner's tile empty), an odd
-    # count (300: 3 tiles), panels; every epilogue, the C tile through shared memory (3 stages)
-    # and from registers (4), "tn", fp16
-    (dict(cluster=2), dict(layout="nn", n=200, k=1000), [1, 129, 300, 700]),
-    (dict(cluster=2, num_stages=4), dict(layout="nt", n=200, k=1000, bias=True, activation="gelu_tanh", save_preact=True), [7, 700, 5000]),
-    (dict(cluster=2), dict(layout="tn", n=136, k=0, rows=264), [1, 1000]),  # 3 row tiles
-    (dict(cluster=2, block_N=192, num_stages=5, policy="FullRow"), dict(layout="nn", n=3072, k=768, dtype="float16"), [1000, 4097]),
-    # persistent ping-pong pairs: fewer pair tiles than clusters, several per cluster (odd and even
-    # per warpgroup), an odd row-tile count
-    (dict(block_N=128, num_stages=6, pipeline="pingpong", cluster=2), dict(layout="nn", n=200, k=1000), [1, 129, 300, 700, 4097]),
-    (dict(block_N=128, num_stages=6, pipeline="pingpong", cluster=2), dict(layout="nt", n=200, k=1000, bias=True, activation="gelu_tanh", save_preact=True), [7, 700, 5000]),
-    (dict(block_N=192, num_stages=5, pipeline="pingpong", cluster=2), dict(layout="nn", n=3072, k=768), [1000, 4097, 16384]),
-    (dict(block_N=128, num_stages=7, swizzle=16, pipeline="pingpong", cluster=2), dict(layout="tn", n=136, k=0, rows=264), [1, 1000]),
 ]
 
 
@@ -487,32 +474,6 @@ def test_gemm_pingpong_source():
     order1 = ["__named_barrier_arrive(2, 256)", "__sync_thread_partial(3, 256)", "wgmma_ss", "wait_wgmma<1>", "empty["]
     assert [wg1.index(x) for x in order1] == sorted(wg1.index(x) for x in order1)
     assert wg1.index("wait_wgmma<1>") < wg1.rindex("__named_barrier_arrive(2, 256)") < wg1.index("wait_wgmma<0>")
-
-
-@pytest.mark.slow
-def test_gemm_cluster_pair_source():
-    """A CTA pair's generated code: a cluster of two, B multicast by rank 0 to both CTAs, each
-    consumer warp releasing a stage to the peer (after wait<1>, like the local release), and a
-    cluster barrier before exit (a CTA must not exit while its peer may still signal it)."""
-    from tilelang_ops.kernels import gemm as K
-
-    cfg = K.GemmConfig(128, 256, 64, 4, 256, 8, "Square", 0, "async", cluster=2)
-    assert "cluster2" in __import__("tilelang_ops").runtime.config_str(cfg)
-    src = K.matmul_kernel.source(cfg, "sm_90a", layout="nn", n=4096, k=4096, rows=0, dtype="bfloat16", batched=False, bias=False, activation="none", save_preact=False)
-    assert "tma_load_multicast(B_desc" in src and "tma_load_multicast(A_desc" not in src
-    assert ".init(264)" in src  # 256 local consumer threads + the peer's 8 consumer warps
-    loop = src[src.index("wait_wgmma<1>"):]
-    assert loop.index("arrive((1 - ((int)blockIdx.x)))") < loop.index("wait_wgmma<0>")
-    assert src.rstrip().endswith("tl::cluster_sync();\n}") or src.rstrip()[:-1].rstrip().endswith("tl::cluster_sync();")
-
-
-def test_gemm_cluster_needs_a_hand_synchronized_pipeline():
-    from tilelang_ops.kernels import gemm as K
-
-    for bad, static in ((dict(pipeline="auto"), {}), (dict(cluster=4), {}), ({}, dict(batched=True))):
-        cfg = K.GemmConfig(**{"pipeline": "async", "cluster": 2, **bad})
-        with pytest.raises(ValueError, match="cluster="):
-            K.matmul_kernel.build(cfg, layout="nn", n=128, k=64, dtype="bfloat16", **static)
 
 
 def test_gemm_pingpong_needs_two_consumer_warpgroups():

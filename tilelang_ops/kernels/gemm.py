@@ -65,11 +65,6 @@ class GemmConfig:
     # 128x256 on 132 SMs) the one-tile-per-CTA grid leaves SMs idle; 64 tiles of 192x192 x 2
     # slices fill one wave (cuBLAS's choice there). Deterministic: a fixed summation order.
     split_k: int = dataclasses.field(default=1, metadata={"omit_default": True})
-    # "async" only: 2 = a thread-block cluster of two CTAs on neighbouring row tiles (same columns),
-    # which load their shared B tile once: one TMA multicast into both CTAs' shared memory
-    # (cuBLAS's 2x1 clusters). Each k-step then moves 3/4 of the bytes from L2 a 128x256 tile
-    # pair would (A twice, B once), and a stage is refilled only when both CTAs released it.
-    cluster: int = dataclasses.field(default=1, metadata={"omit_default": True})
 
     @property
     def min_sm(self) -> int:
@@ -325,9 +320,6 @@ def matmul_kernel(
     hand_sync = config.pipeline != "auto"
     pingpong = config.pipeline == "pingpong"
     consumers = config.threads
-    pair = config.cluster == 2
-    if config.cluster not in (1, 2) or (pair and (not hand_sync or batched or split > 1)):
-        raise ValueError(f"cluster={config.cluster}: 1, or 2 with pipeline 'async' or 'pingpong' (not batched, no split_k)")
     if pingpong and consumers != 256:
         raise ValueError(f"pipeline 'pingpong' takes threads=256 (two consumer warpgroups), got {consumers}")
 
@@ -433,24 +425,11 @@ def matmul_kernel(
         for kk in T.serial(nk):
             T.mbarrier_wait_parity(empty[slot(g0, kk)], parity(g0, kk) ^ 1)
             T.tma_copy(a_src(A, ix, xy[1], kk), A_s[slot(g0, kk), :, :], barrier=full[slot(g0, kk)])
-            if pair:  # rank 0 issues B for both CTAs; each CTA expects its bytes on its own `full`
-                T.tma_copy(b_src(B, ix, xy[0], kk), B_s[slot(g0, kk), :, :], barrier=full[slot(g0, kk)], cluster_mask=0b11)
-            else:
-                T.tma_copy(b_src(B, ix, xy[0], kk), B_s[slot(g0, kk), :, :], barrier=full[slot(g0, kk)])
+            T.tma_copy(b_src(B, ix, xy[0], kk), B_s[slot(g0, kk), :, :], barrier=full[slot(g0, kk)])
             T.mbarrier_arrive(full[slot(g0, kk)])
 
     @T.macro
-    def release(empty, s, peer):
-        """Every consumer thread releases stage s; in a CTA pair, each consumer warp's first lane
-        also tells the peer CTA, whose producer multicasts into this CTA's stage (or whose stage
-        this CTA's producer fills)."""
-        T.mbarrier_arrive(empty[s])
-        if pair:
-            if T.get_thread_binding() % 32 == 0:
-                T.mbarrier_arrive(empty[s], peer)
-
-    @T.macro
-    def mma_k_steps(A_s, B_s, full, empty, C_f, g0, nk, peer=None):
+    def mma_k_steps(A_s, B_s, full, empty, C_f, g0, nk):
         # k-step kk-1's stage is released once its wgmma batch retired (see body_async); the
         # tile's last stage is the caller's to release.
         for kk in T.serial(nk):
@@ -458,10 +437,10 @@ def matmul_kernel(
             T.wgmma_gemm(A_s[slot(g0, kk), :, :], B_s[slot(g0, kk), :, :], C_f, transpose_A=trans_a, transpose_B=trans_b, policy=policy)
             T.wait_wgmma(1)
             if kk > 0:
-                release(empty, (stage(g0, kk) + S - 1) % S, peer)
+                T.mbarrier_arrive(empty[(stage(g0, kk) + S - 1) % S])
 
     @T.macro
-    def body_async(A, B, Bias, C, Z, bx, by, bz, rank=None):
+    def body_async(A, B, Bias, C, Z, bx, by, bz):
         # CUTLASS-style warp specialization with explicit mbarriers: full[s] completes when the
         # stage's TMA bytes landed, empty[s] when every consumer thread released it. A consumer
         # issues k-step kk's wgmma, waits until at most one batch is in flight (so k-step kk-1's
@@ -474,13 +453,8 @@ def matmul_kernel(
         C_f = T.alloc_fragment((bm, bn), accum)
         C_s = None if direct_store else T.alloc_shared((bm, bn), dtype)
         full = T.alloc_barrier([128] * S)
-        if pair:  # this CTA's consumer threads, and the peer's consumer warps
-            # (TileLang syncs the cluster after initializing a cluster barrier: both CTAs' barriers
-            # exist before either signals the other)
-            empty = T.alloc_cluster_barrier([consumers + consumers // 32] * S)
-        else:
-            empty = T.alloc_barrier([consumers] * S)
-        if config.swizzle and not pair:  # a pair's tile order is the launch's (`pair_tile`)
+        empty = T.alloc_barrier([consumers] * S)
+        if config.swizzle:
             T.use_swizzle(config.swizzle)
         nk = T.ceildiv(K, bk)
         # Two loops, one per role (a shared loop makes ptxas allocate the producer's branch with
@@ -491,15 +465,13 @@ def matmul_kernel(
         with T.ws(*cwg):
             T.inc_max_nreg(warpgroup_regs(consumers, max(config.min_blocks, 1)))
             T.clear(C_f)
-            mma_k_steps(A_s, B_s, full, empty, C_f, None, nk, None if rank is None else 1 - rank)
+            mma_k_steps(A_s, B_s, full, empty, C_f, None, nk)
             T.wait_wgmma(0)
             if not direct_store:
                 # If the shared-memory planner ever lets C_s overlap the stages, the other
                 # consumer warpgroup's last wgmma may still be reading them: meet first.
                 T.sync_threads(1, consumers)
             epilogue(C_f, C_s, Bias, C, Z, ix, bx, by)
-        if pair:  # neither CTA exits while the other may still signal its barriers
-            T.cluster_sync()
 
     # Persistent ping-pong: PERSISTENT_CTAS CTAs (one per SM) walk the output tiles. The producer
     # loads every tile's k-steps, in tile order, into one ring of S stages; consumer warpgroup w
@@ -512,40 +484,27 @@ def matmul_kernel(
     m_tiles = m_blocks * n_blocks
     n_tiles = m_tiles * Bt if batched else m_tiles
     grid = T.min(n_tiles, ctas)
-    # CTA pairs: ctas / 2 clusters walk the pair tiles (two row tiles on the same columns); the
-    # two CTAs of a cluster take the same tiles in the same order (rank = which row of the pair).
-    # (An SM pair, a TPC, hosts a cluster of two: every SM takes part.)
-    m_pairs = T.ceildiv(m_blocks, 2)
-    if pair:
-        n_tiles, grid = m_pairs * n_blocks, T.min(m_pairs * n_blocks, ctas // 2)
-
-    def panel_tile(r, rows_total, sw):
-        """(column, row) of tile r when panels of `sw` tile rows are walked column by column."""
-        panel = T.truncdiv(r, sw * n_blocks)
-        rows = T.min(sw, rows_total - panel * sw)  # the last panel may be shorter
-        return T.truncdiv(r - panel * sw * n_blocks, rows), panel * sw + T.truncmod(r - panel * sw * n_blocks, rows)
 
     @T.macro
-    def set_tile(tc, t, rank=None):
+    def set_tile(tc, t):
         """tc[0:3] = (bx, by, bz) of tile t, computed once per tile into registers: panels of
         `swizzle` tile rows walked column by column, so the CTAs running at once share their A
         rows and B columns in L2. (Every value is non-negative: C's truncating / and % suffice,
-        where floordiv/floormod would expand into sign tests at every use.) In a CTA pair, t
-        numbers pair tiles and `rank` picks the row of the pair."""
+        where floordiv/floormod would expand into sign tests at every use.)"""
         r = T.truncmod(t, m_tiles) if batched else t
         tc[2] = T.truncdiv(t, m_tiles) if batched else 0
-        if pair:
-            col, prow = panel_tile(r, m_pairs, max(config.swizzle // 2, 1)) if config.swizzle else (T.truncmod(r, n_blocks), T.truncdiv(r, n_blocks))
-            tc[0] = col
-            tc[1] = prow * 2 + rank
-        elif config.swizzle:
-            tc[0], tc[1] = panel_tile(r, m_blocks, config.swizzle)
+        if config.swizzle:
+            sw = config.swizzle
+            panel = T.truncdiv(r, sw * n_blocks)
+            rows = T.min(sw, m_blocks - panel * sw)  # the last panel may be shorter
+            tc[0] = T.truncdiv(r - panel * sw * n_blocks, rows)
+            tc[1] = panel * sw + T.truncmod(r - panel * sw * n_blocks, rows)
         else:
             tc[0] = T.truncmod(r, n_blocks)
             tc[1] = T.truncdiv(r, n_blocks)
 
     @T.macro
-    def consumer(A_s, B_s, full, empty, C_f, tc, Bias, C, Z, bid, w, n_mine, nk, rank=None):
+    def consumer(A_s, B_s, full, empty, C_f, tc, Bias, C, Z, bid, w, n_mine, nk):
         # The two warpgroups take turns at the main loop (named barriers TURN + w: bar.sync on
         # one's own, bar.arrive on the other's once its k-steps are issued). Besides keeping one
         # warpgroup's wgmmas from contending with the other's, the turns keep the stage ring
@@ -559,18 +518,18 @@ def matmul_kernel(
             T.named_barrier_arrive(TURN, 256)
         for j in T.serial(T.truncdiv(n_mine - w + 1, 2)):
             i = 2 * j + w
-            set_tile(tc, bid + i * grid, rank)
+            set_tile(tc, bid + i * grid)
             T.clear(C_f)
             T.sync_threads(TURN + w, 256)
-            mma_k_steps(A_s, B_s, full, empty, C_f, i * nk, nk, None if rank is None else 1 - rank)
+            mma_k_steps(A_s, B_s, full, empty, C_f, i * nk, nk)
             if i + 1 < n_mine:
                 T.named_barrier_arrive(TURN + 1 - w, 256)
             T.wait_wgmma(0)
-            release(empty, (i * nk + nk - 1) % S, None if rank is None else 1 - rank)  # the tile's last stage
+            T.mbarrier_arrive(empty[(i * nk + nk - 1) % S])  # the tile's last stage
             epilogue(C_f, None, Bias, C, Z, (tc[2],) if batched else (), tc[0], tc[1])
 
     @T.macro
-    def body_pingpong(A, B, Bias, C, Z, bid, rank=None):
+    def body_pingpong(A, B, Bias, C, Z, bid):
         T.annotate_min_blocks_per_sm(1)
         A_s = T.alloc_shared((S,) + a_tile, dtype)
         B_s = T.alloc_shared((S,) + b_tile, dtype)
@@ -578,23 +537,18 @@ def matmul_kernel(
         C1 = T.alloc_fragment((bm, bn), accum)  # warpgroup 1's
         tc = T.alloc_local((3,), "int32")  # the current tile's (bx, by, bz), per thread
         full = T.alloc_barrier([128] * S)
-        if pair:  # one consumer warpgroup reads a stage: its threads, and the peer's 4 warps
-            empty = T.alloc_cluster_barrier([128 + 4] * S)
-        else:
-            empty = T.alloc_barrier([128] * S)  # one consumer warpgroup reads a stage
+        empty = T.alloc_barrier([128] * S)  # one consumer warpgroup reads a stage
         nk = T.ceildiv(K, bk)
         n_mine = T.truncdiv(n_tiles - bid + grid - 1, grid)  # tiles bid, bid + grid, ...
         with T.ws(2):
             T.dec_max_nreg(PRODUCER_REGS)
             for i in T.serial(n_mine):
-                set_tile(tc, bid + i * grid, rank)
+                set_tile(tc, bid + i * grid)
                 load_k_steps(A, B, A_s, B_s, full, empty, (tc[2],) if batched else (), tc, i * nk, nk)
         with T.ws(0):
-            consumer(A_s, B_s, full, empty, C0, tc, Bias, C, Z, bid, 0, n_mine, nk, rank)
+            consumer(A_s, B_s, full, empty, C0, tc, Bias, C, Z, bid, 0, n_mine, nk)
         with T.ws(1):
-            consumer(A_s, B_s, full, empty, C1, tc, Bias, C, Z, bid, 1, n_mine, nk, rank)
-        if pair:  # neither CTA exits while the other may still signal its barriers
-            T.cluster_sync()
+            consumer(A_s, B_s, full, empty, C1, tc, Bias, C, Z, bid, 1, n_mine, nk)
 
     body = body_async if hand_sync else body_auto
     # T.Pipelined adds its producer warpgroup itself; the async pipelines declare it.
@@ -624,20 +578,9 @@ def matmul_kernel(
             with T.Kernel(n_blocks, m_blocks, split, threads=cta_threads) as (bx, by, bz):
                 body(A, B, Bias, C, Z, bx, by, bz)
             reduce_partials(Z, C)
-        elif pingpong and pair:
-            with T.Kernel(2, grid, threads=384, cluster_dims=(2, 1, 1)) as (rank, bid):
-                body_pingpong(A, B, Bias, C, Z, bid, rank)
         elif pingpong:
             with T.Kernel(grid, threads=384) as bid:
                 body_pingpong(A, B, Bias, C, Z, bid)
-        elif pair:
-            # Pairs of row tiles (rank = blockIdx.x, the CTA's rank in its cluster), walked in
-            # panels of `swizzle` tile rows as T.use_swizzle would: the pairs in flight share
-            # their B columns in L2. An odd last row tile's partner computes an empty tile
-            # (TMA zero-fills its loads, its stores fall outside C).
-            with T.Kernel(2, n_blocks * m_pairs, threads=cta_threads, cluster_dims=(2, 1, 1)) as (rank, c):
-                col, prow = panel_tile(c, m_pairs, max(config.swizzle // 2, 1))
-                body(A, B, Bias, C, Z, col, prow * 2 + rank, None, rank)
         elif batched:
             with T.Kernel(n_blocks, m_blocks, Bt, threads=cta_threads) as (bx, by, bz):
                 body(A, B, Bias, C, Z, bx, by, bz)
