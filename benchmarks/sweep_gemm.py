@@ -298,7 +298,6 @@ def run(groups=None) -> int:
                         args += (torch.empty(cfg.split_k, rows_tn, n, device=DEVICE),)
                     c.fill_(float("nan"))  # an unwritten element fails the check
                     first_run(lambda: kern(*args), f"{shape} {_short(cfg)}")  # a hang ends the sweep in 60 s
-
                     row["rel_err"] = _rel_err(c, ref)
                     timed.append((row, cfg, lambda kern=kern, args=args: kern(*args)))
                 except Exception as e:  # one failing candidate must not stop the sweep
