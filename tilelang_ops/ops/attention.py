@@ -393,13 +393,15 @@ def _bwd_fused(name, dout, q, k, v, out, lse, causal, softmax_scale, dq, dk, dv)
     """The default backward's one host call (kernel `name`: "bwd_fused", or "bwd_fused_packed":
     dq the packed (B, S, 3, H, D) gradient, dk/dv its slices), over kernel-ready inputs."""
     B, Sq, H, D = q.shape
-    # The three fp32 scratch buffers are views of one allocation (a CUDA allocation costs
-    # ~2-5 us of host time): the dQ accumulator (reduce-add target, zeroed by the preprocess),
-    # then Delta and lse2 (16-byte aligned: every part is a multiple of 4 floats, lse_rows).
-    n_acc, n_row = B * Sq * H * D, B * H * lse_rows(Sq)
+    # The three fp32 scratch buffers are views of one allocation (a CUDA allocation costs a few
+    # us of host time, a view ~1): the dQ accumulator (reduce-add target, zeroed by the
+    # preprocess), then Delta and lse2 (16-byte aligned: each part is a multiple of 4 floats).
+    rows = lse_rows(Sq)
+    n_acc, n_row = B * Sq * H * D, B * H * rows
     work = torch.empty(n_acc + 2 * n_row, dtype=torch.float32, device=q.device)
-    dq_acc = work[:n_acc].view(B, Sq, H, D)
-    delta, lse2 = work[n_acc:].view(2, B, H, lse_rows(Sq)).unbind(0)
+    dq_acc = work.as_strided((B, Sq, H, D), (Sq * H * D, H * D, D, 1))
+    delta = work.as_strided((B, H, rows), (H * rows, rows, 1), n_acc)
+    lse2 = work.as_strided((B, H, rows), (H * rows, rows, 1), n_acc + n_row)
     _kernel(name, q.dtype, q.device, D, causal, H // k.shape[2], softmax_scale)(q, k, v, out, dout, lse, delta, lse2, dq_acc, dq, dk, dv)
 
 
