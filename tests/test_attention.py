@@ -1081,6 +1081,31 @@ def test_backward_path_follows_deterministic_flag(det, with_dlse, monkeypatch):
     assert dq.shape == q.shape and dq.dtype == q.dtype and dk.shape == k.shape and dv.shape == v.shape
 
 
+def test_fused_backward_scratch_is_one_allocation(monkeypatch):
+    """The fast backward's fp32 scratch (the dQ accumulator, Delta, lse2) is three views of one
+    allocation: each the shape its kernel parameter has, contiguous, 16-byte aligned (TMA), and
+    no two overlapping (each kernel writes all of its own)."""
+    from tilelang_ops.ops import attention as ops
+
+    seen = []
+    _launch_recorder(monkeypatch)
+    record = ops.runtime.launcher
+    monkeypatch.setattr(ops.runtime, "launcher", lambda func: lambda *a: (seen.append(a), record(func)(*a)))
+    B, Sq, Sk, H, HK, D = 2, 33, 40, 8, 2, 64
+    q, k, v = _inputs((B, Sq, Sk, H, HK, D), torch.bfloat16, "cpu", requires_grad=False)
+    out, lse = torch.ops.tileops.flash_attn_with_lse(q, k, v, True)
+    seen.clear()
+    ops._flash_bwd_cuda(torch.randn_like(out), q, k, v, out, lse, True, None, None)
+    (args,) = seen  # q, k, v, out, dout, lse, delta, lse2, dq_acc, dq, dk, dv
+    delta, lse2, dq_acc = args[6:9]
+    rows = ops.lse_rows(Sq)
+    assert delta.shape == lse2.shape == (B, H, rows) and dq_acc.shape == (B, Sq, H, D)
+    assert delta.untyped_storage().data_ptr() == dq_acc.untyped_storage().data_ptr(), "not one allocation"
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * 4) for t in (delta, lse2, dq_acc))
+    assert all(t.is_contiguous() and t.dtype == torch.float32 and t.data_ptr() % 16 == 0 for t in (delta, lse2, dq_acc))
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:])), f"overlapping scratch: {spans}"
+
+
 # atomicAdd (sm_80), TMA reduce-add (sm_90a): what the deterministic kernels must not contain.
 _ATOMICS = re.compile(r"atomic|store_add|cp\.reduce", re.IGNORECASE)
 
