@@ -371,9 +371,7 @@ def _flash_bwd_cuda(dout, q, k, v, out, lse, causal=False, softmax_scale=None, d
     if not det and dlse is None:  # the common call: preprocess, main kernel and dQ cast in one host call
         _bwd_fused("bwd_fused", dout, q, k, v, out, lse, causal, softmax_scale, dq, dk, dv)
         return dq, dk, dv
-    delta = torch.empty(B, H, lse_rows(Sq), dtype=torch.float32, device=dev)
-    lse2 = torch.empty(B, H, lse_rows(Sq), dtype=torch.float32, device=dev)
-    dq_acc = None if det else torch.empty(B, Sq, H, D, dtype=torch.float32, device=dev)  # reduce-add target, zeroed by prep
+    delta, lse2, dq_acc = _bwd_scratch(q, dq_acc=not det)
     if det:
         _kernel("prep_nodq", dtype, dev, D)(out, dout, lse, delta, lse2)
     else:
@@ -389,19 +387,26 @@ def _flash_bwd_cuda(dout, q, k, v, out, lse, causal=False, softmax_scale=None, d
     return dq, dk, dv
 
 
+def _bwd_scratch(q: torch.Tensor, dq_acc: bool) -> tuple:
+    """(Delta, lse2, the fp32 dQ accumulator or None): the backward's fp32 scratch as views of one
+    allocation (a CUDA allocation costs a few us of host time, a view ~1). The accumulator (the
+    reduce-add target, zeroed by the preprocess) first, then Delta and lse2, each
+    (B, H, lse_rows(Sq)): every part a multiple of 4 floats, so each view is 16-byte aligned (TMA)."""
+    B, Sq, H, D = q.shape
+    rows = lse_rows(Sq)
+    n_acc, n_row = (B * Sq * H * D if dq_acc else 0), B * H * rows
+    work = torch.empty(n_acc + 2 * n_row, dtype=torch.float32, device=q.device)
+    acc = work.as_strided((B, Sq, H, D), (Sq * H * D, H * D, D, 1)) if dq_acc else None
+    delta = work.as_strided((B, H, rows), (H * rows, rows, 1), n_acc)
+    lse2 = work.as_strided((B, H, rows), (H * rows, rows, 1), n_acc + n_row)
+    return delta, lse2, acc
+
+
 def _bwd_fused(name, dout, q, k, v, out, lse, causal, softmax_scale, dq, dk, dv) -> None:
     """The default backward's one host call (kernel `name`: "bwd_fused", or "bwd_fused_packed":
     dq the packed (B, S, 3, H, D) gradient, dk/dv its slices), over kernel-ready inputs."""
     B, Sq, H, D = q.shape
-    # The three fp32 scratch buffers are views of one allocation (a CUDA allocation costs a few
-    # us of host time, a view ~1): the dQ accumulator (reduce-add target, zeroed by the
-    # preprocess), then Delta and lse2 (16-byte aligned: each part is a multiple of 4 floats).
-    rows = lse_rows(Sq)
-    n_acc, n_row = B * Sq * H * D, B * H * rows
-    work = torch.empty(n_acc + 2 * n_row, dtype=torch.float32, device=q.device)
-    dq_acc = work.as_strided((B, Sq, H, D), (Sq * H * D, H * D, D, 1))
-    delta = work.as_strided((B, H, rows), (H * rows, rows, 1), n_acc)
-    lse2 = work.as_strided((B, H, rows), (H * rows, rows, 1), n_acc + n_row)
+    delta, lse2, dq_acc = _bwd_scratch(q, dq_acc=True)
     _kernel(name, q.dtype, q.device, D, causal, H // k.shape[2], softmax_scale)(q, k, v, out, dout, lse, delta, lse2, dq_acc, dq, dk, dv)
 
 
