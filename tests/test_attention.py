@@ -441,6 +441,71 @@ def test_flash_fwd_persistent_walks_many_tiles(walk):
             _check_fwd_kernel(kern, *_inputs((B, Sq, Sk, H, HK, D), torch.bfloat16, "cuda", requires_grad=False), static["causal"])
 
 
+def persistent_bwd_kernels():
+    """(config, static) of test_flash_bwd_persistent_walks_many_tiles (BwdConfig.persistent, both
+    epilogues, non-causal); warm_attention_cache pre-builds them."""
+    import dataclasses
+
+    from tilelang_ops.kernels import attention as K
+
+    return [(dataclasses.replace(K.bwd_default_config(D, False), persistent=p),
+             dict(headdim=D, dtype="bfloat16", causal=False, groups=H // HK, scale=K.default_scale(D), ctas=ctas))
+            for B, Sq, Sk, H, HK, D, ctas in PERSISTENT_WALKS for p in (1, 2)]
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("walk", PERSISTENT_WALKS, ids=lambda w: "x".join(map(str, w)))
+def test_flash_bwd_persistent_walks_many_tiles(walk):
+    """The persistent backward with a grid of a few CTAs, each walking many key blocks (the stage
+    ring, K/V buffers and barrier phases carried from tile to tile, a ragged last round): dq, dk,
+    dv against float64 with NaN-poisoned outputs, and dK/dV bitwise equal to the one-CTA-per-tile
+    kernel's (each tile sums the same terms in the same order)."""
+    import dataclasses
+
+    from tilelang_ops import runtime
+    from tilelang_ops.kernels import attention as K
+    from tilelang_ops.ops.attention import lse_rows
+
+    B, Sq, Sk, H, HK, D, ctas = walk
+    q, k, v = _inputs((B, Sq, Sk, H, HK, D), torch.bfloat16, "cuda", requires_grad=False)
+    out, lse = torch.ops.tileops.flash_attn_with_lse(q, k, v, False)
+    dout = torch.randn_like(out)
+    ref_out, ref_lse, ref_grads = _ref(q, k, v, False, dout=dout)
+    base = _baseline_errors(q, k, v, False, None, dout, ref_out, ref_lse, ref_grads)
+
+    def run(config, **static):
+        delta, lse2 = (torch.empty(B, H, lse_rows(Sq), device="cuda") for _ in range(2))
+        grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+        kern = runtime.launcher(K.flash_bwd_fused_kernel.compile(config, "sm_90a", **static))
+        kern(q, k, v, out, dout, lse, delta, lse2, torch.empty(q.shape, device="cuda"), *grads)
+        return grads
+
+    for config, static in persistent_bwd_kernels():
+        if static["headdim"] == D and static["groups"] == H // HK and static["ctas"] == ctas:
+            dq, dk, dv = run(config, **static)
+            _check(out, lse, ref_out, ref_lse, torch.bfloat16, (dq, dk, dv), ref_grads, base)
+            static.pop("ctas")
+            _, dk1, dv1 = run(dataclasses.replace(config, persistent=0), **static)
+            assert torch.equal(dk, dk1) and torch.equal(dv, dv1), (walk, config.persistent)
+
+
+def test_persistent_backward_is_noncausal_only():
+    """BwdConfig.persistent builds the persistent walk for non-causal kernels only (causal tiles
+    differ in steps); a causal kernel with it is the one-CTA-per-tile kernel."""
+    import dataclasses
+
+    from tilelang_ops.kernels import attention as K
+
+    def src(cfg, causal):
+        return K.flash_bwd_fused_kernel.source(cfg, "sm_90a", headdim=64, dtype="bfloat16", causal=causal, groups=1, scale=K.default_scale(64), ctas=5)
+
+    base = K.bwd_default_config(64, False)
+    pers = dataclasses.replace(base, persistent=1)
+    assert "kv_empty" in src(pers, False) and "kv_empty" not in src(base, False)
+    assert src(dataclasses.replace(K.bwd_default_config(64, True), persistent=1), True) == src(K.bwd_default_config(64, True), True)
+
+
 def test_persistent_forward_walk_covers_every_tile_once():
     """The persistent forward's tile walk (round t, CTA c -> list index t*G + (c+t) % G) visits
     every tile exactly once for any grid."""
@@ -1155,7 +1220,7 @@ def test_fast_backward_kernel_uses_atomics():
     static = dict(headdim=128, dtype="bfloat16", causal=True, groups=1, scale=K.default_scale(128))
     for arch in ("sm_90a", "sm_80"):
         assert _ATOMICS.search(K.flash_bwd_kernel.source(K.bwd_default_config(128, True, arch), arch, **static))
-    assert not _ATOMICS.search(K.flash_bwd_prep_kernel.source(K.PrepConfig(), "sm_90a", headdim=128, dtype="bfloat16", dq=False))
+    assert not _ATOMICS.search(K.flash_bwd_prep_kernel.source(K.prep_config(128), "sm_90a", headdim=128, dtype="bfloat16", dq=False))
 
 
 # ------------------------------------------------------------------- strided q/k/v (no copies)

@@ -117,12 +117,12 @@ def kernel_static(name: str, headdim: int, causal: bool, groups: int, softmax_sc
 def untuned_config(name: str, headdim: int = 0, causal: bool = False, arch: Optional[str] = None, seqlen_k: Optional[int] = None):
     """Kernel `name`'s config without a tuned entry: the default table of kernels/attention.py for
     the main kernels (by headdim, causal, arch, and for the forward the key count: None = long),
-    the fixed config of the preprocess and cast."""
+    the fixed configs of the preprocess (by head dim) and the cast."""
     from ..kernels import attention as K
 
     if name in _TUNED_AS:
         return K.default_config(headdim, causal, arch, _TUNED_AS[name], seqlen_k)
-    return K.PrepConfig() if name != "cast" else K.CastConfig()
+    return K.prep_config(headdim) if name != "cast" else K.CastConfig()
 
 
 def compile_kernel(name: str, config, arch: str, dtype: str, **static):
@@ -150,7 +150,7 @@ def _kernel(name: str, dtype: torch.dtype, device: torch.device, headdim: int = 
         if name in _TUNED_AS:
             config = tuning.resolve_config(TUNABLES[_TUNED_AS[name]], _tune_shape(static, short), dtype, device)
         else:
-            config = untuned_config(name)  # the preprocess and the cast: one fixed config
+            config = untuned_config(name, headdim)  # the preprocess (by head dim) and the cast: fixed configs
         if getattr(config, "persistent", False):
             static["ctas"] = runtime.sm_count(device)  # one CTA per SM
         k = _kernels[key] = runtime.launcher(_compile(name, config, dtype, device, **static))
