@@ -27,39 +27,39 @@
 extern "C" __global__ void flash_bwd_fused_kernel(float* __restrict__ Delta, const float* __restrict__ LSE, float* __restrict__ LSE2, const bfloat16_t* __restrict__ O, const bfloat16_t* __restrict__ dO, float* __restrict__ dQacc, int B, int H, int Sq, int SqP);
 extern "C" __global__ void flash_bwd_fused_kernel_1(__grid_constant__ const CUtensorMap Delta_desc, __grid_constant__ const CUtensorMap K_desc, __grid_constant__ const CUtensorMap LSE2_desc, __grid_constant__ const CUtensorMap Q_desc, __grid_constant__ const CUtensorMap V_desc, __grid_constant__ const CUtensorMap dK_desc, __grid_constant__ const CUtensorMap dO_desc, __grid_constant__ const CUtensorMap dQacc_desc, __grid_constant__ const CUtensorMap dV_desc, int B, int HK, int Sk, int Sq);
 extern "C" __global__ void flash_bwd_fused_kernel_2(bfloat16_t* __restrict__ dQ, const float* __restrict__ dQacc, int B, int H, int Sq);
-extern "C" __global__ void __launch_bounds__(128, 1) flash_bwd_fused_kernel(float* __restrict__ Delta, const float* __restrict__ LSE, float* __restrict__ LSE2, const bfloat16_t* __restrict__ O, const bfloat16_t* __restrict__ dO, float* __restrict__ dQacc, int B, int H, int Sq, int SqP) {
-  bfloat16_t o[64];
-  bfloat16_t do_1[64];
-  float prod[64];
-  float delta[8];
+extern "C" __global__ void __launch_bounds__(256, 1) flash_bwd_fused_kernel(float* __restrict__ Delta, const float* __restrict__ LSE, float* __restrict__ LSE2, const bfloat16_t* __restrict__ O, const bfloat16_t* __restrict__ dO, float* __restrict__ dQacc, int B, int H, int Sq, int SqP) {
+  bfloat16_t o[32];
+  bfloat16_t do_1[32];
+  float prod[32];
+  float delta[4];
   #pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    if ((((((int)blockIdx.x) * 64) + (i * 4)) + (((int)threadIdx.x) >> 5)) < Sq) {
+  for (int i = 0; i < 8; ++i) {
+    if ((((((int)blockIdx.x) * 64) + (i * 8)) + (((int)threadIdx.x) >> 5)) < Sq) {
       float broadcast_var = 0x0p+0f/*0.000000e+00*/;
-      *(float4*)(dQacc + ((((((((int64_t)((int)blockIdx.z)) * ((int64_t)H)) * ((int64_t)Sq)) * (int64_t)128) + (((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((int64_t)i) * (int64_t)4)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)) * ((int64_t)H)) * (int64_t)128)) + (((int64_t)((int)blockIdx.y)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) * (int64_t)4))) = make_float4(broadcast_var, broadcast_var, broadcast_var, broadcast_var);
+      *(float4*)(dQacc + ((((((((int64_t)((int)blockIdx.z)) * ((int64_t)H)) * ((int64_t)Sq)) * (int64_t)128) + (((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((int64_t)i) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)) * ((int64_t)H)) * (int64_t)128)) + (((int64_t)((int)blockIdx.y)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) * (int64_t)4))) = make_float4(broadcast_var, broadcast_var, broadcast_var, broadcast_var);
     }
   }
   #pragma unroll
-  for (int i_1 = 0; i_1 < 8; ++i_1) {
+  for (int i_1 = 0; i_1 < 4; ++i_1) {
     bfloat16_t broadcast_var_1 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
     uint4 condval;
-    if (((((((int)blockIdx.x) * 64) + (i_1 * 8)) + (((int)threadIdx.x) >> 4)) < Sq)) {
-      condval = *(uint4*)(O + ((((((((int64_t)((int)blockIdx.z)) * ((int64_t)H)) * ((int64_t)Sq)) * (int64_t)128) + (((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((int64_t)i_1) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) * ((int64_t)H)) * (int64_t)128)) + (((int64_t)((int)blockIdx.y)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
+    if (((((((int)blockIdx.x) * 64) + (i_1 * 16)) + (((int)threadIdx.x) >> 4)) < Sq)) {
+      condval = *(uint4*)(O + ((((((((int64_t)((int)blockIdx.z)) * ((int64_t)H)) * ((int64_t)Sq)) * (int64_t)128) + (((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((int64_t)i_1) * (int64_t)16)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) * ((int64_t)H)) * (int64_t)128)) + (((int64_t)((int)blockIdx.y)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
     } else {
       condval = make_uint4(__pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1));
     }
     *(uint4*)(o + (i_1 * 8)) = condval;
     bfloat16_t broadcast_var_2 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
     uint4 condval_1;
-    if (((((((int)blockIdx.x) * 64) + (i_1 * 8)) + (((int)threadIdx.x) >> 4)) < Sq)) {
-      condval_1 = *(uint4*)(dO + ((((((((int64_t)((int)blockIdx.z)) * ((int64_t)H)) * ((int64_t)Sq)) * (int64_t)128) + (((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((int64_t)i_1) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) * ((int64_t)H)) * (int64_t)128)) + (((int64_t)((int)blockIdx.y)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
+    if (((((((int)blockIdx.x) * 64) + (i_1 * 16)) + (((int)threadIdx.x) >> 4)) < Sq)) {
+      condval_1 = *(uint4*)(dO + ((((((((int64_t)((int)blockIdx.z)) * ((int64_t)H)) * ((int64_t)Sq)) * (int64_t)128) + (((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((int64_t)i_1) * (int64_t)16)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) * ((int64_t)H)) * (int64_t)128)) + (((int64_t)((int)blockIdx.y)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
     } else {
       condval_1 = make_uint4(__pack_nv_bfloat162(broadcast_var_2, broadcast_var_2), __pack_nv_bfloat162(broadcast_var_2, broadcast_var_2), __pack_nv_bfloat162(broadcast_var_2, broadcast_var_2), __pack_nv_bfloat162(broadcast_var_2, broadcast_var_2));
     }
     *(uint4*)(do_1 + (i_1 * 8)) = condval_1;
   }
   #pragma unroll
-  for (int i_2 = 0; i_2 < 16; ++i_2) {
+  for (int i_2 = 0; i_2 < 8; ++i_2) {
     float4 __1;
       float4 __2;
       uint2 v_ = *(uint2*)(o + (i_2 * 4));
@@ -76,26 +76,26 @@ extern "C" __global__ void __launch_bounds__(128, 1) flash_bwd_fused_kernel(floa
     *(float4*)(prod + (i_2 * 4)) = __1;
   }
   #pragma unroll
-  for (int i_3 = 0; i_3 < 8; ++i_3) {
+  for (int i_3 = 0; i_3 < 4; ++i_3) {
     delta[i_3] = 0x0p+0f/*0.000000e+00*/;
     #pragma unroll
     for (int rv = 0; rv < 8; ++rv) {
       delta[i_3] = (delta[i_3] + prod[((i_3 * 8) + rv)]);
     }
-    delta[i_3] = tl::AllReduce<tl::SumOp, 16, 1, 0, tl::NamedBarrier<128>>::run(delta[i_3]);
+    delta[i_3] = tl::AllReduce<tl::SumOp, 16, 1, 0, tl::NamedBarrier<256>>::run(delta[i_3]);
   }
   if ((((int)threadIdx.x) % 16) == 0) {
     #pragma unroll
-    for (int i_4 = 0; i_4 < 8; ++i_4) {
-      if ((((((int)blockIdx.x) * 64) + (i_4 * 8)) + (((int)threadIdx.x) >> 4)) < SqP) {
-        Delta[(((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((int64_t)i_4) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((((int64_t)((int)blockIdx.z)) * ((int64_t)SqP)) * ((int64_t)H))) + (((int64_t)((int)blockIdx.y)) * ((int64_t)SqP)))] = delta[i_4];
+    for (int i_4 = 0; i_4 < 4; ++i_4) {
+      if ((((((int)blockIdx.x) * 64) + (i_4 * 16)) + (((int)threadIdx.x) >> 4)) < SqP) {
+        Delta[(((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((int64_t)i_4) * (int64_t)16)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((((int64_t)((int)blockIdx.z)) * ((int64_t)SqP)) * ((int64_t)H))) + (((int64_t)((int)blockIdx.y)) * ((int64_t)SqP)))] = delta[i_4];
         float condval_2;
-        if (((((((int)blockIdx.x) * 64) + (i_4 * 8)) + (((int)threadIdx.x) >> 4)) < Sq)) {
-          condval_2 = (LSE[((min((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((int64_t)i_4) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)), (((int64_t)Sq) - (int64_t)1)) + ((((int64_t)((int)blockIdx.z)) * ((int64_t)Sq)) * ((int64_t)H))) + (((int64_t)((int)blockIdx.y)) * ((int64_t)Sq)))] * 0x1.71547652b82fep+0f/*1.442695e+00*/);
+        if (((((((int)blockIdx.x) * 64) + (i_4 * 16)) + (((int)threadIdx.x) >> 4)) < Sq)) {
+          condval_2 = (LSE[((min((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((int64_t)i_4) * (int64_t)16)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)), (((int64_t)Sq) - (int64_t)1)) + ((((int64_t)((int)blockIdx.z)) * ((int64_t)Sq)) * ((int64_t)H))) + (((int64_t)((int)blockIdx.y)) * ((int64_t)Sq)))] * 0x1.71547652b82fep+0f/*1.442695e+00*/);
         } else {
           condval_2 = 0x0p+0f/*0.000000e+00*/;
         }
-        LSE2[(((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((int64_t)i_4) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((((int64_t)((int)blockIdx.z)) * ((int64_t)SqP)) * ((int64_t)H))) + (((int64_t)((int)blockIdx.y)) * ((int64_t)SqP)))] = condval_2;
+        LSE2[(((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((int64_t)i_4) * (int64_t)16)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((((int64_t)((int)blockIdx.z)) * ((int64_t)SqP)) * ((int64_t)H))) + (((int64_t)((int)blockIdx.y)) * ((int64_t)SqP)))] = condval_2;
       }
     }
   }
@@ -429,19 +429,19 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_bwd_fused_kernel_1(__
   }
 }
 
-extern "C" __global__ void __launch_bounds__(128, 1) flash_bwd_fused_kernel_2(bfloat16_t* __restrict__ dQ, const float* __restrict__ dQacc, int B, int H, int Sq) {
+extern "C" __global__ void __launch_bounds__(256, 1) flash_bwd_fused_kernel_2(bfloat16_t* __restrict__ dQ, const float* __restrict__ dQacc, int B, int H, int Sq) {
   #pragma unroll
-  for (int i = 0; i < 16; ++i) {
+  for (int i = 0; i < 8; ++i) {
     float dQacc_local_cast_2[4];
     bfloat16_t dQ_local_cast_1[4];
-    if ((((((int)blockIdx.x) * 64) + (i * 4)) + (((int)threadIdx.x) >> 5)) < Sq) {
-      *(float4*)(dQacc_local_cast_2 + 0) = *(float4*)(dQacc + ((((((((int64_t)((int)blockIdx.z)) * ((int64_t)H)) * ((int64_t)Sq)) * (int64_t)128) + (((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((int64_t)i) * (int64_t)4)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)) * ((int64_t)H)) * (int64_t)128)) + (((int64_t)((int)blockIdx.y)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) * (int64_t)4)));
+    if ((((((int)blockIdx.x) * 64) + (i * 8)) + (((int)threadIdx.x) >> 5)) < Sq) {
+      *(float4*)(dQacc_local_cast_2 + 0) = *(float4*)(dQacc + ((((((((int64_t)((int)blockIdx.z)) * ((int64_t)H)) * ((int64_t)Sq)) * (int64_t)128) + (((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((int64_t)i) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)) * ((int64_t)H)) * (int64_t)128)) + (((int64_t)((int)blockIdx.y)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) * (int64_t)4)));
       uint2 __1;
       float4 v_ = *(float4*)(dQacc_local_cast_2 + 0);
       (reinterpret_cast<__nv_bfloat162*>(&__1))[0] = __float22bfloat162_rn(((float2*)(&v_))[0]);
       (reinterpret_cast<__nv_bfloat162*>(&__1))[1] = __float22bfloat162_rn(((float2*)(&v_))[1]);
       *(uint2*)(dQ_local_cast_1 + 0) = __1;
-      *(uint2*)(dQ + ((((((((int64_t)((int)blockIdx.z)) * ((int64_t)H)) * ((int64_t)Sq)) * (int64_t)128) + (((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((int64_t)i) * (int64_t)4)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)) * ((int64_t)H)) * (int64_t)128)) + (((int64_t)((int)blockIdx.y)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) * (int64_t)4))) = *(uint2*)(dQ_local_cast_1 + 0);
+      *(uint2*)(dQ + ((((((((int64_t)((int)blockIdx.z)) * ((int64_t)H)) * ((int64_t)Sq)) * (int64_t)128) + (((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((int64_t)i) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)) * ((int64_t)H)) * (int64_t)128)) + (((int64_t)((int)blockIdx.y)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) * (int64_t)4))) = *(uint2*)(dQ_local_cast_1 + 0);
     }
   }
 }
