@@ -11,7 +11,6 @@ wrong kernel shows.
     python -m benchmarks.sweep_attention --bwd --stats [--warm]     # backward: the defaults with the other BwdConfig.stats_early
     python -m benchmarks.sweep_attention --bwd --dq-first [--warm]  # backward: the defaults with the other dq_first
     python -m benchmarks.sweep_attention --bwd --walk [--shapes 0 3]  # backward: the default twice and with the other reverse (4: D=64 GQA)
-    python -m benchmarks.sweep_attention --bwd --persistent [--shapes 0 2 3]  # backward, non-causal: the default as a persistent walk
     python -m benchmarks.sweep_attention --wide --shapes 2 4 5  # forward, D=64: 192 x 128 in the async pipelines (5: GPT-2's shape)
     python -m benchmarks.sweep_attention --tiles128 --shapes 0 1 3 [--causal-only]  # forward, D=128: 128 x 128 async tiles, persistent or not
 
@@ -103,9 +102,6 @@ def bwd_candidates(headdim: int):
 
     from tilelang_ops.kernels.attention import BwdConfig, bwd_default_config
 
-    if PERSISTENT and headdim in (64, 128):  # the default (non-causal) as a persistent walk, both epilogues
-        default = bwd_default_config(headdim, False)
-        return [dataclasses.replace(default, persistent=p) for p in (1, 2)]
     if WALK and headdim in (64, 128):  # the default again (the run's noise) and the other BwdConfig.reverse (causal GQA)
         default = bwd_default_config(headdim, True)
         return [default, dataclasses.replace(default, reverse=not default.reverse)]
@@ -150,8 +146,7 @@ def warm(bwd: bool = False) -> int:
     failed = 0
     for cfg, static in jobs(bwd):
         try:
-            ctas = {"ctas": 132} if getattr(cfg, "persistent", False) else {}  # the H200's SMs
-            (K.flash_bwd_fused_kernel if bwd else K.flash_fwd_kernel).compile(cfg, "sm_90a", **static, **ctas)
+            (K.flash_bwd_fused_kernel if bwd else K.flash_fwd_kernel).compile(cfg, "sm_90a", **static)
             print("ok", cfg, static["headdim"], static["causal"], static["groups"])
         except Exception as e:  # a candidate may not fit; report and go on
             failed += 1
@@ -179,8 +174,7 @@ def _name(cfg) -> str:
     lazy = f"/lazy{cfg.lazy_rescale:g}" if getattr(cfg, "lazy_rescale", 0) else ""
     post = "/postmask" if getattr(cfg, "post_mask", False) else ""
     post += "/dqprod" if getattr(cfg, "dq_producer", False) else ""
-    p = getattr(cfg, "persistent", False)
-    post += ("/persistent" if p is True or p == 1 else f"/persistent{p}") if p else ""
+    post += "/persistent" if getattr(cfg, "persistent", False) else ""
     post += f"/stats{cfg.stats_early}" if getattr(cfg, "stats_early", 0) else ""
     post += "/dqfirst" if getattr(cfg, "dq_first", False) else ""
     post += "/reverse" if getattr(cfg, "reverse", False) else ""
@@ -228,8 +222,7 @@ def main_bwd() -> None:
             for g in grads:
                 g.fill_(float("nan"))
             try:
-                ctas = {"ctas": runtime.sm_count(q.device)} if cfg.persistent else {}
-                kern = runtime.launcher(K.flash_bwd_fused_kernel.compile(cfg, arch, **static, **ctas))
+                kern = runtime.launcher(K.flash_bwd_fused_kernel.compile(cfg, arch, **static))
                 run = lambda kern=kern: kern(q, k, v, out, dout, lse, delta, lse2, dq_acc, *grads)
                 first_run(run, f"{shape} causal={causal} {_name(cfg)}")
             except Exception as e:
@@ -311,7 +304,7 @@ if __name__ == "__main__":
     ap.add_argument("--gpt", action="store_true", help="examples/train_gpt.py's shape (causal) and more D=64 tiles")
     ap.add_argument("--lazy", action="store_true", help="forward tiles with and without FwdConfig.lazy_rescale")
     ap.add_argument("--post-mask", action="store_true", help="the forward defaults against themselves with the other FwdConfig.post_mask")
-    ap.add_argument("--persistent", action="store_true", help="forward: the async tiles with and without FwdConfig.persistent; --bwd: the non-causal default as a persistent walk")
+    ap.add_argument("--persistent", action="store_true", help="forward: the async tiles with and without FwdConfig.persistent")
     ap.add_argument("--dq-first", action="store_true", help="--bwd: the defaults against themselves with BwdConfig.dq_first")
     ap.add_argument("--stats", action="store_true", help="--bwd: the defaults against their other BwdConfig.stats_early values")
     ap.add_argument("--dq", action="store_true", help="--bwd: the defaults against their other BwdConfig.dq_producer")
@@ -332,8 +325,6 @@ if __name__ == "__main__":
     TILES128 = args.tiles128
     if args.causal_only:
         CAUSAL = (True,)
-    if args.persistent and args.bwd:  # BwdConfig.persistent: non-causal only
-        CAUSAL = (False,)
     LAZY = args.lazy
     POST_MASK = args.post_mask
     if args.gpt:

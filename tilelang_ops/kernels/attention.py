@@ -111,14 +111,6 @@ class FwdConfig:
 SHORT_CAUSAL_KEYS = 8192
 
 
-def tile_index(t, cta, grid):
-    """List index of CTA cta's tile in round t of a persistent walk: round t covers indices
-    [t*grid, t*grid + grid) and CTA c takes the one at (c + t) % grid, a rotation, so that over the
-    rounds every CTA meets every rank of the list (causal tiles differ in work) instead of the few
-    that c + t*grid alone would give it."""
-    return t * grid + T.truncmod(cta + t, grid)
-
-
 def fwd_default_config(headdim: int, causal: bool, arch: str = "sm_90a", seqlen_k: Optional[int] = None) -> FwdConfig:
     """seqlen_k: the key count a call has, for the one default that depends on it (causal, head dim
     128: SHORT_CAUSAL_KEYS); None gives the long-sequence default."""
@@ -515,6 +507,10 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
                             k_full, v_full, k_empty, v_empty, None, wg, 0, n_blocks, qt, offset)
                 store_tile(o, l, m_scaled, lse, o_s, O, LSE, bz, by, qt)
 
+    def tile_index(t, cta, grid):
+        """List index of CTA cta's tile in round t of the persistent walk (see body_persistent)."""
+        return t * grid + T.truncmod(cta + t, grid)
+
     @T.macro
     def tile_coords(coords, i, nq, H):
         """(query tile, head, batch) of tile list index i into coords."""
@@ -634,8 +630,9 @@ class PrepConfig:
 def prep_config(headdim: int) -> PrepConfig:
     """The preprocess (and the fused backward's dQ conversion) at 32 elements of O and of dO a
     thread: 56 registers (ptxas) at every head dim. At 128 threads a CTA, D=128 needed 146 and ran
-    the pass at ~3.0 TB/s against cuDNN's ~4.1 (H200, session 24: 0.355 vs 0.264 ms at
-    8 x 32 x 4096 x 128; D=64, 56 registers, was as fast as cuDNN's)."""
+    the pass at 3.0-3.1 TB/s, cuDNN's at ~4.1 (H200, session 24: 0.345 ms against 0.287 at 256
+    threads, 8 x 32 x 4096 x 128; `python -m benchmarks.diag_bwd_kernels --prep`); D=64 (56
+    registers at 128 threads) was already as fast as cuDNN's."""
     return PrepConfig(64, max(128, 2 * headdim))
 
 
@@ -754,26 +751,19 @@ class BwdConfig:
     # same dQ tiles at the same time, as the non-causal walk does (whose CTAs all start at block
     # 0: starting each at its own block lost 10%, session 21). MHA: 0.95-0.99x, not offered.
     reverse: bool = dataclasses.field(default=False, metadata={"omit_default": True})
-    # "async" only, non-causal (no effect causal): one CTA per SM (the grid is the `ctas` static the op passes) walks the (key
-    # block, kv head, batch) tiles; the stage ring and barrier phases run on across tiles. K and V
-    # are released as soon as a tile's last wgmma retired and dK/dV go to global memory straight
-    # from registers, so the next tile's K/V (and its first Q/dO stages) load under this tile's
-    # epilogue instead of after the CTA exits.
-    # (1: dK/dV stored from registers; 2: staged through K/V's shared memory, TMA stores)
-    persistent: int = dataclasses.field(default=0, metadata={"omit_default": True})
 
     def __post_init__(self):
         if self.stats_early not in (0, 1, 2):
             raise ValueError(f"BwdConfig.stats_early: 0, 1 or 2, got {self.stats_early!r}")
-        if (self.stats_early or self.dq_first or self.reverse or self.persistent) and self.pipeline != "async":
-            raise ValueError(f"BwdConfig.stats_early, dq_first, reverse and persistent need pipeline='async', got {self.pipeline!r}")
+        if (self.stats_early or self.dq_first or self.reverse) and self.pipeline != "async":
+            raise ValueError(f"BwdConfig.stats_early, dq_first and reverse need pipeline='async', got {self.pipeline!r}")
         if self.dq_first and not self.dq_producer:
             raise ValueError("BwdConfig.dq_first reorders the producer's dQ hand-over: it needs dq_producer=True")
 
     def for_arch(self, arch: str) -> "BwdConfig":
         if _is_hopper(arch):
             return self
-        return dataclasses.replace(self, num_stages=1, tma_dq=False, pipeline="auto", dq_producer=False, stats_early=0, dq_first=False, reverse=False, persistent=0)
+        return dataclasses.replace(self, num_stages=1, tma_dq=False, pipeline="auto", dq_producer=False, stats_early=0, dq_first=False, reverse=False)
 
     @property
     def min_sm(self) -> int:
@@ -832,7 +822,7 @@ def _bwd_dims():
     return tuple(T.dynamic(n) for n in ("B", "Sq", "SqP", "Sk", "H", "HK"))
 
 
-def _bwd_body(config: BwdConfig, headdim: int, dtype: str, causal: bool, groups: int, scale: float, dq: bool, dims: tuple, ctas: int = PERSISTENT_CTAS):
+def _bwd_body(config: BwdConfig, headdim: int, dtype: str, causal: bool, groups: int, scale: float, dq: bool, dims: tuple):
     """The main backward kernel (see flash_bwd_kernel) as a macro over _bwd_dims()."""
     B, Sq, SqP, Sk, H, HK = dims
     D = headdim
@@ -989,170 +979,138 @@ def _bwd_body(config: BwdConfig, headdim: int, dtype: str, causal: bool, groups:
         T.mbarrier_arrive(dq_full)
 
     @T.macro
-    def reduce_dq(dQacc, dq_s, dq_full, dq_empty, it, g, bz, kvh, q_start, n_q):
-        """Producer side of the tile's step it's dQ (g: steps of the CTA's walk before this tile,
-        for the barrier phase): wait for the tile, reduce-add it into dQacc (one thread issues it
-        and waits until TMA has read dq_s), hand dq_s back."""
+    def reduce_dq(dQacc, dq_s, dq_full, dq_empty, it, bz, kvh, q_start, n_q):
+        """Producer side of step it's dQ: wait for the tile, reduce-add it into dQacc (one thread
+        issues it and waits until TMA has read dq_s), hand dq_s back."""
         h, qb = head_and_block(it, kvh, q_start, n_q)
-        T.mbarrier_wait_parity(dq_full, (g + it) & 1)
+        T.mbarrier_wait_parity(dq_full, it & 1)
         T.atomic_add(dQacc[bz, qb * bn : (qb + 1) * bn, h, :], dq_s, use_tma=True)
         T.mbarrier_arrive(dq_empty)
 
-    def key_walk(bx):
-        """(first query block, number of query blocks) of key block bx's walk: causal, from the
-        first query that sees key bx*bm (bx*bm - offset); earlier query blocks skip."""
-        offset = Sk - Sq
-        q_start = T.max(T.floordiv(bx * bm - offset, bn), 0) if causal else 0
-        return q_start, T.max(T.ceildiv(Sq, bn) - q_start, 0)
-
-    @T.macro
-    def produce_tile(Q, K, V, dO, LSE2, Delta, dQacc, k_s, v_s, q_s, do_s, lse_s, delta_s, dq_s,
-                     kv_full, full, empty, dq_full, dq_empty, bx, by, bz, q_start, n_q, g):
-        """Producer warpgroup, one tile (key block bx of kv head by, batch bz): K and V once, then
-        Q, dO, lse2 and Delta of every query step into the S-stage ring (full: the bytes landed;
-        empty: every consumer thread is done with the stage), and (dq_producer) each step's dQ
-        reduce-add. g: steps of the CTA's walk before this tile (ring position and phases)."""
-        T.tma_copy(K[bz, bx * bm : (bx + 1) * bm, by, :], k_s, barrier=kv_full)
-        T.tma_copy(V[bz, bx * bm : (bx + 1) * bm, by, :], v_s, barrier=kv_full)
-        T.mbarrier_arrive(kv_full)
-        for it in T.serial(groups * n_q):
-            st = (g + it) % S
-            h, qb = head_and_block(it, by, q_start, n_q)
-            T.mbarrier_wait_parity(empty[st], (((g + it) // S) & 1) ^ 1)
-            T.tma_copy(Q[bz, qb * bn : (qb + 1) * bn, h, :], q_s[st, :, :], barrier=full[st])
-            T.tma_copy(dO[bz, qb * bn : (qb + 1) * bn, h, :], do_s[st, :, :], barrier=full[st])
-            # (tensor-map loads: rows past SqP are clipped, the stage's tail filled with 0)
-            T.tma_copy(LSE2[bz, h, qb * bn : (qb + 1) * bn], lse_s[st, :], barrier=full[st])
-            T.tma_copy(Delta[bz, h, qb * bn : (qb + 1) * bn], delta_s[st, :], barrier=full[st])
-            T.mbarrier_arrive(full[st])
-            if dq_producer:
-                if it > 0:
-                    reduce_dq(dQacc, dq_s, dq_full, dq_empty, it - 1, g, bz, by, q_start, n_q)
-        if dq_producer:
-            if groups * n_q > 0:
-                reduce_dq(dQacc, dq_s, dq_full, dq_empty, groups * n_q - 1, g, bz, by, q_start, n_q)
-
-    @T.macro
-    def consume_tile(dQacc, k_s, v_s, q_s, do_s, lse_s, delta_s, ds_s, dq_s, sT, dpT, pT, dsT, dq, dk, dv, lse_r, delta_r,
-                     kv_full, full, empty, dq_full, dq_empty, bx, by, bz, q_start, n_q, g, kv_phase):
-        """Consumer warpgroups, one tile: dK and dV of its keys accumulated in registers over
-        the walk (the epilogue is the caller's). The consumer warpgroups together own the block's
-        bm keys (FullRow: warpgroup w has keys w*64..), as the T.Pipelined kernel."""
-        offset = Sk - Sq
-        T.clear(dk)
-        T.clear(dv)
-        T.mbarrier_wait_parity(kv_full, kv_phase)  # also before the epilogue reuses k_s/v_s
-        for step in consumer_steps(n_q):
-            it, h, qb = step_coords(step, by, q_start, n_q)
-            st = (g + it) % S
-            T.mbarrier_wait_parity(full[st], ((g + it) // S) & 1)
-            # Zeroed here rather than by the wgmma's scale-d flag: the accumulators are
-            # then dead between steps, which ptxas cannot see through the asm operands.
-            T.clear(sT)
-            T.clear(dpT)
-            if config.stats_early:
-                T.copy(lse_s[st, :], lse_r)
-            T.wgmma_gemm(k_s, q_s[st, :, :], sT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-            T.wgmma_gemm(v_s, do_s[st, :, :], dpT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-            T.wait_wgmma(1)  # S^T landed; dP^T may still run
-            # P^T is on the path to the dV wgmma: steps every query of which sees every
-            # key skip the mask arithmetic (H200: +1% at D=128, +2-3% causal). Without
-            # skip_mask, `interior` is Python's False and only the masked loop is emitted.
-            if config.stats_early > 1:  # read under the exp2s below, used after the next wait
-                T.copy(delta_s[st, :], delta_r)
-            if skip_mask and sees_all(bx, qb, offset):
-                for i, j in T.Parallel(bm, bn):
-                    sT[i, j] = T.exp2(sT[i, j] * scale_log2 - step_stat(lse_s, lse_r, st, j))
-            else:
-                for i, j in T.Parallel(bm, bn):
-                    sT[i, j] = prob_T(sT[i, j], i, j, step_stat(lse_s, lse_r, st, j), bx, qb, offset)
-            T.copy(sT, pT)
-            T.wgmma_gemm(pT, do_s[st, :, :], dv, policy=T.GemmWarpPolicy.FullRow)  # dV += P^T dO
-            T.wait_wgmma(1)  # dP^T landed; dV may still run
-            for i, j in T.Parallel(bm, bn):
-                dsT[i, j] = sT[i, j] * (dpT[i, j] - step_stat(delta_s, delta_r, st, j)) * scale
-            if not dq_first:
-                T.wgmma_gemm(dsT, q_s[st, :, :], dk, policy=T.GemmWarpPolicy.FullRow)  # dK += dS^T Q
-            if with_dq:
-                # dQ = dS K sums over all bm keys: every warpgroup's dS^T goes through
-                # shared memory first (generic-proxy writes, then read by the async proxy).
-                # ds_s is free once every warpgroup's previous dQ wgmma retired: before
-                # the dQ barrier below, or (dq_producer) before its arrival on dq_full
-                # (the previous step may be the previous tile's last).
-                if dq_producer:
-                    if g + it > 0:
-                        T.mbarrier_wait_parity(dq_full, (g + it - 1) & 1)
-                T.copy(dsT, ds_s)
-                T.fence_proxy_async()
-                T.sync_threads(1, consumers)
-                T.clear(dq)
-                T.wgmma_gemm(ds_s, k_s, dq, transpose_A=True)
-            if dq_first:
-                T.wgmma_gemm(dsT, q_s[st, :, :], dk, policy=T.GemmWarpPolicy.FullRow)  # dK += dS^T Q
-                T.wait_wgmma(1)  # dQ retired; dK may still run
-                hand_over_dq(dq, dq_s, dq_full, dq_empty, g + it)
-            T.wait_wgmma(0)
-            T.mbarrier_arrive(empty[st])
-            if dq_producer and not dq_first:
-                hand_over_dq(dq, dq_s, dq_full, dq_empty, g + it)
-            elif with_dq and not dq_producer:
-                # dq_s is free: the thread that issued the previous reduce-add waited for
-                # its read before it reached the dS barrier every thread has passed since.
-                # (Measured no faster, H200 2026-12-01: this barrier and reduce-add issued
-                # under the next step's S^T/dP^T wgmmas; 80-query steps with dQ^T = K^T dS^T,
-                # FlashAttention-3's hdim-128 tile, whose transposed dS/dQ stores cost more
-                # than the wider wgmmas gain.)
-                T.copy(dq, dq_s)
-                T.fence_proxy_async()
-                T.sync_threads(1, consumers)
-                T.atomic_add(dQacc[bz, qb * bn : (qb + 1) * bn, h, :], dq_s, use_tma=True)
-
-    def async_state():
-        """Shared memory, fragments and barriers of the async pipeline (one set per CTA)."""
-        k_s = T.alloc_shared((bm, D), dtype)
-        v_s = T.alloc_shared((bm, D), dtype)
-        q_s = T.alloc_shared((S, bn, D), dtype)
-        do_s = T.alloc_shared((S, bn, D), dtype)
-        lse_s = T.alloc_shared((S, bn), acc)
-        delta_s = T.alloc_shared((S, bn), acc)
-        ds_s = T.alloc_shared((bm, bn), dtype)
-        dq_s = T.alloc_shared((bn, D), acc) if with_dq else None
-        sT = T.alloc_fragment((bm, bn), acc)
-        dpT = T.alloc_fragment((bm, bn), acc)
-        pT = T.alloc_fragment((bm, bn), dtype)
-        dsT = T.alloc_fragment((bm, bn), dtype)
-        dq = T.alloc_fragment((bn, D), acc) if with_dq else None
-        dk = T.alloc_fragment((bm, D), acc)
-        dv = T.alloc_fragment((bm, D), acc)
-        lse_r = T.alloc_fragment((bn,), acc) if config.stats_early else None
-        delta_r = T.alloc_fragment((bn,), acc) if config.stats_early > 1 else None
-        kv_full = T.alloc_barrier([128])
-        full = T.alloc_barrier([128] * S)
-        empty = T.alloc_barrier([consumers] * S)
-        dq_full = dq_empty = None
-        if dq_producer:
-            dq_full = T.alloc_barrier([consumers])  # dq_s written (consumers)
-            dq_empty = T.alloc_barrier([128])  # dq_s read by TMA (producer)
-        smem = (k_s, v_s, q_s, do_s, lse_s, delta_s)
-        regs = (ds_s, dq_s, sT, dpT, pT, dsT, dq, dk, dv, lse_r, delta_r)
-        return smem, regs, kv_full, full, empty, dq_full, dq_empty
-
     @T.macro
     def body_async(Q, K, V, dO, LSE2, Delta, dQacc, dK, dV):
-        # Producer warpgroup (the last one) and consumer warpgroups, one CTA per key block.
+        # Producer warpgroup (the last one): K and V of this key block once, then Q, dO, lse2 and
+        # Delta of every query step into an S-stage ring (full: the bytes landed; empty: every
+        # consumer thread is done with the stage). The consumer warpgroups together own the
+        # block's bm keys (FullRow: warpgroup w has keys w*64..), as the T.Pipelined kernel.
         with T.Kernel(T.ceildiv(Sk, bm), HK, B, threads=consumers + 128) as (bx, by, bz):
-            smem, regs, kv_full, full, empty, dq_full, dq_empty = async_state()
-            k_s, v_s, q_s, do_s, lse_s, delta_s = smem
-            ds_s, dq_s, sT, dpT, pT, dsT, dq, dk, dv, lse_r, delta_r = regs
-            q_start, n_q = key_walk(bx)
+            k_s = T.alloc_shared((bm, D), dtype)
+            v_s = T.alloc_shared((bm, D), dtype)
+            q_s = T.alloc_shared((S, bn, D), dtype)
+            do_s = T.alloc_shared((S, bn, D), dtype)
+            lse_s = T.alloc_shared((S, bn), acc)
+            delta_s = T.alloc_shared((S, bn), acc)
+            ds_s = T.alloc_shared((bm, bn), dtype)
+            dq_s = T.alloc_shared((bn, D), acc) if with_dq else None
+            sT = T.alloc_fragment((bm, bn), acc)
+            dpT = T.alloc_fragment((bm, bn), acc)
+            pT = T.alloc_fragment((bm, bn), dtype)
+            dsT = T.alloc_fragment((bm, bn), dtype)
+            dq = T.alloc_fragment((bn, D), acc) if with_dq else None
+            dk = T.alloc_fragment((bm, D), acc)
+            dv = T.alloc_fragment((bm, D), acc)
+            lse_r = T.alloc_fragment((bn,), acc) if config.stats_early else None
+            delta_r = T.alloc_fragment((bn,), acc) if config.stats_early > 1 else None
+            kv_full = T.alloc_barrier([128])
+            full = T.alloc_barrier([128] * S)
+            empty = T.alloc_barrier([consumers] * S)
+            if dq_producer:
+                dq_full = T.alloc_barrier([consumers])  # dq_s written (consumers)
+                dq_empty = T.alloc_barrier([128])  # dq_s read by TMA (producer)
+
+            offset = Sk - Sq
+            q_start = T.max(T.floordiv(bx * bm - offset, bn), 0) if causal else 0
+            n_q = T.max(T.ceildiv(Sq, bn) - q_start, 0)
+
             with T.ws(consumers // 128):
                 T.dec_max_nreg(PRODUCER_REGS)
-                produce_tile(Q, K, V, dO, LSE2, Delta, dQacc, k_s, v_s, q_s, do_s, lse_s, delta_s, dq_s,
-                             kv_full, full, empty, dq_full, dq_empty, bx, by, bz, q_start, n_q, 0)
+                T.tma_copy(K[bz, bx * bm : (bx + 1) * bm, by, :], k_s, barrier=kv_full)
+                T.tma_copy(V[bz, bx * bm : (bx + 1) * bm, by, :], v_s, barrier=kv_full)
+                T.mbarrier_arrive(kv_full)
+                for it in T.serial(groups * n_q):
+                    st = it % S
+                    h, qb = head_and_block(it, by, q_start, n_q)
+                    T.mbarrier_wait_parity(empty[st], ((it // S) & 1) ^ 1)
+                    T.tma_copy(Q[bz, qb * bn : (qb + 1) * bn, h, :], q_s[st, :, :], barrier=full[st])
+                    T.tma_copy(dO[bz, qb * bn : (qb + 1) * bn, h, :], do_s[st, :, :], barrier=full[st])
+                    # (tensor-map loads: rows past SqP are clipped, the stage's tail filled with 0)
+                    T.tma_copy(LSE2[bz, h, qb * bn : (qb + 1) * bn], lse_s[st, :], barrier=full[st])
+                    T.tma_copy(Delta[bz, h, qb * bn : (qb + 1) * bn], delta_s[st, :], barrier=full[st])
+                    T.mbarrier_arrive(full[st])
+                    if dq_producer:
+                        if it > 0:
+                            reduce_dq(dQacc, dq_s, dq_full, dq_empty, it - 1, bz, by, q_start, n_q)
+                if dq_producer:
+                    if groups * n_q > 0:
+                        reduce_dq(dQacc, dq_s, dq_full, dq_empty, groups * n_q - 1, bz, by, q_start, n_q)
             with T.ws(*range(consumers // 128)):
                 T.inc_max_nreg(warpgroup_regs(consumers))
-                consume_tile(dQacc, k_s, v_s, q_s, do_s, lse_s, delta_s, ds_s, dq_s, sT, dpT, pT, dsT, dq, dk, dv, lse_r, delta_r,
-                             kv_full, full, empty, dq_full, dq_empty, bx, by, bz, q_start, n_q, 0, 0)
+                T.clear(dk)
+                T.clear(dv)
+                T.mbarrier_wait_parity(kv_full, 0)  # also before the epilogue reuses k_s/v_s
+                for step in consumer_steps(n_q):
+                    it, h, qb = step_coords(step, by, q_start, n_q)
+                    st = it % S
+                    T.mbarrier_wait_parity(full[st], (it // S) & 1)
+                    # Zeroed here rather than by the wgmma's scale-d flag: the accumulators are
+                    # then dead between steps, which ptxas cannot see through the asm operands.
+                    T.clear(sT)
+                    T.clear(dpT)
+                    if config.stats_early:
+                        T.copy(lse_s[st, :], lse_r)
+                    T.wgmma_gemm(k_s, q_s[st, :, :], sT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                    T.wgmma_gemm(v_s, do_s[st, :, :], dpT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                    T.wait_wgmma(1)  # S^T landed; dP^T may still run
+                    # P^T is on the path to the dV wgmma: steps every query of which sees every
+                    # key skip the mask arithmetic (H200: +1% at D=128, +2-3% causal). Without
+                    # skip_mask, `interior` is Python's False and only the masked loop is emitted.
+                    if config.stats_early > 1:  # read under the exp2s below, used after the next wait
+                        T.copy(delta_s[st, :], delta_r)
+                    if skip_mask and sees_all(bx, qb, offset):
+                        for i, j in T.Parallel(bm, bn):
+                            sT[i, j] = T.exp2(sT[i, j] * scale_log2 - step_stat(lse_s, lse_r, st, j))
+                    else:
+                        for i, j in T.Parallel(bm, bn):
+                            sT[i, j] = prob_T(sT[i, j], i, j, step_stat(lse_s, lse_r, st, j), bx, qb, offset)
+                    T.copy(sT, pT)
+                    T.wgmma_gemm(pT, do_s[st, :, :], dv, policy=T.GemmWarpPolicy.FullRow)  # dV += P^T dO
+                    T.wait_wgmma(1)  # dP^T landed; dV may still run
+                    for i, j in T.Parallel(bm, bn):
+                        dsT[i, j] = sT[i, j] * (dpT[i, j] - step_stat(delta_s, delta_r, st, j)) * scale
+                    if not dq_first:
+                        T.wgmma_gemm(dsT, q_s[st, :, :], dk, policy=T.GemmWarpPolicy.FullRow)  # dK += dS^T Q
+                    if with_dq:
+                        # dQ = dS K sums over all bm keys: every warpgroup's dS^T goes through
+                        # shared memory first (generic-proxy writes, then read by the async proxy).
+                        # ds_s is free once every warpgroup's previous dQ wgmma retired: before
+                        # the dQ barrier below, or (dq_producer) before its arrival on dq_full.
+                        if dq_producer:
+                            if it > 0:
+                                T.mbarrier_wait_parity(dq_full, (it - 1) & 1)
+                        T.copy(dsT, ds_s)
+                        T.fence_proxy_async()
+                        T.sync_threads(1, consumers)
+                        T.clear(dq)
+                        T.wgmma_gemm(ds_s, k_s, dq, transpose_A=True)
+                    if dq_first:
+                        T.wgmma_gemm(dsT, q_s[st, :, :], dk, policy=T.GemmWarpPolicy.FullRow)  # dK += dS^T Q
+                        T.wait_wgmma(1)  # dQ retired; dK may still run
+                        hand_over_dq(dq, dq_s, dq_full, dq_empty, it)
+                    T.wait_wgmma(0)
+                    T.mbarrier_arrive(empty[st])
+                    if dq_producer and not dq_first:
+                        hand_over_dq(dq, dq_s, dq_full, dq_empty, it)
+                    elif with_dq and not dq_producer:
+                        # dq_s is free: the thread that issued the previous reduce-add waited for
+                        # its read before it reached the dS barrier every thread has passed since.
+                        # (Measured no faster, H200 2026-12-01: this barrier and reduce-add issued
+                        # under the next step's S^T/dP^T wgmmas; 80-query steps with dQ^T = K^T dS^T,
+                        # FlashAttention-3's hdim-128 tile, whose transposed dS/dQ stores cost more
+                        # than the wider wgmmas gain.)
+                        T.copy(dq, dq_s)
+                        T.fence_proxy_async()
+                        T.sync_threads(1, consumers)
+                        T.atomic_add(dQacc[bz, qb * bn : (qb + 1) * bn, h, :], dq_s, use_tma=True)
                 # K and V are no longer read (every wgmma has retired): dK, dV leave through them.
                 T.sync_threads(1, consumers)
                 T.copy(dv, v_s)
@@ -1162,61 +1120,11 @@ def _bwd_body(config: BwdConfig, headdim: int, dtype: str, causal: bool, groups:
                 T.copy(v_s, dV[bz, bx * bm : (bx + 1) * bm, by, :])
                 T.copy(k_s, dK[bz, bx * bm : (bx + 1) * bm, by, :])
 
-    @T.macro
-    def body_persistent(Q, K, V, dO, LSE2, Delta, dQacc, dK, dV):
-        # body_async's pipeline with one CTA per SM walking the tiles c, c + G, c + 2G, ... of the
-        # list (key block fastest, then kv head, then batch: the CTAs running together walk the
-        # same heads' Q/dO, shared in L2). Non-causal only, so every tile has the same steps and a
-        # tile's place in the ring follows from its round t: no running counters, which would
-        # cost registers the consumers do not have (ptxas: spills and an injected wgmma wait).
-        # kv_empty: the consumers are done with K and V (their last wgmma retired), so the next
-        # tile's K/V load while this tile's dK/dV are stored from registers.
-        nk = T.ceildiv(Sk, bm)
-        tiles = nk * HK * B
-        grid = T.min(tiles, ctas)
-        steps = groups * T.ceildiv(Sq, bn)
-        with T.Kernel(grid, threads=consumers + 128) as cta:
-            smem, regs, kv_full, full, empty, dq_full, dq_empty = async_state()
-            k_s, v_s, q_s, do_s, lse_s, delta_s = smem
-            ds_s, dq_s, sT, dpT, pT, dsT, dq, dk, dv, lse_r, delta_r = regs
-            kv_empty = T.alloc_barrier([consumers])
-            with T.ws(consumers // 128):
-                T.dec_max_nreg(PRODUCER_REGS)
-                for t in T.serial(T.ceildiv(tiles - cta, grid)):
-                    T.mbarrier_wait_parity(kv_empty, (t & 1) ^ 1)
-                    produce_tile(Q, K, V, dO, LSE2, Delta, dQacc, k_s, v_s, q_s, do_s, lse_s, delta_s, dq_s,
-                                 kv_full, full, empty, dq_full, dq_empty, T.truncmod(cta + t * grid, nk),
-                                 T.truncmod(T.truncdiv(cta + t * grid, nk), HK), T.truncdiv(T.truncdiv(cta + t * grid, nk), HK),
-                                 0, T.ceildiv(Sq, bn), t * steps)
-            with T.ws(*range(consumers // 128)):
-                T.inc_max_nreg(warpgroup_regs(consumers))
-                for t in T.serial(T.ceildiv(tiles - cta, grid)):
-                    bx = T.truncmod(cta + t * grid, nk)
-                    by = T.truncmod(T.truncdiv(cta + t * grid, nk), HK)
-                    bz = T.truncdiv(T.truncdiv(cta + t * grid, nk), HK)
-                    consume_tile(dQacc, k_s, v_s, q_s, do_s, lse_s, delta_s, ds_s, dq_s, sT, dpT, pT, dsT, dq, dk, dv, lse_r, delta_r,
-                                 kv_full, full, empty, dq_full, dq_empty, bx, by, bz, 0, T.ceildiv(Sq, bn), t * steps, t & 1)
-                    if config.persistent == 2:  # (experiment) staged through K/V's smem, TMA stores
-                        T.sync_threads(1, consumers)
-                        T.copy(dv, v_s)
-                        T.copy(dk, k_s)
-                        T.fence_proxy_async()
-                        T.sync_threads(1, consumers)
-                        T.copy(v_s, dV[bz, bx * bm : (bx + 1) * bm, by, :])
-                        T.copy(k_s, dK[bz, bx * bm : (bx + 1) * bm, by, :])
-                        T.mbarrier_arrive(kv_empty)
-                    else:
-                        T.mbarrier_arrive(kv_empty)
-                        T.copy(dv, dV[bz, bx * bm : (bx + 1) * bm, by, :])
-                        T.copy(dk, dK[bz, bx * bm : (bx + 1) * bm, by, :])
-
-    if config.persistent and not causal:  # (causal tiles differ in steps: not offered)
-        return body_persistent
     return body if config.pipeline == "auto" else body_async
 
 
 @kernel("attention", "flash_bwd", pass_configs=_PASS_CONFIGS)
-def flash_bwd_kernel(config: BwdConfig, headdim: int, dtype: str, causal: bool, groups: int, scale: float, dq: bool = True, ctas: int = PERSISTENT_CTAS):
+def flash_bwd_kernel(config: BwdConfig, headdim: int, dtype: str, causal: bool, groups: int, scale: float, dq: bool = True):
     """One CTA per (key block, kv head, batch): walks every query block of every query head in the
     GQA group, so dK/dV accumulate in registers and are written once (deterministic, no atomics).
     dq=True: dQ tiles are also atomically added into a zeroed fp32 (B, Sq, H, D) buffer (fast, not
@@ -1224,7 +1132,7 @@ def flash_bwd_kernel(config: BwdConfig, headdim: int, dtype: str, causal: bool, 
     B, Sq, SqP, Sk, H, HK = dims = _bwd_dims()
     D = headdim
     acc = "float32"
-    body = _bwd_body(config, headdim, dtype, causal, groups, scale, dq, dims, ctas)
+    body = _bwd_body(config, headdim, dtype, causal, groups, scale, dq, dims)
 
     # T.prim_func needs an explicit signature per argument list: with and without dQacc.
     if dq:
@@ -1262,7 +1170,7 @@ def flash_bwd_kernel(config: BwdConfig, headdim: int, dtype: str, causal: bool, 
 
 
 @kernel("attention", "flash_bwd_fused", pass_configs=_PASS_CONFIGS)
-def flash_bwd_fused_kernel(config: BwdConfig, headdim: int, dtype: str, causal: bool, groups: int, scale: float, packed: bool = False, ctas: int = PERSISTENT_CTAS):
+def flash_bwd_fused_kernel(config: BwdConfig, headdim: int, dtype: str, causal: bool, groups: int, scale: float, packed: bool = False):
     """The default backward in one host call: the preprocess (Delta, base-2 LSE, dQacc zeroed),
     flash_bwd (dK, dV, dQ reduce-added into dQacc) and the dQ conversion, as three `T.Kernel`s of
     one prim_func, launched in order on one stream. Same kernels as the three separate launches
@@ -1278,7 +1186,7 @@ def flash_bwd_fused_kernel(config: BwdConfig, headdim: int, dtype: str, causal: 
     acc = "float32"
     prep_cfg = prep_config(headdim)
     prep = _prep_body(prep_cfg, headdim, dtype, True, (B, Sq, SqP, H))
-    main = _bwd_body(config, headdim, dtype, causal, groups, scale, True, dims, ctas)
+    main = _bwd_body(config, headdim, dtype, causal, groups, scale, True, dims)
     blk = prep_cfg.block
 
     @T.prim_func
