@@ -11,7 +11,6 @@ wrong kernel shows.
     python -m benchmarks.sweep_attention --bwd --stats [--warm]     # backward: the defaults with the other BwdConfig.stats_early
     python -m benchmarks.sweep_attention --bwd --dq-first [--warm]  # backward: the defaults with the other dq_first
     python -m benchmarks.sweep_attention --bwd --walk [--shapes 0 3]  # backward: the default twice and with the other reverse (4: D=64 GQA)
-    python -m benchmarks.sweep_attention --bwd --lpt [--shapes 0 3]  # backward, causal: the default twice and heaviest-first (BwdConfig.lpt)
     python -m benchmarks.sweep_attention --wide --shapes 2 4 5  # forward, D=64: 192 x 128 in the async pipelines (5: GPT-2's shape)
     python -m benchmarks.sweep_attention --tiles128 --shapes 0 1 3 [--causal-only]  # forward, D=128: 128 x 128 async tiles, persistent or not
 
@@ -38,7 +37,6 @@ DQ_PATHS = False
 STATS = False
 DQ_FIRST = False
 WALK = False
-LPT = False
 PERSISTENT = False
 WIDE = False
 TILES128 = False
@@ -104,9 +102,6 @@ def bwd_candidates(headdim: int):
 
     from tilelang_ops.kernels.attention import BwdConfig, bwd_default_config
 
-    if LPT and headdim in (64, 128):  # the default again (the run's noise) and heaviest-first launch order (causal)
-        default = bwd_default_config(headdim, True)
-        return [default, dataclasses.replace(default, lpt=8)]
     if WALK and headdim in (64, 128):  # the default again (the run's noise) and the other BwdConfig.reverse (causal GQA)
         default = bwd_default_config(headdim, True)
         return [default, dataclasses.replace(default, reverse=not default.reverse)]
@@ -183,7 +178,6 @@ def _name(cfg) -> str:
     post += f"/stats{cfg.stats_early}" if getattr(cfg, "stats_early", 0) else ""
     post += "/dqfirst" if getattr(cfg, "dq_first", False) else ""
     post += "/reverse" if getattr(cfg, "reverse", False) else ""
-    post += f"/lpt{cfg.lpt}" if getattr(cfg, "lpt", 0) else ""
     return f"{cfg.block_m}x{cfg.block_n}/{cfg.num_stages}/{cfg.threads}/{cfg.pipeline}{lazy}{post}"
 
 
@@ -315,7 +309,6 @@ if __name__ == "__main__":
     ap.add_argument("--stats", action="store_true", help="--bwd: the defaults against their other BwdConfig.stats_early values")
     ap.add_argument("--dq", action="store_true", help="--bwd: the defaults against their other BwdConfig.dq_producer")
     ap.add_argument("--walk", action="store_true", help="--bwd: the default, itself again and with the other BwdConfig.reverse")
-    ap.add_argument("--lpt", action="store_true", help="--bwd, causal: the default, itself again and with BwdConfig.lpt=8")
     ap.add_argument("--wide", action="store_true", help="forward, D=64: 192 x 128 tiles in the async pipelines (three consumer warpgroups)")
     ap.add_argument("--tiles128", action="store_true", help="forward, D=128: the default twice, 128 x 128 async tiles (persistent or not)")
     ap.add_argument("--causal-only", action="store_true", help="causal shapes only")
@@ -324,9 +317,6 @@ if __name__ == "__main__":
     if args.shapes:
         SHAPES = [(SHAPES + EXTRA_SHAPES)[i] for i in args.shapes]
     WALK = args.walk
-    LPT = args.lpt
-    if LPT:
-        CAUSAL = (True,)
     DQ_PATHS = args.dq
     STATS = args.stats
     DQ_FIRST = args.dq_first

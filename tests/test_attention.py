@@ -509,20 +509,19 @@ def test_flash_fwd_d64_causal_default(case):
 # The async backward (BwdConfig.pipeline="async": our own TMA producer and mbarrier ring, wgmmas
 # kept in flight across the softmax-gradient math; the default on Hopper at D=64/128, which every
 # other GPU test runs) at the tiles of the tuner's search space, defaults included.
-# Fields past the 7th: BwdConfig.dq_producer, stats_early, dq_first, reverse, lpt.
+# Fields past the 7th: BwdConfig.dq_producer, stats_early, dq_first, reverse.
 ASYNC_BWD_CONFIGS = {
     64: [(128, 64, 2, 256, True, True, "async"), (128, 128, 3, 256, True, True, "async"), (128, 128, 2, 256, True, True, "async"),
          (128, 128, 2, 256, True, True, "async", True), (128, 128, 2, 256, True, True, "async", True, 0, True),
-         (128, 128, 2, 256, True, True, "async", True, 0, True, True), (128, 128, 2, 256, True, True, "async", True, 0, True, True, 8)],
+         (128, 128, 2, 256, True, True, "async", True, 0, True, True)],
     128: [(128, 64, 3, 256, True, True, "async"), (128, 64, 2, 256, True, True, "async"), (128, 64, 2, 256, True, True, "async", True),
           (128, 64, 2, 256, True, True, "async", True, 1), (128, 64, 2, 256, True, True, "async", True, 2),
-          (128, 64, 2, 256, True, True, "async", True, 1, True), (128, 64, 2, 256, True, True, "async", True, 1, True, True),
-          (128, 64, 2, 256, True, True, "async", True, 1, True, True, 8)],
+          (128, 64, 2, 256, True, True, "async", True, 1, True), (128, 64, 2, 256, True, True, "async", True, 1, True, True)],
 }
 
 
 def _async_bwd_name(cfg) -> str:
-    return f"{cfg[0]}x{cfg[1]}x{cfg[2]}{cfg[6]}" + ("-dqprod" if cfg[7:8] == (True,) else "") + (f"-stats{cfg[8]}" if cfg[8:9] not in ((), (0,)) else "") + ("-dqfirst" if cfg[9:10] == (True,) else "") + ("-rev" if cfg[10:11] == (True,) else "") + (f"-lpt{cfg[11]}" if cfg[11:] else "")
+    return f"{cfg[0]}x{cfg[1]}x{cfg[2]}{cfg[6]}" + ("-dqprod" if cfg[7:8] == (True,) else "") + (f"-stats{cfg[8]}" if cfg[8:9] not in ((), (0,)) else "") + ("-dqfirst" if cfg[9:10] == (True,) else "") + ("-rev" if cfg[10:] == (True,) else "")
 
 
 def _async_bwd_cases():
@@ -655,38 +654,6 @@ def test_flash_bwd_dq_first_source():
         rs = [m.start() for m in re.finditer("wgmma_rs", loop)]
         dq_wgmma, dk_wgmma = ss[2], rs[1]
         assert dq_wgmma < dk_wgmma < loop.index("wait_wgmma<1>", dk_wgmma) < loop.index("dq_full", dk_wgmma) < loop.index("wait_wgmma<0>", dk_wgmma)
-
-
-def test_flash_bwd_lpt_launch_order_covers_every_tile_once():
-    """BwdConfig.lpt's 1-D grid (kernels/attention.py block_coords, here in Python): every (key
-    block, kv head, batch) exactly once, key block by key block within each group of lpt (batch,
-    kv head) pairs, the last group smaller when lpt does not divide them; non-causal kernels and
-    lpt=0 keep the 3-D grid."""
-    import dataclasses
-
-    from tilelang_ops.kernels import attention as K
-
-    for nk, hk, b, lpt in ((32, 8, 8, 8), (3, 3, 1, 8), (5, 1, 3, 2), (16, 4, 5, 8), (1, 2, 2, 8)):
-        nh, seen = hk * b, []
-        for i in range(nk * nh):
-            grp = i // (lpt * nk)
-            size = min(lpt, nh - grp * lpt)
-            within = i - grp * lpt * nk
-            pair = grp * lpt + within % size
-            seen.append((within // size, pair % hk, pair // hk))
-        assert sorted(seen) == sorted((x, h, z) for x in range(nk) for h in range(hk) for z in range(b))
-        assert [x for x, _, _ in seen[: min(lpt, nh)]] == [0] * min(lpt, nh)  # heaviest (key block 0) first
-
-    def src(cfg, causal):
-        return K.flash_bwd_fused_kernel.source(cfg, "sm_90a", headdim=128, dtype="bfloat16", causal=causal, groups=4, scale=K.default_scale(128))
-
-    def main_kernel(text):
-        return text[text.index("__launch_bounds__(384"):text.rindex("flash_bwd_fused_kernel_2(bfloat16_t")]
-
-    base = K.bwd_default_config(128, True)
-    lpt = dataclasses.replace(base, lpt=8)
-    assert "blockIdx.y" in main_kernel(src(base, True)) and "blockIdx.y" not in main_kernel(src(lpt, True))
-    assert src(dataclasses.replace(K.bwd_default_config(128, False), lpt=8), False) == src(K.bwd_default_config(128, False), False)
 
 
 def test_flash_bwd_reverse_walks_from_the_last_query_block():

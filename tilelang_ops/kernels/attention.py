@@ -751,24 +751,19 @@ class BwdConfig:
     # same dQ tiles at the same time, as the non-causal walk does (whose CTAs all start at block
     # 0: starting each at its own block lost 10%, session 21). MHA: 0.95-0.99x, not offered.
     reverse: bool = dataclasses.field(default=False, metadata={"omit_default": True})
-    # "async" only, causal (no effect otherwise): the CTAs launch heaviest first — key block 0 of
-    # `lpt` (batch, kv head) pairs, then key block 1 of the same pairs, ... — instead of a head's
-    # key blocks in a row, so that the grid does not end on a late head's longest walks (a list
-    # schedule of the benchmark's causal grids: up to 7% of idle SMs at the end, GQA). 0: off.
-    lpt: int = dataclasses.field(default=0, metadata={"omit_default": True})
 
     def __post_init__(self):
         if self.stats_early not in (0, 1, 2):
             raise ValueError(f"BwdConfig.stats_early: 0, 1 or 2, got {self.stats_early!r}")
-        if (self.stats_early or self.dq_first or self.reverse or self.lpt) and self.pipeline != "async":
-            raise ValueError(f"BwdConfig.stats_early, dq_first, reverse and lpt need pipeline='async', got {self.pipeline!r}")
+        if (self.stats_early or self.dq_first or self.reverse) and self.pipeline != "async":
+            raise ValueError(f"BwdConfig.stats_early, dq_first and reverse need pipeline='async', got {self.pipeline!r}")
         if self.dq_first and not self.dq_producer:
             raise ValueError("BwdConfig.dq_first reorders the producer's dQ hand-over: it needs dq_producer=True")
 
     def for_arch(self, arch: str) -> "BwdConfig":
         if _is_hopper(arch):
             return self
-        return dataclasses.replace(self, num_stages=1, tma_dq=False, pipeline="auto", dq_producer=False, stats_early=0, dq_first=False, reverse=False, lpt=0)
+        return dataclasses.replace(self, num_stages=1, tma_dq=False, pipeline="auto", dq_producer=False, stats_early=0, dq_first=False, reverse=False)
 
     @property
     def min_sm(self) -> int:
@@ -992,30 +987,13 @@ def _bwd_body(config: BwdConfig, headdim: int, dtype: str, causal: bool, groups:
         T.atomic_add(dQacc[bz, qb * bn : (qb + 1) * bn, h, :], dq_s, use_tma=True)
         T.mbarrier_arrive(dq_empty)
 
-    lpt = config.lpt if causal else 0
-    nk = T.ceildiv(Sk, bm)
-    grid_async = (nk * HK * B,) if lpt else (nk, HK, B)
-
-    def block_coords(ids):
-        """(key block, kv head, batch) of a CTA. With lpt, the 1-D grid walks groups of lpt
-        (batch, kv head) pairs (the last group may be smaller), key block by key block."""
-        if not lpt:
-            return ids
-        nh = HK * B
-        grp = T.floordiv(ids, lpt * nk)
-        size = T.min(lpt, nh - grp * lpt)
-        within = ids - grp * lpt * nk
-        pair = grp * lpt + T.floormod(within, size)
-        return T.floordiv(within, size), T.floormod(pair, HK), T.floordiv(pair, HK)
-
     @T.macro
     def body_async(Q, K, V, dO, LSE2, Delta, dQacc, dK, dV):
         # Producer warpgroup (the last one): K and V of this key block once, then Q, dO, lse2 and
         # Delta of every query step into an S-stage ring (full: the bytes landed; empty: every
         # consumer thread is done with the stage). The consumer warpgroups together own the
         # block's bm keys (FullRow: warpgroup w has keys w*64..), as the T.Pipelined kernel.
-        with T.Kernel(*grid_async, threads=consumers + 128) as ids:
-            bx, by, bz = block_coords(ids)
+        with T.Kernel(T.ceildiv(Sk, bm), HK, B, threads=consumers + 128) as (bx, by, bz):
             k_s = T.alloc_shared((bm, D), dtype)
             v_s = T.alloc_shared((bm, D), dtype)
             q_s = T.alloc_shared((S, bn, D), dtype)
