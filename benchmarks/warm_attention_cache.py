@@ -1,6 +1,6 @@
 """Pre-compile, on a machine without a GPU, every attention kernel the GPU tests and the benchmark use.
 
-    TILELANG_CACHE_DIR=/work/main/.tl-cache python -m benchmarks.warm_attention_cache [-j 2] [--quick | --tune]
+    TILELANG_CACHE_DIR=/work/main/.tl-cache python -m benchmarks.warm_attention_cache [-j 2] [--quick | --tune | --fuzz]
 
 Fills TileLang's disk cache for sm_90a (the H200) with the exact kernels the op layer will ask for
 (same builder, default config, static args and target), so carrying `.tl-cache` to the GPU host
@@ -98,6 +98,22 @@ def _compile(job) -> tuple:
     return job, f"{time.time() - t0:.1f}s", getattr(k, "_tilelang_cache_path", None)
 
 
+def _fuzz_jobs() -> list[tuple]:
+    """test_flash_attn_cuda_fuzz's kernels: the forward with LSE and the fused backward at every
+    head dim, dtype, causal and GQA ratio it draws, default scale; its key lengths (<= 4097) take
+    the causal forward's short default where that differs."""
+    from tilelang_ops.kernels.attention import default_scale
+    from tilelang_ops.ops import attention as A
+
+    jobs = []
+    for d, dt, c, g in itertools.product((64, 128, 256), ("bfloat16", "float16"), (False, True), (1, 2, 4, 8)):
+        jobs += [("fwd", d, dt, c, g, default_scale(d)), ("bwd_fused", d, dt, c, g, default_scale(d))]
+        short = A.untuned_config("fwd", d, c, ARCH, A.SHORT_CAUSAL_KEYS)
+        if c and short != A.untuned_config("fwd", d, c, ARCH):
+            jobs.append(("fwd", d, dt, c, g, default_scale(d), short))
+    return jobs
+
+
 def main(argv=None) -> int:
     import logging
 
@@ -106,6 +122,7 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="only the benchmark's kernels")
     p.add_argument("--tune", action="store_true", help="the tuner's search spaces")
     p.add_argument("--train", action="store_true", help="only examples/train_gpt.py's kernels (head dim 64, bf16, causal)")
+    p.add_argument("--fuzz", action="store_true", help="only what test_flash_attn_cuda_fuzz loads: the forward with LSE and the fused backward of every head dim, dtype, causal and GQA ratio (1/2/4/8)")
     p.add_argument("--manifest", help="write the warmed kernels' cache directories to this file (one a line)")
     args = p.parse_args(argv)
     logging.getLogger("TileLang").setLevel(logging.WARNING)
@@ -113,6 +130,8 @@ def main(argv=None) -> int:
         from tilelang_ops.kernels.attention import default_scale
 
         jobs = [(kind, 64, "bfloat16", True, 1, default_scale(64)) for kind in ("fwd", "fwd_nolse", "bwd_fused", "bwd_fused_packed")]
+    elif args.fuzz:
+        jobs = _fuzz_jobs()
     else:
         jobs = _tune_jobs() if args.tune else _jobs(args.quick)
     t0 = time.time()
