@@ -42,7 +42,7 @@ def prep(cases) -> list[dict]:
     config and the per-head-dim default, in turns: ms and bytes moved per second."""
     from tilelang_ops import runtime
     from tilelang_ops.kernels import attention as K
-    from tilelang_ops.ops.attention import lse_rows
+    from tilelang_ops.ops.attention import _bwd_scratch
 
     from ._timing import bench, interleaved
 
@@ -51,8 +51,7 @@ def prep(cases) -> list[dict]:
     for B, H, _, S, D in cases:
         o, do = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         lse = torch.randn(B, H, S, device="cuda")
-        delta, lse2 = (torch.empty(B, H, lse_rows(S), device="cuda") for _ in range(2))
-        dq_acc = torch.empty(B, S, H, D, device="cuda")
+        delta, lse2, dq_acc = _bwd_scratch(o, dq_acc=True)  # the op's own scratch layout
         cfgs = list(dict.fromkeys([K.PrepConfig(64, 128), K.prep_config(D), K.PrepConfig(32, 128)]))
         fns = []
         for cfg in cfgs:

@@ -71,8 +71,12 @@ def _jobs(quick: bool) -> list[tuple]:
         job = (kind, st["headdim"], st["dtype"], st["causal"], st["groups"], st["scale"], cfg) + ((st["ctas"],) if "ctas" in st else ())
         if job not in jobs:
             jobs.append(job)
-    # the causal forward's default for short sequences (ops.attention.SHORT_CAUSAL_KEYS), where it
-    # differs from the long one the jobs above compile
+    return _with_short_causal(jobs)
+
+
+def _with_short_causal(jobs: list[tuple]) -> list[tuple]:
+    """jobs plus the causal forward's default for short sequences (ops.attention.SHORT_CAUSAL_KEYS)
+    of each default-config causal forward job, where it differs from the long one."""
     from tilelang_ops.ops import attention as A
 
     for kind, d, dt, c, g, s in [j for j in jobs if len(j) == 6 and j[0] in ("fwd", "fwd_nolse") and j[3]]:
@@ -103,15 +107,9 @@ def _fuzz_jobs() -> list[tuple]:
     head dim, dtype, causal and GQA ratio it draws, default scale; its key lengths (<= 4097) take
     the causal forward's short default where that differs."""
     from tilelang_ops.kernels.attention import default_scale
-    from tilelang_ops.ops import attention as A
 
-    jobs = []
-    for d, dt, c, g in itertools.product((64, 128, 256), ("bfloat16", "float16"), (False, True), (1, 2, 4, 8)):
-        jobs += [("fwd", d, dt, c, g, default_scale(d)), ("bwd_fused", d, dt, c, g, default_scale(d))]
-        short = A.untuned_config("fwd", d, c, ARCH, A.SHORT_CAUSAL_KEYS)
-        if c and short != A.untuned_config("fwd", d, c, ARCH):
-            jobs.append(("fwd", d, dt, c, g, default_scale(d), short))
-    return jobs
+    combos = itertools.product((64, 128, 256), ("bfloat16", "float16"), (False, True), (1, 2, 4, 8))
+    return _with_short_causal([(kind, d, dt, c, g, default_scale(d)) for d, dt, c, g in combos for kind in ("fwd", "bwd_fused")])
 
 
 def main(argv=None) -> int:

@@ -405,7 +405,7 @@ def _bwd_scratch(q: torch.Tensor, dq_acc: bool) -> tuple:
 def _bwd_fused(name, dout, q, k, v, out, lse, causal, softmax_scale, dq, dk, dv) -> None:
     """The default backward's one host call (kernel `name`: "bwd_fused", or "bwd_fused_packed":
     dq the packed (B, S, 3, H, D) gradient, dk/dv its slices), over kernel-ready inputs."""
-    B, Sq, H, D = q.shape
+    _, _, H, D = q.shape
     delta, lse2, dq_acc = _bwd_scratch(q, dq_acc=True)
     _kernel(name, q.dtype, q.device, D, causal, H // k.shape[2], softmax_scale)(q, k, v, out, dout, lse, delta, lse2, dq_acc, dq, dk, dv)
 
