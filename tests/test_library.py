@@ -47,6 +47,75 @@ def test_direct_path_is_taken_for_plain_tensors(monkeypatch):
     assert len(calls) == 1  # (x,): the dispatcher drops arguments equal to their defaults
 
 
+def _spy_backward_impl(monkeypatch, device: str) -> list:
+    """Calls that reach softmax_backward's implementation without the dispatcher (its registered
+    kernel is the original function; `impls` is what from_backward calls)."""
+    calls = []
+    impls = softmax_ops.softmax_backward.impls
+    key = torch._C.DispatchKey.CUDA if device == "cuda" else torch._C.DispatchKey.CPU
+    real = impls[key]
+    monkeypatch.setitem(impls, key, lambda *args: calls.append(1) or real(*args))
+    return calls
+
+
+def _softmax_grad(device, **backward_kwargs):
+    x = torch.randn(6, 50, device=device, requires_grad=True)
+    w = torch.randn(6, 50, device=device)
+    (torch.ops.tileops.softmax(x, -1) * w).sum().backward(**backward_kwargs)
+    x2 = x.detach().clone().requires_grad_()
+    (torch.softmax(x2, -1) * w).sum().backward()
+    assert rel_err(x.grad, x2.grad) < 1e-5
+    return x
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_backward_formulas_call_the_implementation_directly(monkeypatch, device):
+    calls = _spy_backward_impl(monkeypatch, device)
+    _softmax_grad(device)
+    assert calls == [1]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_backward_formulas_dispatch_under_modes_profiler_and_subclasses(monkeypatch, device):
+    # What sits between autograd and the kernel must still see the backward op.
+    calls = _spy_backward_impl(monkeypatch, device)
+    with RecordOps() as mode:
+        _softmax_grad(device)
+    assert "softmax_backward" in mode.tileops
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        _softmax_grad(device)
+    assert any(e.name == "tileops::softmax_backward" for e in prof.events())
+
+    seen = []
+
+    class Sub(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    y = torch.softmax(torch.randn(4, 30, device=device), -1)
+    g = torch.randn(4, 30, device=device)
+    softmax_ops.softmax_backward.from_backward(g.as_subclass(Sub), y, -1)
+    assert "tileops.softmax_backward.default" in seen
+    assert calls == []
+    softmax_ops.softmax_backward.from_backward(g, y, -1)  # the same call, plain: direct
+    assert calls == [1]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_backward_formulas_dispatch_when_recording_a_double_backward(monkeypatch, device):
+    # create_graph=True: the backward op's own (missing) autograd decides, as before
+    calls = _spy_backward_impl(monkeypatch, device)
+    x = torch.randn(4, 30, device=device, requires_grad=True)
+    y = torch.ops.tileops.softmax(x, -1)
+    try:
+        torch.autograd.grad((y * y).sum(), x, create_graph=True)
+    except RuntimeError:
+        pass
+    assert calls == []
+
+
 def test_grad_path_skips_function_apply_but_records_the_same_node(monkeypatch):
     # The grad-recording call goes to the C apply directly (Function.apply's Python preamble is
     # ~1.5 us); the recorded node must be the op's own backward, giving the same gradient.

@@ -428,7 +428,7 @@ def _backward(ctx, dout, dlse):
     q, k, v, out, lse = ctx.saved_tensors
     if dout is None:  # only lse was used
         dout = torch.zeros_like(out)
-    dq, dk, dv = torch.ops.tileops.flash_attn_backward(dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale, dlse)
+    dq, dk, dv = flash_attn_backward.from_backward(dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale, dlse)
     return dq, dk, dv, None, None
 
 
@@ -561,7 +561,7 @@ def _backward_packed(ctx, dout, dlse):
     qkv, out, lse = ctx.saved_tensors
     if dout is None:  # only lse was used
         dout = torch.zeros_like(out)
-    return torch.ops.tileops.flash_attn_qkvpacked_backward(dout, qkv, out, lse, ctx.causal, ctx.softmax_scale, dlse), None, None
+    return flash_attn_qkvpacked_backward.from_backward(dout, qkv, out, lse, ctx.causal, ctx.softmax_scale, dlse), None, None
 
 
 flash_attn_qkvpacked_with_lse.register_autograd(_backward_packed, setup_context=_setup_packed)

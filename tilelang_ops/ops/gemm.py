@@ -424,12 +424,12 @@ def _gemm_backward(ctx, g):
     a, b = ctx.saved_tensors
     ga = gb = None
     if ctx.needs_input_grad[0]:
-        ga = torch.ops.tileops.gemm_nt(g, b)  # (M, N) @ (K, N)ᵀ
+        ga = gemm_nt.from_backward(g, b)  # (M, N) @ (K, N)ᵀ
     if ctx.needs_input_grad[1]:
         if a.dim() == 3 and b.dim() == 2:
-            gb = torch.ops.tileops.gemm_tn(a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1]))
+            gb = gemm_tn.from_backward(a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1]))
         else:
-            gb = torch.ops.tileops.gemm_tn(a, g)  # (M, K)ᵀ @ (M, N)
+            gb = gemm_tn.from_backward(a, g)  # (M, K)ᵀ @ (M, N)
     return ga, gb
 
 
@@ -466,12 +466,12 @@ def _gemm_nt_backward(ctx, g):
     a, b = ctx.saved_tensors
     ga = gb = None
     if ctx.needs_input_grad[0]:
-        ga = torch.ops.tileops.gemm(g, b)  # (M, N) @ (N, K)
+        ga = gemm.from_backward(g, b)  # (M, N) @ (N, K)
     if ctx.needs_input_grad[1]:
         if a.dim() == 3 and b.dim() == 2:
-            gb = torch.ops.tileops.gemm_tn(g.reshape(-1, g.shape[-1]), a.reshape(-1, a.shape[-1]))
+            gb = gemm_tn.from_backward(g.reshape(-1, g.shape[-1]), a.reshape(-1, a.shape[-1]))
         else:
-            gb = torch.ops.tileops.gemm_tn(g, a)  # (M, N)ᵀ @ (M, K)
+            gb = gemm_tn.from_backward(g, a)  # (M, N)ᵀ @ (M, K)
     return ga, gb
 
 
@@ -506,9 +506,9 @@ def _gemm_tn_backward(ctx, g):
     a, b = ctx.saved_tensors
     ga = gb = None
     if ctx.needs_input_grad[0]:
-        ga = torch.ops.tileops.gemm_nt(b, g)  # (R, N) @ (P, N)ᵀ
+        ga = gemm_nt.from_backward(b, g)  # (R, N) @ (P, N)ᵀ
     if ctx.needs_input_grad[1]:
-        gb = torch.ops.tileops.gemm(a, g)  # (R, P) @ (P, N)
+        gb = gemm.from_backward(a, g)  # (R, P) @ (P, N)
     return ga, gb
 
 
@@ -649,8 +649,8 @@ def _linear_setup(ctx, inputs, output):
 
 def _grads_from_dz(ctx, dz, db, x, weight, gy_shape):
     in_f = weight.shape[1]
-    dx = torch.ops.tileops.gemm(dz, weight).view(*gy_shape[:-1], in_f) if ctx.needs_input_grad[0] else None  # (M, out) @ (out, in)
-    dw = torch.ops.tileops.gemm_tn(dz, x.reshape(-1, in_f)) if ctx.needs_input_grad[1] else None  # (M, out)ᵀ @ (M, in)
+    dx = gemm.from_backward(dz, weight).view(*gy_shape[:-1], in_f) if ctx.needs_input_grad[0] else None  # (M, out) @ (out, in)
+    dw = gemm_tn.from_backward(dz, x.reshape(-1, in_f)) if ctx.needs_input_grad[1] else None  # (M, out)ᵀ @ (M, in)
     return dx, dw, db
 
 
@@ -660,10 +660,10 @@ def _linear_backward_common(ctx, gy, x, weight, saved):
     gy2 = gy.reshape(-1, out_f)
     need_b = ctx.has_bias and ctx.needs_input_grad[2]
     if ctx.activation == "none":
-        dz, db = gy2, (torch.ops.tileops.bias_grad(gy2) if need_b else None)
+        dz, db = gy2, (bias_grad.from_backward(gy2) if need_b else None)
     else:
         # One pass: dz = gy * act'(z) and the bias gradient's column sums (eager runs two).
-        dz, db = torch.ops.tileops.act_grad(gy2, saved.reshape(-1, out_f), ctx.activation, need_b)
+        dz, db = act_grad.from_backward(gy2, saved.reshape(-1, out_f), ctx.activation, need_b)
         db = db if need_b else None
     return _grads_from_dz(ctx, dz, db, x, weight, gy.shape)
 
@@ -671,7 +671,7 @@ def _linear_backward_common(ctx, gy, x, weight, saved):
 def _linear_backward(ctx, gy):
     x, weight, saved = ctx.saved_tensors
     if ctx.activation in NEEDS_PREACT:
-        saved = torch.ops.tileops.linear(x, weight, saved, "none")  # recompute z (saved = bias here)
+        saved = linear.from_backward(x, weight, saved, "none")  # recompute z (saved = bias here)
     return (*_linear_backward_common(ctx, gy, x, weight, saved), None)
 
 
@@ -721,8 +721,8 @@ def _linear_preact_backward(ctx, gy, gz):
     out_f = weight.shape[0]
     dz = gz.reshape(-1, out_f)
     if gy is not None:
-        dz = torch.ops.tileops.act_grad(gy.reshape(-1, out_f), z.reshape(-1, out_f), ctx.activation, False)[0] + dz
-    db = torch.ops.tileops.bias_grad(dz) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        dz = act_grad.from_backward(gy.reshape(-1, out_f), z.reshape(-1, out_f), ctx.activation, False)[0] + dz
+    db = bias_grad.from_backward(dz) if ctx.has_bias and ctx.needs_input_grad[2] else None
     return (*_grads_from_dz(ctx, dz, db, x, weight, gz.shape), None)
 
 

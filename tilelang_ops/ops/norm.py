@@ -277,7 +277,7 @@ def _backward(ctx, dy, dmean, drstd):
     x, weight, mean, rstd = ctx.saved_tensors
     if dy is None:
         return None, None, None, None, None
-    dx, dw, db = torch.ops.tileops.layer_norm_backward(dy, x, weight, mean, rstd)
+    dx, dw, db = layer_norm_backward.from_backward(dy, x, weight, mean, rstd)
     return dx, (dw if weight is not None else None), (db if ctx.has_bias else None), None, None
 
 
@@ -354,7 +354,7 @@ def _add_backward(ctx, dh, dy, dmean, drstd):
     h, weight, mean, rstd = ctx.saved_tensors
     if dy is None:  # y unused: h's gradient passes to both inputs unchanged
         return dh, (None if dh is None else dh.to(ctx.residual_dtype)), None, None, None, None
-    dx, dr, dw, db = torch.ops.tileops.add_layer_norm_backward(dy, dh, h, weight, mean, rstd, ctx.residual_dtype)
+    dx, dr, dw, db = add_layer_norm_backward.from_backward(dy, dh, h, weight, mean, rstd, ctx.residual_dtype)
     return dx, dr, (dw if weight is not None else None), (db if ctx.has_bias else None), None, None
 
 

@@ -223,12 +223,12 @@ def _setup(ctx, inputs, output):
 
 def _softmax_grad(ctx, grad):
     (y,) = ctx.saved_tensors
-    return torch.ops.tileops.softmax_backward(grad, y, ctx.dim), None
+    return softmax_backward.from_backward(grad, y, ctx.dim), None
 
 
 def _log_softmax_grad(ctx, grad):
     (y,) = ctx.saved_tensors
-    return torch.ops.tileops.log_softmax_backward(grad, y, ctx.dim), None
+    return log_softmax_backward.from_backward(grad, y, ctx.dim), None
 
 
 softmax.register_autograd(_softmax_grad, setup_context=_setup)
