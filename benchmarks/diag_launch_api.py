@@ -4,8 +4,8 @@ beside its wall time.
 
     python -m benchmarks.diag_launch_api [--calls 300]
 
-The host function of an op (recorded from one call, as `benchmarks.overhead` does) is called
-`--calls` times under the profiler; each CPU-side API event name gets its count per call and mean
+The host function of an op (recorded from one call, as `benchmarks.overhead` does), and the
+PyTorch peer's whole call, are called `--calls` times under the profiler; each CPU-side API event name gets its count per call and mean
 µs. What the API calls do not cover is TileLang's and tvm_ffi's own C (argument checks, the
 launch wrapper, descriptor encoding) and the Python → tvm_ffi crossing.
 """
@@ -36,14 +36,23 @@ def _launches(op, args):
     return rec.calls
 
 
-def main(calls: int) -> None:
-    rows = []
-    for name, op, args, _ in overhead.cases():
+def _runs():
+    """(name, the host function(s) or the peer as one callable, host functions per call): ours, then torch's peer."""
+    for name, op, args, peer in overhead.cases():
         if name not in ROWS:
             continue
         args = args() if callable(args) else args
         launches = _launches(op, args)
-        run = lambda: [fn(*a) for fn, a in launches]  # noqa: E731
+        yield name, (lambda launches=launches: [fn(*a) for fn, a in launches]), len(launches)
+        if peer is not None:
+            yield f"{name} (torch)", peer, 1
+
+
+def main(calls: int) -> None:
+    rows = []
+    for name, run, n_functions in _runs():
+        run()
+        torch.cuda.synchronize()
         wall = host_us(run)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(calls):
@@ -53,11 +62,11 @@ def main(calls: int) -> None:
         for e in prof.events():
             if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("cu"):
                 api[e.name].append(e.cpu_time_total)  # µs
-        row = {"op": name, "host_functions": len(launches), "wall_us": wall,
+        row = {"op": name, "host_functions": n_functions, "wall_us": wall,
                "api": {k: {"per_call": len(v) / calls, "mean_us": statistics.fmean(v)} for k, v in sorted(api.items())}}
         row["api_us_per_call"] = sum(d["per_call"] * d["mean_us"] for d in row["api"].values())
         rows.append(row)
-        print(f"{name}: {len(launches)} host function call(s), {wall:.1f} µs wall; API {row['api_us_per_call']:.1f} µs per call")
+        print(f"{name}: {n_functions} call(s), {wall:.1f} µs wall; API {row['api_us_per_call']:.1f} µs per call")
         for k, d in row["api"].items():
             print(f"    {k:36s} {d['per_call']:5.2f} per call  {d['mean_us']:6.2f} µs each")
     write_json("launch_api", rows, {"calls": calls})
