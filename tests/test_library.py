@@ -195,3 +195,39 @@ def test_inductor_gets_explicit_fallbacks():
         assert op.op in IL.lowerings, op.qualname
         want = IL.tag_to_layout_constraint(get_layout_constraint_tag(op.op, with_default=True))
         assert IL.maybe_layout_constraints(op.op) is want, op.qualname
+
+
+def _leaf(*shape, dtype=torch.float32):
+    return torch.randn(*shape, dtype=dtype, requires_grad=True)
+
+
+# (name, forward on CPU leaves -> a tensor to backprop, the backward ops its formula must call directly)
+_FORMULAS = [
+    ("softmax", lambda: torch.ops.tileops.softmax(_leaf(4, 33), -1), ["softmax_backward"]),
+    ("log_softmax", lambda: torch.ops.tileops.log_softmax(_leaf(4, 33), -1), ["log_softmax_backward"]),
+    ("gemm", lambda: torch.ops.tileops.gemm(_leaf(5, 24, dtype=torch.bfloat16), _leaf(24, 16, dtype=torch.bfloat16)), ["gemm_nt", "gemm_tn"]),
+    ("gemm_nt", lambda: torch.ops.tileops.gemm_nt(_leaf(5, 24, dtype=torch.bfloat16), _leaf(16, 24, dtype=torch.bfloat16)), ["gemm", "gemm_tn"]),
+    ("linear", lambda: torch.ops.tileops.linear(_leaf(5, 24, dtype=torch.bfloat16), _leaf(16, 24, dtype=torch.bfloat16), _leaf(16, dtype=torch.bfloat16), "none"), ["bias_grad", "gemm", "gemm_tn"]),
+    ("linear gelu_tanh", lambda: torch.ops.tileops.linear(_leaf(5, 24, dtype=torch.bfloat16), _leaf(16, 24, dtype=torch.bfloat16), _leaf(16, dtype=torch.bfloat16), "gelu_tanh"), ["linear", "act_grad", "gemm", "gemm_tn"]),
+    ("layer_norm", lambda: torch.ops.tileops.layer_norm(_leaf(4, 40), _leaf(40), _leaf(40))[0], ["layer_norm_backward"]),
+    ("add_layer_norm", lambda: torch.ops.tileops.add_layer_norm(_leaf(4, 40), _leaf(4, 40), _leaf(40), _leaf(40))[1], ["add_layer_norm_backward"]),
+    ("flash_attn", lambda: torch.ops.tileops.flash_attn(*(_leaf(1, 9, 2, 64, dtype=torch.bfloat16) for _ in range(3))), ["flash_attn_backward"]),
+    ("flash_attn_qkvpacked", lambda: torch.ops.tileops.flash_attn_qkvpacked(_leaf(1, 9, 3, 2, 64, dtype=torch.bfloat16)), ["flash_attn_qkvpacked_backward"]),
+]
+
+
+@pytest.mark.parametrize("forward, backward_ops", [f[1:] for f in _FORMULAS], ids=[f[0] for f in _FORMULAS])
+def test_every_backward_formula_calls_its_ops_directly(monkeypatch, forward, backward_ops):
+    # A formula that went back to torch.ops.tileops.X would pass every gradient test but pay the
+    # dispatcher's crossing on each call: the CPU implementations must be reached directly.
+    from tilelang_ops import _library
+
+    by_name = {op.name: op for op in _library.OPS}
+    called = []
+    for name in backward_ops:
+        impls = by_name[name].impls
+        real = impls[torch._C.DispatchKey.CPU]
+        monkeypatch.setitem(impls, torch._C.DispatchKey.CPU, lambda *a, _n=name, _f=real: called.append(_n) or _f(*a))
+    out = forward()
+    out.backward(torch.randn_like(out))
+    assert sorted(set(called)) == sorted(backward_ops), called
