@@ -17,8 +17,8 @@ from benchmarks._timing import host_us, table, write_json
 from tilelang_ops import _library
 
 
-def cases():
-    dev, bf = "cuda", torch.bfloat16
+def cases(dev: str = "cuda"):
+    bf = torch.bfloat16
 
     def leaf(*shape):
         return torch.randn(*shape, device=dev, dtype=bf, requires_grad=True)

@@ -81,7 +81,18 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--warm-check", action="store_true", help="compile (sm_90a) every kernel `tileops check` loads on a GPU, then exit")
+    p.add_argument("--warm-overhead", action="store_true", help="compile (sm_90a) every kernel benchmarks.overhead and diag_backward_host load, then exit")
     a = p.parse_args(argv)
+    if a.warm_overhead:
+        from benchmarks import diag_backward_host, overhead
+
+        install_standin(compile_kernels=True)
+        for _, op, args, _ in overhead.cases("cpu"):
+            op.op(*(args() if callable(args) else args))
+        for _, ours, _ in diag_backward_host.cases("cpu"):
+            ours()
+        print(f"{runtime.compiled_count()} kernels loaded or compiled")
+        return
     if a.warm_check:
         from tilelang_ops.ops import ALL_OPS
 

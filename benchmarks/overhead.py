@@ -23,8 +23,8 @@ from tilelang_ops.ops import attention, elementwise, gemm, norm, softmax
 CUDA = torch._C.DispatchKey.CUDA
 
 
-def cases():
-    dev, bf = "cuda", torch.bfloat16
+def cases(dev: str = "cuda"):
+    bf = torch.bfloat16
     ops = torch.ops.tileops
     a, b = torch.randn(1024, device=dev, dtype=bf), torch.randn(1024, device=dev, dtype=bf)
     x = torch.randn(8, 1024, device=dev, dtype=bf)
