@@ -19,4 +19,5 @@ python -m benchmarks.warm_norm_cache -j 2 --sweep | tail -1
 python -m benchmarks.warm_gemm_cache --only train | tail -1  # examples/train_gpt.py's fused MLP (attention: --train)
 python -m benchmarks.warm_attention_cache --train | tail -1
 python -m benchmarks.host_standin --warm-check | tail -1  # what `tileops check` loads on the GPU (all ops, all shapes)
+python -m benchmarks.host_standin --warm-overhead | tail -1  # what benchmarks.overhead and diag_backward_host load
 bash benchmarks/pack_cache.sh "$TILELANG_CACHE_DIR" .tl-carry/warm-start
