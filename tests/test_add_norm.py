@@ -212,8 +212,15 @@ def test_cuda_every_element_written_and_deterministic(combo):
             launch(dy, h, w, mean, rstd, *([dh] if with_dh else []), outs[0], outs[1], partials, outs[2], outs[3])
             want = [t.to("cuda") for t in tilelang_ops.reference.add_layer_norm_backward(dy.cpu(), None if dh is None else dh.cpu(), h.cpu(), w.cpu(), mean.cpu(), rstd.cpu(), r.dtype)]
             tol = max(GRAD_REL[d] for d in (x.dtype, r.dtype, w.dtype, odt))
-            for name, got, ref_t in zip(("dx", "dresidual", "dweight", "dbias"), outs, want):
-                assert torch.isfinite(got).all(), f"{shape} {name}: unwritten or non-finite elements"
-                assert rel_err(got, ref_t) <= tol, f"{shape} {name}: {rel_err(got, ref_t):.2e}"
-            again = torch.ops.tileops.add_layer_norm_backward(dy, dh, h, w, mean, rstd, r.dtype)
-            assert all(torch.equal(a, o) for a, o in zip(again, outs)), "the backward must be deterministic"
+            # ... and the one-CTA variant (the op's for up to SINGLE_STEPS row steps), no partials
+            single = N._bwd_kernel(n, x.dtype, w.dtype, odt, x.device, r.dtype, with_dh, True)[0]
+            outs1 = [torch.full_like(o, float("nan")) for o in outs]
+            single(dy, h, w, mean, rstd, *([dh] if with_dh else []), *outs1)
+            for variant, got_all in (("partials", outs), ("single", outs1)):
+                for name, got, ref_t in zip(("dx", "dresidual", "dweight", "dbias"), got_all, want):
+                    assert torch.isfinite(got).all(), f"{shape} {variant} {name}: unwritten or non-finite elements"
+                    assert rel_err(got, ref_t) <= tol, f"{shape} {variant} {name}: {rel_err(got, ref_t):.2e}"
+            op = lambda: torch.ops.tileops.add_layer_norm_backward(dy, dh, h, w, mean, rstd, r.dtype)  # noqa: E731
+            first, again = op(), op()
+            assert all(torch.equal(a, o) for a, o in zip(again, first)), "the backward must be deterministic"
+            assert all(torch.equal(a, o) for a, o in zip(first, outs1 if m <= N.SINGLE_STEPS * bm else outs)), "the op runs these launchers"

@@ -346,6 +346,12 @@ def test_cuda_kernels_write_every_element(case):
     tol = _worst(dtype, wdtype, od)
     for name, got, want in (("dx", dx, ref[0].grad), ("dw", dw, ref[1].grad), ("db", db, ref[2].grad)):
         assert rel_err(got, want) <= tol, (name, rel_err(got, want))
+    if m <= 20000:  # the one-CTA variant (the op's for up to SINGLE_STEPS row steps) at any row count
+        single = N._bwd_kernel(n, dtype, wdtype, od, x.device, single=True)[0]
+        dx, dw, db = nan(m, n, dtype=dtype), nan(n, dtype=wdtype), nan(n, dtype=wdtype)
+        single(dy, x, w, mean, rstd, dx, dw, db)
+        for name, got, want in (("dx", dx, ref[0].grad), ("dw", dw, ref[1].grad), ("db", db, ref[2].grad)):
+            assert rel_err(got, want) <= tol, ("single", name, rel_err(got, want))
 
 
 @pytest.mark.gpu

@@ -664,7 +664,7 @@ def _fold_partials(n: int, dtype: str, MB):
 
 
 @kernel("gemm", "act_grad")
-def act_grad_kernel(config: ActGradConfig, *, n: int, dtype: str, activation: str, bias_grad: bool = True):
+def act_grad_kernel(config: ActGradConfig, *, n: int, dtype: str, activation: str, bias_grad: bool = True, single: bool = False):
     """dZ = dY * act'(Z), and with bias_grad the bias gradient DB = column sums of dZ (in dtype).
 
     One pass over two (M, n) inputs. With bias_grad, the same launch (one host call: a second
@@ -672,38 +672,69 @@ def act_grad_kernel(config: ActGradConfig, *, n: int, dtype: str, activation: st
     block_M rows, ceil(M/block_M)·n (~1.5% extra traffic in bf16), and a second kernel folds them
     in a fixed order (deterministic, no atomics). For relu, Z may be the activation's output:
     relu'(z) = [z > 0] = [relu(z) > 0].
+
+    single (with bias_grad; for a few row blocks): one kernel, no partials. Each CTA walks every
+    row block of its column panel and writes DB itself; a second kernel launch costs more host
+    time (~4.5 µs on the H200 host) than these rows take on the GPU.
     """
     bm, bn = config.block_M, config.block_N
     M = T.dynamic("M")
     MB = T.dynamic("MB")  # = ceil(M / block_M): the op allocates the partials so
 
     @T.macro
+    def dz_tile(DY, Z, DZ, g, by, bx):
+        """g = one (bm, bn) tile of dZ (0 outside the matrix), stored to DZ."""
+        T.clear(g)
+        # Full tiles run branch-free (vectorized); only ragged edge tiles pay for guards.
+        if by * bm + bm <= M and bx * bn + bn <= n:
+            for i, j in T.Parallel(bm, bn):
+                g[i, j] = T.Cast("float32", DY[by * bm + i, bx * bn + j]) * _act_grad(T.Cast("float32", Z[by * bm + i, bx * bn + j]), activation)
+                DZ[by * bm + i, bx * bn + j] = T.Cast(dtype, g[i, j])
+        else:
+            for i, j in T.Parallel(bm, bn):
+                if by * bm + i < M:
+                    if bx * bn + j < n:
+                        g[i, j] = T.Cast("float32", DY[by * bm + i, bx * bn + j]) * _act_grad(T.Cast("float32", Z[by * bm + i, bx * bn + j]), activation)
+                        DZ[by * bm + i, bx * bn + j] = T.Cast(dtype, g[i, j])
+
+    @T.macro
     def dz_body(DY, Z, DZ, P):
         with T.Kernel(T.ceildiv(n, bn), T.ceildiv(M, bm), threads=config.threads) as (bx, by):
             g = T.alloc_fragment((bm, bn), "float32")
             colsum = T.alloc_fragment((bn,), "float32")
-            T.clear(g)
-            # Full tiles run branch-free (vectorized); only ragged edge tiles pay for guards.
-            if by * bm + bm <= M and bx * bn + bn <= n:
-                for i, j in T.Parallel(bm, bn):
-                    g[i, j] = T.Cast("float32", DY[by * bm + i, bx * bn + j]) * _act_grad(T.Cast("float32", Z[by * bm + i, bx * bn + j]), activation)
-                    DZ[by * bm + i, bx * bn + j] = T.Cast(dtype, g[i, j])
-            else:
-                for i, j in T.Parallel(bm, bn):
-                    if by * bm + i < M:
-                        if bx * bn + j < n:
-                            g[i, j] = T.Cast("float32", DY[by * bm + i, bx * bn + j]) * _act_grad(T.Cast("float32", Z[by * bm + i, bx * bn + j]), activation)
-                            DZ[by * bm + i, bx * bn + j] = T.Cast(dtype, g[i, j])
+            dz_tile(DY, Z, DZ, g, by, bx)
             if bias_grad:
                 T.reduce_sum(g, colsum, dim=0)
                 for j in T.Parallel(bn):
                     if bx * bn + j < n:
                         P[by, bx * bn + j] = colsum[j]
 
+    @T.macro
+    def single_body(DY, Z, DZ, DB):
+        with T.Kernel(T.ceildiv(n, bn), threads=config.threads) as bx:
+            g = T.alloc_fragment((bm, bn), "float32")
+            acc = T.alloc_fragment((bm, bn), "float32")
+            colsum = T.alloc_fragment((bn,), "float32")
+            T.clear(acc)
+            for by in T.serial(T.ceildiv(M, bm)):
+                dz_tile(DY, Z, DZ, g, by, bx)
+                for i, j in T.Parallel(bm, bn):
+                    acc[i, j] += g[i, j]
+            T.reduce_sum(acc, colsum, dim=0)
+            for j in T.Parallel(bn):
+                if bx * bn + j < n:
+                    DB[bx * bn + j] = T.Cast(dtype, colsum[j])
+
     colsum_body = _fold_partials(n, dtype, MB)
 
     # T.prim_func needs an explicit signature per argument list: with and without the bias gradient.
-    if bias_grad:
+    if bias_grad and single:
+
+        @T.prim_func
+        def act_grad(DY: T.Tensor((M, n), dtype), Z: T.Tensor((M, n), dtype), DZ: T.Tensor((M, n), dtype), DB: T.Tensor((n,), dtype)):
+            single_body(DY, Z, DZ, DB)
+
+    elif bias_grad:
 
         @T.prim_func
         def act_grad(
@@ -735,7 +766,7 @@ def default_bias_grad_config(arch: str, n: int) -> BiasGradConfig:
 
 
 @kernel("gemm", "bias_grad")
-def bias_grad_kernel(config: BiasGradConfig, *, n: int, dtype: str):
+def bias_grad_kernel(config: BiasGradConfig, *, n: int, dtype: str, single: bool = False):
     """DB = column sums of DY (M, n), fp32 accumulation, written in dtype: the bias gradient of a
     linear layer without activation (with one, act_grad_kernel folds it into dZ's pass).
 
@@ -743,30 +774,51 @@ def bias_grad_kernel(config: BiasGradConfig, *, n: int, dtype: str):
     registers and writes one fp32 partial row; a second kernel of the same launch (one host call)
     folds the partials in a fixed order (deterministic). PyTorch's `dy.sum(0)` runs this column
     reduction at about 1.7 TB/s on an H200 (a GPT step's profile).
+
+    single (for up to a few row blocks): one kernel, no partials: each CTA sums all M rows of its
+    panel and writes DB (a second launch costs more host time than a few row blocks take).
     """
     bm, bn, steps = config.block_M, config.block_N, config.steps
     M = T.dynamic("M")
     MB = T.dynamic("MB")  # = ceil(M / (block_M · steps)): the op allocates the partials so
     fold = _fold_partials(n, dtype, MB)
 
+    @T.macro
+    def panel_sum(DY, colsum, bx, r_first, nblocks):
+        """colsum = sums of rows [r_first, r_first + nblocks·bm) ∩ [0, M) of column panel bx."""
+        acc = T.alloc_fragment((bm, bn), "float32")
+        T.clear(acc)
+        for s in T.serial(nblocks):
+            r0 = r_first + s * bm
+            # Full blocks run branch-free (vectorized); only ragged edges pay for guards.
+            if r0 + bm <= M and bx * bn + bn <= n:
+                for i, j in T.Parallel(bm, bn):
+                    acc[i, j] += T.Cast("float32", DY[r0 + i, bx * bn + j])
+            else:
+                for i, j in T.Parallel(bm, bn):
+                    if r0 + i < M:
+                        if bx * bn + j < n:
+                            acc[i, j] += T.Cast("float32", DY[r0 + i, bx * bn + j])
+        T.reduce_sum(acc, colsum, dim=0)
+
+    if single:
+
+        @T.prim_func
+        def bias_grad(DY: T.Tensor((M, n), dtype), DB: T.Tensor((n,), dtype)):
+            with T.Kernel(T.ceildiv(n, bn), threads=config.threads) as bx:
+                colsum = T.alloc_fragment((bn,), "float32")
+                panel_sum(DY, colsum, bx, 0, T.ceildiv(M, bm))
+                for j in T.Parallel(bn):
+                    if bx * bn + j < n:
+                        DB[bx * bn + j] = T.Cast(dtype, colsum[j])
+
+        return bias_grad
+
     @T.prim_func
     def bias_grad(DY: T.Tensor((M, n), dtype), P: T.Tensor((MB, n), "float32"), DB: T.Tensor((n,), dtype)):
         with T.Kernel(T.ceildiv(n, bn), T.ceildiv(M, bm * steps), threads=config.threads) as (bx, by):
-            acc = T.alloc_fragment((bm, bn), "float32")
             colsum = T.alloc_fragment((bn,), "float32")
-            T.clear(acc)
-            for s in T.serial(steps):
-                r0 = (by * steps + s) * bm
-                # Full blocks run branch-free (vectorized); only ragged edges pay for guards.
-                if r0 + bm <= M and bx * bn + bn <= n:
-                    for i, j in T.Parallel(bm, bn):
-                        acc[i, j] += T.Cast("float32", DY[r0 + i, bx * bn + j])
-                else:
-                    for i, j in T.Parallel(bm, bn):
-                        if r0 + i < M:
-                            if bx * bn + j < n:
-                                acc[i, j] += T.Cast("float32", DY[r0 + i, bx * bn + j])
-            T.reduce_sum(acc, colsum, dim=0)
+            panel_sum(DY, colsum, bx, by * steps * bm, steps)
             for j in T.Parallel(bn):
                 if bx * bn + j < n:
                     P[by, bx * bn + j] = colsum[j]
@@ -791,5 +843,7 @@ REPRESENTATIVE = [
     (matmul_kernel, tn_split_config(3072, 768), dict(layout="tn", n=768, k=0, rows=3072, dtype="bfloat16", batched=False, bias=False, activation="none", save_preact=False)),
     (act_grad_kernel, ActGradConfig(), dict(n=4096, dtype="bfloat16", activation="gelu_tanh")),
     (act_grad_kernel, ActGradConfig(), dict(n=4096, dtype="bfloat16", activation="gelu_tanh", bias_grad=False)),
+    (act_grad_kernel, ActGradConfig(), dict(n=4096, dtype="bfloat16", activation="gelu_tanh", single=True)),
     (bias_grad_kernel, BiasGradConfig(), dict(n=4096, dtype="bfloat16")),
+    (bias_grad_kernel, BiasGradConfig(), dict(n=4096, dtype="bfloat16", single=True)),
 ]

@@ -168,9 +168,10 @@ class FoldConfig:
 
 
 @T.macro
-def _fold_rows(acc, red, col, P, t: int, bx, n: int, k: int, bm: int, w: int, threads: int):
+def _fold_rows(acc, red, col, P, t: int, bx, n: int, k: int, bm: int, w: int, threads: int, out=None, odtype: str = ""):
     """P[t, bx, :] = acc summed over its bm row slots (a fixed order): through shared memory
-    (bm, k * w), then each thread folds one column at a time (any n, any thread count)."""
+    (bm, k * w), then each thread folds one column at a time (any n, any thread count). With
+    `out` (a one-CTA grid), the sums go to out (n,) in odtype instead: they are the result."""
     for kk, i, j in T.Parallel(k, bm, w):
         red[i, kk * w + j] = acc[kk, i, j]
     for c in T.serial(T.ceildiv(n, threads)):
@@ -179,19 +180,25 @@ def _fold_rows(acc, red, col, P, t: int, bx, n: int, k: int, bm: int, w: int, th
             if c * threads + x < n:
                 for i in T.serial(bm):
                     col[x] = col[x] + red[i, c * threads + x]
-                P[t, bx, c * threads + x] = col[x]
+                if out is None:
+                    P[t, bx, c * threads + x] = col[x]
+                else:
+                    out[c * threads + x] = T.Cast(odtype, col[x])
 
 
 @kernel("norm", "layer_norm_bwd")
-def layer_norm_bwd(config: NormConfig, n: int, dtype: str, wdtype: str, dydtype: str, dh: bool = False, rdtype: str = ""):
+def layer_norm_bwd(config: NormConfig, n: int, dtype: str, wdtype: str, dydtype: str, dh: bool = False, rdtype: str = "", single: bool = False):
     """DX from DY, X, W, Mean, Rstd; DW, DB through per-CTA partials P[0] (dw), P[1] (db).
 
     add_layer_norm's backward (rdtype given): X is H = x + residual; DX = H's gradient through the
     norm plus, with dh, DH (H's gradient from its other uses: the residual stream), written once
     more as DR in rdtype (the residual branch's gradient, e.g. bf16 under autocast: no add or
-    cast kernel after this one)."""
+    cast kernel after this one).
+
+    single (for a few row blocks): one CTA walks every row and writes DW, DB itself: one kernel,
+    no P (no fold launch, which costs the host more than these rows take on the GPU)."""
     M = T.dynamic("M")
-    G = T.dynamic("G")  # CTAs of the row pass = partial rows; the op sizes P (2, G, n)
+    G = 1 if single else T.dynamic("G")  # CTAs of the row pass = partial rows; the op sizes P (2, G, n)
     bm, threads = config.block_m, config.threads
     k, w = row_tile(config, n, dtype)
     fold = FoldConfig()
@@ -251,31 +258,71 @@ def layer_norm_bwd(config: NormConfig, n: int, dtype: str, wdtype: str, dydtype:
                         if (r0 + i < M) and (kk * w + j < n):
                             DX[r0 + i, kk * w + j] = T.Cast(dtype, rs[i] * (g[kk, i, j] - (x[kk, i, j] * c1[i] + c2[i]) * (1.0 / n)))
             # Fold the CTA's bm row slots through shared memory: one partial row per CTA.
-            _fold_rows(dw, red, col, P, 0, bx, n, k, bm, w, threads)
-            _fold_rows(db, red, col, P, 1, bx, n, k, bm, w, threads)
+            if single:
+                _fold_rows(dw, red, col, None, 0, bx, n, k, bm, w, threads, DW, wdtype)
+                _fold_rows(db, red, col, None, 1, bx, n, k, bm, w, threads, DB, wdtype)
+            else:
+                _fold_rows(dw, red, col, P, 0, bx, n, k, bm, w, threads)
+                _fold_rows(db, red, col, P, 1, bx, n, k, bm, w, threads)
+        if not single:  # the fold of the partials: a second kernel of the same host call
 
-        # Both sums in one CTA, stored unconditionally: with an if/else on the output, TileLang's
-        # 16-bit store vectorization hoisted both stores out of the branch (one of them from an
-        # uninitialized buffer: wrong bf16/fp16 dweight and dbias, caught by the GPU tests).
-        with T.Kernel(T.ceildiv(n, fbn), threads=fold.threads) as bx:
-            acc_w = T.alloc_fragment((rb, fbn), _ACC)
-            acc_b = T.alloc_fragment((rb, fbn), _ACC)
-            total_w = T.alloc_fragment((fbn,), _ACC)
-            total_b = T.alloc_fragment((fbn,), _ACC)
-            T.clear(acc_w)
-            T.clear(acc_b)
-            for it in T.serial(T.ceildiv(G, rb)):
-                for i, j in T.Parallel(rb, fbn):
-                    acc_w[i, j] += T.if_then_else((it * rb + i < G) and (bx * fbn + j < n), P[0, it * rb + i, bx * fbn + j], 0.0)
-                for i, j in T.Parallel(rb, fbn):
-                    acc_b[i, j] += T.if_then_else((it * rb + i < G) and (bx * fbn + j < n), P[1, it * rb + i, bx * fbn + j], 0.0)
-            T.reduce_sum(acc_w, total_w, dim=0)
-            T.reduce_sum(acc_b, total_b, dim=0)
-            for j in T.Parallel(fbn):
-                if bx * fbn + j < n:
-                    DW[bx * fbn + j] = T.Cast(wdtype, total_w[j])
-                    DB[bx * fbn + j] = T.Cast(wdtype, total_b[j])
+            # Both sums in one CTA, stored unconditionally: with an if/else on the output, TileLang's
+            # 16-bit store vectorization hoisted both stores out of the branch (one of them from an
+            # uninitialized buffer: wrong bf16/fp16 dweight and dbias, caught by the GPU tests).
+            with T.Kernel(T.ceildiv(n, fbn), threads=fold.threads) as bx:
+                acc_w = T.alloc_fragment((rb, fbn), _ACC)
+                acc_b = T.alloc_fragment((rb, fbn), _ACC)
+                total_w = T.alloc_fragment((fbn,), _ACC)
+                total_b = T.alloc_fragment((fbn,), _ACC)
+                T.clear(acc_w)
+                T.clear(acc_b)
+                for it in T.serial(T.ceildiv(G, rb)):
+                    for i, j in T.Parallel(rb, fbn):
+                        acc_w[i, j] += T.if_then_else((it * rb + i < G) and (bx * fbn + j < n), P[0, it * rb + i, bx * fbn + j], 0.0)
+                    for i, j in T.Parallel(rb, fbn):
+                        acc_b[i, j] += T.if_then_else((it * rb + i < G) and (bx * fbn + j < n), P[1, it * rb + i, bx * fbn + j], 0.0)
+                T.reduce_sum(acc_w, total_w, dim=0)
+                T.reduce_sum(acc_b, total_b, dim=0)
+                for j in T.Parallel(fbn):
+                    if bx * fbn + j < n:
+                        DW[bx * fbn + j] = T.Cast(wdtype, total_w[j])
+                        DB[bx * fbn + j] = T.Cast(wdtype, total_b[j])
 
+    # T.prim_func needs an explicit signature per argument list: plain or add_layer_norm's (with
+    # or without DH), each with partials P or (single) without.
+    if single and rdtype and dh:
+
+        @T.prim_func
+        def add_bwd_single(
+            DY: T.Tensor((M, n), dydtype), X: T.Tensor((M, n), dtype), W: T.Tensor((n,), wdtype),
+            Mean: T.Tensor((M,), _ACC), Rstd: T.Tensor((M,), _ACC), DH: T.Tensor((M, n), dtype),
+            DX: T.Tensor((M, n), dtype), DR: T.Tensor((M, n), rdtype), DW: T.Tensor((n,), wdtype), DB: T.Tensor((n,), wdtype),
+        ):
+            body(DY, X, W, Mean, Rstd, DH, DX, DR, None, DW, DB)
+
+        return add_bwd_single
+    if single and rdtype:
+
+        @T.prim_func
+        def add_bwd_nodh_single(
+            DY: T.Tensor((M, n), dydtype), X: T.Tensor((M, n), dtype), W: T.Tensor((n,), wdtype),
+            Mean: T.Tensor((M,), _ACC), Rstd: T.Tensor((M,), _ACC),
+            DX: T.Tensor((M, n), dtype), DR: T.Tensor((M, n), rdtype), DW: T.Tensor((n,), wdtype), DB: T.Tensor((n,), wdtype),
+        ):
+            body(DY, X, W, Mean, Rstd, None, DX, DR, None, DW, DB)
+
+        return add_bwd_nodh_single
+    if single:
+
+        @T.prim_func
+        def bwd_single(
+            DY: T.Tensor((M, n), dydtype), X: T.Tensor((M, n), dtype), W: T.Tensor((n,), wdtype),
+            Mean: T.Tensor((M,), _ACC), Rstd: T.Tensor((M,), _ACC),
+            DX: T.Tensor((M, n), dtype), DW: T.Tensor((n,), wdtype), DB: T.Tensor((n,), wdtype),
+        ):
+            body(DY, X, W, Mean, Rstd, None, DX, None, None, DW, DB)
+
+        return bwd_single
     if rdtype and dh:
 
         @T.prim_func
@@ -321,4 +368,6 @@ REPRESENTATIVE = [
     # add_layer_norm: GPT's fp32 stream plus a bf16 branch; the backward with the stream's gradient
     (layer_norm_fwd, default_config(768, "float32"), dict(n=768, dtype="float32", wdtype="float32", odtype="bfloat16", eps=1e-5, rdtype="bfloat16")),
     (layer_norm_bwd, default_config(768, "float32", True), dict(n=768, dtype="float32", wdtype="float32", dydtype="bfloat16", dh=True, rdtype="bfloat16")),
+    # a few rows: the one-CTA backward (no partials, no fold kernel)
+    (layer_norm_bwd, default_config(4096, "bfloat16", True), dict(n=4096, dtype="bfloat16", wdtype="bfloat16", dydtype="bfloat16", single=True)),
 ]

@@ -189,11 +189,17 @@ def _with_workspace(launch, cfg, rows: int, n: int):
     return lambda a, b, c: launch(a, b, c, torch.empty(split, rows, n, dtype=torch.float32, device=c.device))
 
 
-def _act_grad_kernel(device, n, dtype, activation, bias_grad):
+# Up to this many rows, the bias gradient is summed by the dz kernel itself (one launch, no fp32
+# partials: the kernels' `single` variant); a second launch costs the host ~4.5 µs (H200 host),
+# more than these rows take on the GPU.
+ACT_GRAD_SINGLE_ROWS = 128
+
+
+def _act_grad_kernel(device, n, dtype, activation, bias_grad, single=False):
     """(launcher, block_M): dz, and with bias_grad the bias gradient, in one host call (the
     launcher runs two kernels then: dz with per-block_M-rows fp32 partial column sums, and the
-    fold of those partials)."""
-    key = (device.index, "act_grad", n, dtype, activation, bias_grad)
+    fold of those partials; with single, one kernel and no partials)."""
+    key = (device.index, "act_grad", n, dtype, activation, bias_grad, single)
     hit = _kernels.get(key)
     if hit is None:
         from ..kernels import gemm as K
@@ -201,15 +207,18 @@ def _act_grad_kernel(device, n, dtype, activation, bias_grad):
         arch = runtime.arch_for_device(device)
         cfg = K.default_act_grad_config(arch, n)
         static = dict(n=n, dtype=TL_DTYPE[dtype], activation=activation, bias_grad=bias_grad)
+        if single:
+            static["single"] = True
         hit = _kernels[key] = ((runtime.launcher(K.act_grad_kernel.compile(cfg, arch, **static)), cfg.block_M), ("act_grad", cfg, static))
     _last["act_grad"] = hit[1]
     return hit[0]
 
 
-def _bias_grad_kernel(device, n, dtype):
+def _bias_grad_kernel(device, n, dtype, single=False):
     """(launcher, rows per partial): the column sums of an (M, n) tensor in one host call (two
-    kernels: fp32 partials per block of rows, then their fold)."""
-    key = (device.index, "bias_grad", n, dtype)
+    kernels: fp32 partials per block of rows, then their fold; with single, one kernel summing
+    every row, what the op takes for up to `rows per partial` rows)."""
+    key = (device.index, "bias_grad", n, dtype, single)
     hit = _kernels.get(key)
     if hit is None:
         from ..kernels import gemm as K
@@ -217,6 +226,8 @@ def _bias_grad_kernel(device, n, dtype):
         arch = runtime.arch_for_device(device)
         cfg = K.default_bias_grad_config(arch, n)
         static = dict(n=n, dtype=TL_DTYPE[dtype])
+        if single:
+            static["single"] = True
         hit = _kernels[key] = ((runtime.launcher(K.bias_grad_kernel.compile(cfg, arch, **static)), cfg.block_M * cfg.steps), ("bias_grad", cfg, static))
     _last["bias_grad"] = hit[1]
     return hit[0]
@@ -543,6 +554,10 @@ def _(dy, z, activation, bias_grad):
     dz = dy.new_empty(M, N)
     if dy.numel() == 0:
         return dz, (dy.new_zeros(N) if bias_grad else dy.new_empty(0))
+    if bias_grad and M <= ACT_GRAD_SINGLE_ROWS:
+        db = dy.new_empty(N)
+        _act_grad_kernel(dy.device, N, dy.dtype, activation, True, True)[0](ready(dy), ready(z), dz, db)
+        return dz, db
     kern, bm = _act_grad_kernel(dy.device, N, dy.dtype, activation, bias_grad)
     if not bias_grad:
         kern(ready(dy), ready(z), dz)
@@ -584,6 +599,9 @@ def _(dy):
         return dy.new_zeros(N)
     kern, rows = _bias_grad_kernel(dy.device, N, dy.dtype)
     db = dy.new_empty(N)
+    if M <= rows:  # one block of rows: the one-kernel variant, no partials
+        _bias_grad_kernel(dy.device, N, dy.dtype, True)[0](ready(dy), db)
+        return db
     partial = torch.empty(-(-M // rows), N, dtype=torch.float32, device=dy.device)  # one fp32 row per `rows` rows
     kern(ready(dy), partial, db)
     return db

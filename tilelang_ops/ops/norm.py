@@ -129,16 +129,25 @@ def _fwd_kernel(n, dtype, wdtype, odtype, eps, device, rdtype=None):
     return k
 
 
-def _bwd_kernel(n, dtype, wdtype, dydtype, device, rdtype=None, dh=False):
+# Up to this many row steps (block_m rows each), one CTA runs the whole backward and writes dw, db
+# itself (the kernel's `single` variant): no partials, no fold kernel, whose launch costs the host
+# more (~4.5 µs on the H200 host) than a few steps take on the GPU.
+SINGLE_STEPS = 4
+
+
+def _bwd_kernel(n, dtype, wdtype, dydtype, device, rdtype=None, dh=False, single=False):
     """(launcher, most CTAs, rows per CTA step): bwd_grid's arguments come with the kernel.
-    rdtype: add_layer_norm's backward (dx also written in rdtype; with dh, dh added to dx)."""
-    key = ("bwd", n, dtype, wdtype, dydtype, device.index, rdtype, dh)
+    rdtype: add_layer_norm's backward (dx also written in rdtype; with dh, dh added to dx).
+    single: the one-CTA kernel (no partials argument)."""
+    key = ("bwd", n, dtype, wdtype, dydtype, device.index, rdtype, dh, single)
     k = _kernels.get(key)
     if k is None:
         from ..kernels import norm as K
 
         cfg = K.default_config(n, TL_DTYPE[dtype], True)
         extra = {} if rdtype is None else {"rdtype": TL_DTYPE[rdtype], "dh": dh}
+        if single:
+            extra["single"] = True
         compiled = compile_kernel("bwd", n, runtime.arch_for_device(device), cfg, dtype=dtype, wdtype=wdtype, dydtype=dydtype, **extra)
         k = _kernels[key] = (runtime.launcher(compiled), runtime.sm_count(device) * cfg.ctas_per_sm, cfg.block_m)
     return k
@@ -227,24 +236,29 @@ def layer_norm_backward(dy, x, weight, mean, rstd):
 
 def _bwd_cuda(dy, x, weight, mean, rstd, dh=None, residual_dtype=None) -> tuple:
     """(dx, dw, db); with residual_dtype (add_layer_norm's backward) (dx, dresidual, dw, db)."""
-    n, dev = x.shape[-1], x.device
+    n, dev, nd = x.shape[-1], x.device, x.dim()
     m = x.numel() // n if n else math.prod(x.shape[:-1])
     wdtype = x.dtype if weight is None else weight.dtype
-    dx = torch.empty(x.shape, dtype=x.dtype, device=dev)
-    dr = () if residual_dtype is None else (torch.empty(x.shape, dtype=residual_dtype, device=dev),)
+    # Allocated as the kernel takes them, (M, n), by integer sizes (a torch.Size argument costs ~1 µs
+    # more per allocation); viewed as x's shape on return.
+    dx = x.new_empty(m, n)
+    dr = () if residual_dtype is None else (torch.empty(m, n, dtype=residual_dtype, device=dev),)
     dw = torch.empty(n, dtype=wdtype, device=dev)
     db = torch.empty(n, dtype=wdtype, device=dev)
     if m == 0 or n == 0:
-        return dx, *dr, dw.zero_(), db.zero_()
+        return dx.view(x.shape), *(t.view(x.shape) for t in dr), dw.zero_(), db.zero_()
     check_rows(m)
     w = ready(weight) if weight is not None else _affine(None, None, x)[0]
     launch, ctas, bm = _bwd_kernel(n, x.dtype, wdtype, dy.dtype, dev, residual_dtype, dh is not None)
-    partials = torch.empty(2, bwd_grid(m, ctas, bm), n, dtype=torch.float32, device=dev)
-    nd = x.dim()
+    if m <= SINGLE_STEPS * bm:
+        launch, partials = _bwd_kernel(n, x.dtype, wdtype, dy.dtype, dev, residual_dtype, dh is not None, True)[0], ()
+    else:
+        partials = (torch.empty(2, bwd_grid(m, ctas, bm), n, dtype=torch.float32, device=dev),)
     dh_in = () if dh is None else (_as_rows(dh, m, nd),)
-    dr_out = tuple(_as_rows(t, m, nd) for t in dr)
-    launch(_as_rows(dy, m, nd), _as_rows(x, m, nd), w, _as_rows(mean, m, nd), _as_rows(rstd, m, nd), *dh_in, _as_rows(dx, m, nd), *dr_out, partials, dw, db)
-    return dx, *dr, dw, db
+    launch(_as_rows(dy, m, nd), _as_rows(x, m, nd), w, _as_rows(mean, m, nd), _as_rows(rstd, m, nd), *dh_in, dx, *dr, *partials, dw, db)
+    if nd == 2:
+        return dx, *dr, dw, db
+    return dx.view(x.shape), *(t.view(x.shape) for t in dr), dw, db
 
 
 @layer_norm_backward.register_kernel("cuda")
