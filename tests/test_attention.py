@@ -41,6 +41,9 @@ GPU_SHAPES = [
     (1, 1000, 300, 4, 4, 128),  # Sq > Sk: leading rows see no key
     (1, 129, 257, 4, 2, 256),  # head dim 256, tails in both lengths
     (1, 1, 4097, 2, 2, 128),  # decode-like: one query, long cache
+    # up to SMALL_BWD_KEYS keys the backward is one kernel (flash_bwd_small): GQA, both offsets
+    (2, 77, 100, 8, 2, 64),  # Sq < Sk, GQA 4
+    (1, 300, 128, 4, 1, 128),  # Sq > Sk (rows that see no key), exactly one key block, MQA
 ]
 
 
@@ -1086,7 +1089,7 @@ def test_backward_path_follows_deterministic_flag(det, with_dlse, monkeypatch):
     from tilelang_ops.ops import attention as ops
 
     launched = _launch_recorder(monkeypatch)
-    q, k, v = _inputs((2, 33, 40, 8, 2, 64), torch.bfloat16, "cpu", requires_grad=False)
+    q, k, v = _inputs((2, 33, ops.SMALL_BWD_KEYS + 12, 8, 2, 64), torch.bfloat16, "cpu", requires_grad=False)
     out, lse = torch.ops.tileops.flash_attn_with_lse(q, k, v, True)
     dlse = torch.randn_like(lse) if with_dlse else None
     with _deterministic_algorithms(det):
@@ -1100,6 +1103,36 @@ def test_backward_path_follows_deterministic_flag(det, with_dlse, monkeypatch):
     assert dq.shape == q.shape and dq.dtype == q.dtype and dk.shape == k.shape and dv.shape == v.shape
 
 
+@pytest.mark.parametrize("det", [False, True], ids=["fast", "deterministic"])
+def test_backward_up_to_one_key_block_is_one_kernel(det, monkeypatch):
+    # Up to SMALL_BWD_KEYS keys (D 64/128, no dlse) the whole backward is flash_bwd_small, under
+    # either setting of the flag (it has no atomics); one key more, or D=256, or a dlse, and the
+    # other paths run. The packed op takes it too, writing the slices of its one gradient.
+    from tilelang_ops.ops import attention as ops
+
+    launched = _launch_recorder(monkeypatch)
+    for shape, dlse, want in [
+        ((2, 300, ops.SMALL_BWD_KEYS, 8, 2, 64), False, ["flash_bwd_small"]),
+        ((1, 1, 1, 4, 1, 128), False, ["flash_bwd_small"]),
+        ((2, 33, ops.SMALL_BWD_KEYS + 1, 8, 2, 64), False, ["flash_bwd_prep", "flash_bwd", "flash_bwd_dq"] if det else ["flash_bwd_fused"]),
+        ((1, 5, 7, 2, 2, 256), False, ["flash_bwd_prep", "flash_bwd", "flash_bwd_dq"] if det else ["flash_bwd_fused"]),
+        ((1, 5, 7, 2, 2, 64), True, ["flash_bwd_prep", "flash_bwd", "flash_bwd_dq"] if det else ["flash_bwd_prep", "flash_bwd", "cast_f32"]),
+    ]:
+        q, k, v = _inputs(shape, torch.bfloat16, "cpu", requires_grad=False)
+        out, lse = torch.ops.tileops.flash_attn_with_lse(q, k, v, True)
+        launched.clear()
+        with _deterministic_algorithms(det):
+            dq, dk, dv = ops._flash_bwd_cuda(torch.randn_like(out), q, k, v, out, lse, True, None, torch.randn_like(lse) if dlse else None)
+        assert launched == want, (shape, dlse, launched)
+        assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    qkv = torch.randn(2, 77, 3, 4, 64, dtype=torch.bfloat16)
+    out, lse = torch.ops.tileops.flash_attn_qkvpacked_with_lse(qkv, True)
+    launched.clear()
+    with _deterministic_algorithms(det):
+        dqkv = ops._packed_bwd_cuda(torch.randn_like(out), qkv, out, lse, True)
+    assert launched == ["flash_bwd_small"] and dqkv.shape == qkv.shape
+
+
 def test_fused_backward_scratch_is_one_allocation(monkeypatch):
     """The fast backward's fp32 scratch (the dQ accumulator, Delta, lse2) is three views of one
     allocation: each the shape its kernel parameter has, contiguous, 16-byte aligned (TMA), and
@@ -1110,7 +1143,7 @@ def test_fused_backward_scratch_is_one_allocation(monkeypatch):
     _launch_recorder(monkeypatch)
     record = ops.runtime.launcher
     monkeypatch.setattr(ops.runtime, "launcher", lambda func: lambda *a: (seen.append(a), record(func)(*a)))
-    B, Sq, Sk, H, HK, D = 2, 33, 40, 8, 2, 64
+    B, Sq, Sk, H, HK, D = 2, 33, ops.SMALL_BWD_KEYS + 12, 8, 2, 64  # past one key block (one kernel, no scratch, up to it)
     q, k, v = _inputs((B, Sq, Sk, H, HK, D), torch.bfloat16, "cpu", requires_grad=False)
     out, lse = torch.ops.tileops.flash_attn_with_lse(q, k, v, True)
     seen.clear()

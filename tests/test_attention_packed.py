@@ -161,7 +161,8 @@ def test_qkvpacked_backward_launches(det, monkeypatch):
     launched = _launch_recorder(monkeypatch)
     # a contiguous qkv's slices go to the kernels as they are: no copy
     monkeypatch.setattr(ops, "aligned16", lambda t: pytest.fail("copied a slice of a contiguous qkv"))
-    qkv = _qkv(2, 33, 4, 64, torch.bfloat16, "cpu", requires_grad=False)
+    # (up to SMALL_BWD_KEYS tokens both are one kernel, flash_bwd_small: tests/test_attention.py)
+    qkv = _qkv(2, ops.SMALL_BWD_KEYS + 5, 4, 64, torch.bfloat16, "cpu", requires_grad=False)
     out, lse = torch.ops.tileops.flash_attn_qkvpacked_with_lse(qkv, True)
     with _deterministic_algorithms(det):
         dqkv = ops._packed_bwd_cuda(torch.randn_like(out), qkv, out, lse, True, None, None)

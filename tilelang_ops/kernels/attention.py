@@ -20,6 +20,8 @@ Backward, two paths over the same preprocess (Delta, base-2 LSE):
 - deterministic (torch.use_deterministic_algorithms(True)): flash_bwd(dq=False) for dK/dV, and
   flash_bwd_dq, one CTA per query block, for dQ. Every sum runs in a fixed order inside one CTA,
   so dq, dk, dv are bitwise identical run to run.
+- at most one key block (Sk <= SMALL_BWD_KEYS, head dim 64/128): flash_bwd_small, the whole
+  backward (preprocess included) in one kernel, dQ stored directly; deterministic.
 """
 # No `from __future__ import annotations`: TileLang evaluates the T.Tensor annotations, and a
 # symbolic dim used only there (e.g. HK) must be a live closure variable, not a string.
@@ -1219,6 +1221,118 @@ def flash_bwd_fused_kernel(config: BwdConfig, headdim: int, dtype: str, causal: 
 
 
 # ---------------------------------------------------------------------------------------------
+# Backward when every key fits one block: one kernel, no scratch
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SmallBwdConfig:
+    block_m: int = 128  # keys: all of them (Sk <= block_m)
+    block_n: int = 64  # query rows per step
+    threads: int = 256
+
+    def for_arch(self, arch: str) -> "SmallBwdConfig":
+        return self
+
+
+SMALL_BWD_KEYS = SmallBwdConfig().block_m  # the op takes flash_bwd_small up to this many keys
+SMALL_BWD_HEADDIMS = (64, 128)  # D=256: K, V, dK, dV tiles of 128 keys would not fit shared memory
+
+
+@kernel("attention", "flash_bwd_small", pass_configs=_PASS_CONFIGS)
+def flash_bwd_small_kernel(config: SmallBwdConfig, headdim: int, dtype: str, causal: bool, groups: int, scale: float):
+    """The whole backward for Sk <= block_m keys, in one kernel and without scratch buffers. One CTA
+    per (kv head, batch) holds K, V and the dK, dV accumulators of every key and walks each query
+    block of its GQA group's heads (as flash_bwd's CTA walks them for one key block). The
+    preprocess folds into the walk: Delta = rowsum(dO * O) and the base-2 LSE come from the step's
+    own rows. With a single key block no other CTA adds to a query row's dQ, so the dQ tile is
+    stored once in dtype: no fp32 accumulator, no atomics, no conversion kernel. For short
+    sequences the host path is the cost: one launch instead of three (~4.5 µs each on the H200
+    host) and no scratch allocation. Deterministic."""
+    B = T.dynamic("B")
+    Sq = T.dynamic("Sq")
+    Sk = T.dynamic("Sk")
+    H = T.dynamic("H")
+    HK = T.dynamic("HK")
+    D = headdim
+    bm, bn = config.block_m, config.block_n
+    acc = "float32"
+    scale_log2 = scale * LOG2E
+
+    @T.prim_func
+    def flash_bwd_small(
+        Q: _qkv_param("q", (B, Sq, H, D), dtype),
+        K: _qkv_param("k", (B, Sk, HK, D), dtype),
+        V: _qkv_param("v", (B, Sk, HK, D), dtype),
+        O: T.Tensor((B, Sq, H, D), dtype),
+        dO: T.Tensor((B, Sq, H, D), dtype),
+        LSE: T.Tensor((B, H, Sq), acc),
+        dQ: _qkv_param("dq", (B, Sq, H, D), dtype),  # strided: the packed op's slices of dqkv
+        dK: _qkv_param("dk", (B, Sk, HK, D), dtype),
+        dV: _qkv_param("dv", (B, Sk, HK, D), dtype),
+    ):
+        with T.Kernel(HK, B, threads=config.threads) as (by, bz):
+            k_s = T.alloc_shared((bm, D), dtype)
+            v_s = T.alloc_shared((bm, D), dtype)
+            q_s = T.alloc_shared((bn, D), dtype)
+            do_s = T.alloc_shared((bn, D), dtype)
+            lse_s = T.alloc_shared((bn,), acc)
+            delta_s = T.alloc_shared((bn,), acc)
+            ds_s = T.alloc_shared((bm, bn), dtype)
+            dq_s = T.alloc_shared((bn, D), dtype)
+            out_s = T.alloc_shared((bm, D), dtype)  # dV, then dK, on their way out
+            sT = T.alloc_fragment((bm, bn), acc)  # S^T, then P^T
+            dpT = T.alloc_fragment((bm, bn), acc)  # dP^T = V dO^T
+            pT = T.alloc_fragment((bm, bn), dtype)
+            dsT = T.alloc_fragment((bm, bn), dtype)
+            prod = T.alloc_fragment((bn, D), acc)
+            delta = T.alloc_fragment((bn,), acc)
+            dq = T.alloc_fragment((bn, D), acc)
+            dk = T.alloc_fragment((bm, D), acc)
+            dv = T.alloc_fragment((bm, D), acc)
+
+            offset = Sk - Sq
+            n_q = T.ceildiv(Sq, bn)
+            T.copy(K[bz, 0:bm, by, :], k_s)
+            T.copy(V[bz, 0:bm, by, :], v_s)
+            T.clear(dk)
+            T.clear(dv)
+            for it in T.serial(groups * n_q):
+                h = by * groups + it // n_q
+                qb = it % n_q
+                T.copy(Q[bz, qb * bn : (qb + 1) * bn, h, :], q_s)
+                T.copy(dO[bz, qb * bn : (qb + 1) * bn, h, :], do_s)
+                for i, j in T.Parallel(bn, D):  # the preprocess's Delta, for this step's rows
+                    prod[i, j] = T.if_then_else(qb * bn + i < Sq, T.Cast(acc, O[bz, qb * bn + i, h, j]) * T.Cast(acc, do_s[i, j]), 0)
+                T.reduce_sum(prod, delta, dim=1)
+                for i in T.Parallel(bn):
+                    delta_s[i] = delta[i]
+                    lse_s[i] = T.if_then_else(qb * bn + i < Sq, LSE[bz, h, T.min(qb * bn + i, Sq - 1)] * LOG2E, 0)
+                T.gemm(k_s, q_s, sT, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                T.gemm(v_s, do_s, dpT, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                for i, j in T.Parallel(bm, bn):
+                    # P^T from S^T and the query's base-2 LSE: a select (lse is -inf on a row that
+                    # sees no key, and the tiles' rows past Sk / Sq are zeros)
+                    visible = (i < Sk) & (qb * bn + j < Sq)
+                    if causal:
+                        visible = visible & (i <= qb * bn + j + offset)
+                    sT[i, j] = T.if_then_else(visible, T.exp2(sT[i, j] * scale_log2 - lse_s[j]), 0)
+                T.copy(sT, pT)
+                T.gemm(pT, do_s, dv, policy=T.GemmWarpPolicy.FullRow)  # dV += P^T dO
+                for i, j in T.Parallel(bm, bn):
+                    dsT[i, j] = sT[i, j] * (dpT[i, j] - delta_s[j]) * scale  # dS^T, softmax scale folded in
+                T.copy(dsT, ds_s)
+                T.gemm(dsT, q_s, dk, policy=T.GemmWarpPolicy.FullRow)  # dK += dS^T Q
+                T.gemm(ds_s, k_s, dq, transpose_A=True, clear_accum=True)  # dQ = dS K: complete (one key block)
+                T.copy(dq, dq_s)
+                T.copy(dq_s, dQ[bz, qb * bn : (qb + 1) * bn, h, :])
+            T.copy(dv, out_s)
+            T.copy(out_s, dV[bz, 0:bm, by, :])
+            T.copy(dk, out_s)
+            T.copy(out_s, dK[bz, 0:bm, by, :])
+
+    return flash_bwd_small
+
+
+# ---------------------------------------------------------------------------------------------
 # Deterministic backward: flash_bwd(dq=False) for dK/dV, and dQ from its own kernel
 # ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -1373,6 +1487,7 @@ flash_fwd_kernel = _arch_aware(flash_fwd_kernel)
 flash_bwd_prep_kernel = _arch_aware(flash_bwd_prep_kernel)
 flash_bwd_kernel = _arch_aware(flash_bwd_kernel)
 flash_bwd_fused_kernel = _arch_aware(flash_bwd_fused_kernel)
+flash_bwd_small_kernel = _arch_aware(flash_bwd_small_kernel)
 flash_bwd_dq_kernel = _arch_aware(flash_bwd_dq_kernel)
 cast_f32_kernel = _arch_aware(cast_f32_kernel)
 
@@ -1414,6 +1529,8 @@ REPRESENTATIVE = [
     (flash_bwd_fused_kernel, bwd_default_config(128, False), dict(headdim=128, dtype="bfloat16", causal=False, groups=1, scale=default_scale(128))),
     # the same writing dQ/dK/dV into the slices of one packed (B, S, 3, H, D) gradient (GPT-2's shape)
     (flash_bwd_fused_kernel, bwd_default_config(64, True), dict(headdim=64, dtype="bfloat16", causal=True, groups=1, scale=default_scale(64), packed=True)),
+    # at most SMALL_BWD_KEYS keys: the whole backward in one kernel (GQA: a CTA walks its group's heads)
+    (flash_bwd_small_kernel, SmallBwdConfig(), dict(headdim=128, dtype="bfloat16", causal=True, groups=4, scale=default_scale(128))),
     # deterministic backward: prep without the dQ accumulator, dK/dV only, dQ without atomics
     (flash_bwd_prep_kernel, prep_config(128), dict(headdim=128, dtype="bfloat16", dq=False)),
     (flash_bwd_kernel, bwd_default_config(128, True), dict(headdim=128, dtype="bfloat16", causal=True, groups=1, scale=default_scale(128), dq=False)),

@@ -97,7 +97,12 @@ _KDEFS = {
     "prep": ("flash_bwd_prep_kernel", {}),
     "prep_nodq": ("flash_bwd_prep_kernel", {"dq": False}),
     "cast": ("cast_f32_kernel", {}),
+    "bwd_small": ("flash_bwd_small_kernel", {}),  # at most SMALL_BWD_KEYS keys: the whole backward, one kernel
 }
+# The backward in one kernel (no scratch, no prep/cast launches) up to this many keys, at these head
+# dims (kernels.attention.SMALL_BWD_KEYS / SMALL_BWD_HEADDIMS; that module imports tilelang).
+SMALL_BWD_KEYS = 128
+SMALL_BWD_HEADDIMS = (64, 128)
 # Kernels with every static arg, and the tuned-config entry each resolves its config from
 # (dK/dV-only uses the main backward's: same tiles, minus the dQ work).
 _TUNED_AS = {"fwd": "fwd", "fwd_nolse": "fwd", "bwd": "bwd", "bwd_nodq": "bwd", "bwd_fused": "bwd", "bwd_fused_packed": "bwd", "dq": "dq"}
@@ -106,7 +111,7 @@ _TUNED_AS = {"fwd": "fwd", "fwd_nolse": "fwd", "bwd": "bwd", "bwd_nodq": "bwd", 
 def kernel_static(name: str, headdim: int, causal: bool, groups: int, softmax_scale: Optional[float]) -> dict:
     """The static args kernel `name` takes: every one for the main kernels (softmax_scale None:
     1/sqrt(headdim)), headdim for the preprocess, none for the cast."""
-    if name in _TUNED_AS:
+    if name in _TUNED_AS or name == "bwd_small":
         from ..kernels import attention as K
 
         scale = K.default_scale(headdim) if softmax_scale is None else float(softmax_scale)
@@ -122,6 +127,8 @@ def untuned_config(name: str, headdim: int = 0, causal: bool = False, arch: Opti
 
     if name in _TUNED_AS:
         return K.default_config(headdim, causal, arch, _TUNED_AS[name], seqlen_k)
+    if name == "bwd_small":
+        return K.SmallBwdConfig()
     return K.prep_config(headdim) if name != "cast" else K.CastConfig()
 
 
@@ -365,9 +372,12 @@ def _flash_bwd_cuda(dout, q, k, v, out, lse, causal=False, softmax_scale=None, d
     # Deterministic: dK/dV from the main kernel without its dQ atomics (a GQA group already sums
     # inside one CTA), dQ from its own kernel, one CTA per query block summing its key blocks in a
     # fixed order; no fp32 dQ buffer and no cast, S and dP computed twice.
-    det = _deterministic()
     q, k, v, out, lse = *_qkv3(q, k, v), ready(out), ready(lse)
     dq = q.new_empty(B, Sq, H, D)
+    if Sk <= SMALL_BWD_KEYS and dlse is None and D in SMALL_BWD_HEADDIMS:  # one kernel, deterministic
+        _kernel("bwd_small", dtype, dev, D, causal, groups, softmax_scale)(q, k, v, out, dout, lse, dq, dk, dv)
+        return dq, dk, dv
+    det = _deterministic()
     if not det and dlse is None:  # the common call: preprocess, main kernel and dQ cast in one host call
         _bwd_fused("bwd_fused", dout, q, k, v, out, lse, causal, softmax_scale, dq, dk, dv)
         return dq, dk, dv
@@ -540,6 +550,9 @@ def _packed_bwd_cuda(dout, qkv, out, lse, causal=False, softmax_scale=None, dlse
     if dlse is not None or _deterministic() or qkv.numel() == 0 or S * 3 * H * D > INT32_MAX:
         return torch.stack(_flash_bwd_cuda(dout, q, k, v, out, lse, causal, softmax_scale, dlse), dim=2)
     dqkv = qkv.new_empty(B, S, 3, H, D)
+    if S <= SMALL_BWD_KEYS and D in SMALL_BWD_HEADDIMS:  # one kernel, writing the three slices
+        _kernel("bwd_small", q.dtype, q.device, D, causal, 1, softmax_scale)(q, k, v, ready(out), ready(dout), ready(lse), *dqkv.unbind(2))
+        return dqkv
     # the kernel writes dq through the whole (B, S, 3, H, D) tensor (slice 0), dk and dv through their slices
     _bwd_fused("bwd_fused_packed", ready(dout), q, k, v, ready(out), ready(lse), causal, softmax_scale, dqkv, *dqkv.unbind(2)[1:])
     return dqkv

@@ -189,10 +189,11 @@ def _with_workspace(launch, cfg, rows: int, n: int):
     return lambda a, b, c: launch(a, b, c, torch.empty(split, rows, n, dtype=torch.float32, device=c.device))
 
 
-# Up to this many rows, the bias gradient is summed by the dz kernel itself (one launch, no fp32
-# partials: the kernels' `single` variant); a second launch costs the host ~4.5 µs (H200 host),
-# more than these rows take on the GPU.
-ACT_GRAD_SINGLE_ROWS = 128
+# Up to this many rows (one row block), the bias gradient is summed by the dz kernel itself (one
+# launch, no fp32 partials: the kernels' `single` variant), which is then also faster on the GPU
+# (2.5 against 4.0 µs at 8 x 1024, 4.5 against 6.2 at 64 x 4096; at 128 x 4096 7.4 against 6.3:
+# benchmarks.diag_single_pass, H200, session 26) besides saving the host a launch (~3 µs).
+ACT_GRAD_SINGLE_ROWS = 64
 
 
 def _act_grad_kernel(device, n, dtype, activation, bias_grad, single=False):
