@@ -9,8 +9,8 @@ over sizes around the op's threshold.
 
 Ops: act_grad with the bias gradient (single up to gemm.ACT_GRAD_SINGLE_ROWS rows), bias_grad
 (single up to one CTA's block_M * steps rows), layer_norm_backward (single up to
-norm.SINGLE_STEPS row steps), flash_attn_backward (single up to SMALL_BWD_KEYS keys; its rows
-also give the largest relative difference of dq, dk, dv between the two forms). The single form
+norm.SINGLE_STEPS row steps), flash_attn_backward (single for small problems: ops.attention.
+_small_bwd; its rows also give the largest relative difference of dq, dk, dv between the two forms). The single form
 saves a launch (~4.5 µs of host time) and an allocation; a column-sum one runs on fewer CTAs, so
 past a few row blocks its GPU time grows: the thresholds sit where it is still about as fast.
 Writes $OUT/single_pass.json.
@@ -70,7 +70,7 @@ def _attn_bwd(b, s, h, hk, d, causal=False):
     a = [g.clone() for g in grads]
     two()
     err = max(((x.float() - y.float()).norm() / y.float().norm().clamp_min(1e-30)).item() for x, y in zip(a, grads))
-    return one, two, s <= A.SMALL_BWD_KEYS, err
+    return one, two, A._small_bwd(b, s, s, hk, h // hk, d, q.device), err
 
 
 CASES = [

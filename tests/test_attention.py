@@ -41,9 +41,9 @@ GPU_SHAPES = [
     (1, 1000, 300, 4, 4, 128),  # Sq > Sk: leading rows see no key
     (1, 129, 257, 4, 2, 256),  # head dim 256, tails in both lengths
     (1, 1, 4097, 2, 2, 128),  # decode-like: one query, long cache
-    # up to SMALL_BWD_KEYS keys the backward is one kernel (flash_bwd_small): GQA, both offsets
-    (2, 77, 100, 8, 2, 64),  # Sq < Sk, GQA 4
-    (1, 300, 128, 4, 1, 128),  # Sq > Sk (rows that see no key), exactly one key block, MQA
+    # small problems' backward is one kernel (flash_bwd_small, ops.attention._small_bwd): GQA, both offsets
+    (2, 50, 100, 8, 4, 64),  # Sq < Sk, GQA 2
+    (1, 60, 33, 4, 2, 128),  # Sq > Sk (causal rows that see no key), GQA 2
 ]
 
 
@@ -1104,18 +1104,26 @@ def test_backward_path_follows_deterministic_flag(det, with_dlse, monkeypatch):
 
 
 @pytest.mark.parametrize("det", [False, True], ids=["fast", "deterministic"])
-def test_backward_up_to_one_key_block_is_one_kernel(det, monkeypatch):
-    # Up to SMALL_BWD_KEYS keys (D 64/128, no dlse) the whole backward is flash_bwd_small, under
-    # either setting of the flag (it has no atomics); one key more, or D=256, or a dlse, and the
-    # other paths run. The packed op takes it too, writing the slices of its one gradient.
+def test_small_backward_is_one_kernel(det, monkeypatch):
+    # A small problem's backward (ops.attention._small_bwd: at most SMALL_BWD_KEYS keys, D 64/128,
+    # at most SMALL_BWD_STEPS query blocks per kv head, batch x kv heads within two waves; no
+    # dlse) is flash_bwd_small alone, under either setting of the flag (it has no atomics);
+    # otherwise the other paths run. The packed op takes it too, writing its gradient's slices.
+    from tilelang_ops.kernels import attention as K
     from tilelang_ops.ops import attention as ops
 
+    assert (ops.SMALL_BWD_KEYS, ops.SMALL_BWD_HEADDIMS, ops._SMALL_BWD_QUERIES) == (K.SMALL_BWD_KEYS, K.SMALL_BWD_HEADDIMS, K.SmallBwdConfig().block_n)
     launched = _launch_recorder(monkeypatch)
+    monkeypatch.setattr(ops.runtime, "sm_count", lambda device: 8)  # two waves: 16 CTAs
+    multi = ["flash_bwd_prep", "flash_bwd", "flash_bwd_dq"] if det else ["flash_bwd_fused"]
     for shape, dlse, want in [
-        ((2, 300, ops.SMALL_BWD_KEYS, 8, 2, 64), False, ["flash_bwd_small"]),
-        ((1, 1, 1, 4, 1, 128), False, ["flash_bwd_small"]),
-        ((2, 33, ops.SMALL_BWD_KEYS + 1, 8, 2, 64), False, ["flash_bwd_prep", "flash_bwd", "flash_bwd_dq"] if det else ["flash_bwd_fused"]),
-        ((1, 5, 7, 2, 2, 256), False, ["flash_bwd_prep", "flash_bwd", "flash_bwd_dq"] if det else ["flash_bwd_fused"]),
+        ((2, 100, ops.SMALL_BWD_KEYS, 8, 8, 64), False, ["flash_bwd_small"]),  # 16 CTAs, 2 steps each
+        ((1, 1, 1, 4, 2, 128), False, ["flash_bwd_small"]),  # GQA 2: 2 steps
+        ((2, 33, ops.SMALL_BWD_KEYS + 1, 8, 2, 64), False, multi),  # past one key block
+        ((3, 100, 100, 8, 8, 64), False, multi),  # 24 CTAs: past two waves
+        ((1, 129, 100, 4, 4, 64), False, multi),  # 3 query blocks
+        ((1, 60, 60, 8, 2, 64), False, multi),  # GQA 4: 4 steps
+        ((1, 5, 7, 2, 2, 256), False, multi),  # head dim 256
         ((1, 5, 7, 2, 2, 64), True, ["flash_bwd_prep", "flash_bwd", "flash_bwd_dq"] if det else ["flash_bwd_prep", "flash_bwd", "cast_f32"]),
     ]:
         q, k, v = _inputs(shape, torch.bfloat16, "cpu", requires_grad=False)
@@ -1131,6 +1139,25 @@ def test_backward_up_to_one_key_block_is_one_kernel(det, monkeypatch):
     with _deterministic_algorithms(det):
         dqkv = ops._packed_bwd_cuda(torch.randn_like(out), qkv, out, lse, True)
     assert launched == ["flash_bwd_small"] and dqkv.shape == qkv.shape
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", [(2, 77, 100, 8, 2, 64), (1, 300, 128, 4, 1, 128), (1, 1, 1, 2, 2, 64)], ids=["gqa4", "mqa-sq>sk", "one"])
+def test_flash_bwd_small_kernel_matches_reference(shape, causal):
+    # The one-kernel backward at any size it compiles for (one key block), also where the op
+    # prefers the three-kernel path (GQA walks of 8-20 steps): NaN-filled gradients, float64 reference.
+    from tilelang_ops.ops import attention as ops
+
+    q, k, v = _inputs(shape, torch.bfloat16, "cuda", requires_grad=False)
+    out, lse = torch.ops.tileops.flash_attn_with_lse(q, k, v, causal)
+    dout = torch.randn_like(out)
+    grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+    ops._kernel("bwd_small", q.dtype, q.device, q.shape[3], causal, q.shape[2] // k.shape[2], None)(q, k, v, out, dout, lse, *grads)
+    _, _, ref = _ref(q, k, v, causal, None, dout)
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref):
+        assert rel_err(got, want) <= ATTENTION_REL_ERR[torch.bfloat16], (name, rel_err(got, want))
 
 
 def test_fused_backward_scratch_is_one_allocation(monkeypatch):

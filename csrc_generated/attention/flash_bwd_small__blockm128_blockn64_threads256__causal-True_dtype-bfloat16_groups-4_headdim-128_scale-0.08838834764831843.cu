@@ -33,9 +33,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) flash_bwd_small_kernel(cons
   void* do_s = ((void*)((char*)buf_dyn_shmem + 65536));
   void* dq_s = ((void*)((char*)buf_dyn_shmem + 81920));
   void* ds_s = ((void*)((char*)buf_dyn_shmem + 98304));
-  void* q_s = ((void*)((char*)buf_dyn_shmem + 114688));
-  void* delta_s = ((void*)((char*)buf_dyn_shmem + 131072));
-  void* lse_s = ((void*)((char*)buf_dyn_shmem + 131328));
+  void* o_s = ((void*)((char*)buf_dyn_shmem + 114688));
+  void* q_s = ((void*)((char*)buf_dyn_shmem + 131072));
+  void* delta_s = ((void*)((char*)buf_dyn_shmem + 147456));
+  void* lse_s = ((void*)((char*)buf_dyn_shmem + 147712));
   float dk[64];
   float dv[64];
   float prod[32];
@@ -80,78 +81,52 @@ extern "C" __global__ void __launch_bounds__(256, 1) flash_bwd_small_kernel(cons
     float broadcast_var_1 = 0x0p+0f/*0.000000e+00*/;
     *(float4*)(dv + (i_3 * 4)) = make_float4(broadcast_var_1, broadcast_var_1, broadcast_var_1, broadcast_var_1);
   }
-  for (int it = 0; it < (((Sq + 63) >> 6) * 4); ++it) {
-    __syncthreads();
-    #pragma unroll
-    for (int i_4 = 0; i_4 < 32; ++i_4) {
-      int rmod = (it % ((Sq + 63) >> 6));
-      int rmod_1 = (it % ((Sq + 63) >> 6));
-      int rdiv = (it / ((Sq + 63) >> 6));
-      bfloat16_t condval_2;
-      if ((((((((((0 <= ((Sq + 63) >> 6)) && (0 <= rmod)) || ((((Sq + 63) >> 6) < 0) && (rmod <= 0))) ? rmod : (rmod + ((Sq + 63) >> 6))) * 64) + (i_4 * 2)) + (((int)threadIdx.x) >> 7)) < Sq) && (((((int)blockIdx.x) * 4) + ((((0 <= ((Sq + 63) >> 6)) && (0 <= rmod_1)) || ((((Sq + 63) >> 6) < 0) && (rmod_1 <= 0))) ? rdiv : (rdiv - 1))) < H))) {
-        int64_t rmod_2 = (((int64_t)it) % ((((int64_t)Sq) + (int64_t)63) >> (int64_t)6));
-        int64_t rmod_3 = (((int64_t)it) % ((((int64_t)Sq) + (int64_t)63) >> (int64_t)6));
-        int64_t rdiv_1 = (((int64_t)it) / ((((int64_t)Sq) + (int64_t)63) >> (int64_t)6));
-        int64_t rmod_4 = (((int64_t)it) % ((((int64_t)Sq) + (int64_t)63) >> (int64_t)6));
-        int64_t rmod_5 = (((int64_t)it) % ((((int64_t)Sq) + (int64_t)63) >> (int64_t)6));
-        int64_t rdiv_2 = (((int64_t)it) / ((((int64_t)Sq) + (int64_t)63) >> (int64_t)6));
-        condval_2 = Q[((((((int64_t)((int)blockIdx.y)) * ((int64_t)q_sb)) + (((((((((int64_t)0 <= ((((int64_t)Sq) + (int64_t)63) >> (int64_t)6)) && ((int64_t)0 <= rmod_4)) || ((((((int64_t)Sq) + (int64_t)63) >> (int64_t)6) < (int64_t)0) && (rmod_4 <= (int64_t)0))) ? rmod_4 : (rmod_4 + ((((int64_t)Sq) + (int64_t)63) >> (int64_t)6))) * (int64_t)64) + (((int64_t)i_4) * (int64_t)2)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)7)) * ((int64_t)q_ss))) + (((((int64_t)((int)blockIdx.x)) * (int64_t)4) + (((((int64_t)0 <= ((((int64_t)Sq) + (int64_t)63) >> (int64_t)6)) && ((int64_t)0 <= rmod_5)) || ((((((int64_t)Sq) + (int64_t)63) >> (int64_t)6) < (int64_t)0) && (rmod_5 <= (int64_t)0))) ? rdiv_2 : (rdiv_2 - (int64_t)1))) * ((int64_t)q_sh))) + (((int64_t)((int)threadIdx.x)) & (int64_t)127))];
-      } else {
-        condval_2 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
+  for (int hh = 0; hh < 4; ++hh) {
+    for (int qb = 0; qb < ((Sq + 63) >> 6); ++qb) {
+      __syncthreads();
+      #pragma unroll
+      for (int i_4 = 0; i_4 < 32; ++i_4) {
+        bfloat16_t condval_2;
+        if ((((((qb * 64) + (i_4 * 2)) + (((int)threadIdx.x) >> 7)) < Sq) && (((((int)blockIdx.x) * 4) + hh) < H))) {
+          condval_2 = Q[((((((int64_t)((int)blockIdx.y)) * ((int64_t)q_sb)) + ((((((int64_t)qb) * (int64_t)64) + (((int64_t)i_4) * (int64_t)2)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)7)) * ((int64_t)q_ss))) + (((((int64_t)((int)blockIdx.x)) * (int64_t)4) + ((int64_t)hh)) * ((int64_t)q_sh))) + (((int64_t)((int)threadIdx.x)) & (int64_t)127))];
+        } else {
+          condval_2 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
+        }
+        ((bfloat16_t*)q_s)[(((((((((((int)threadIdx.x) & 127) >> 6) * 4096) + (i_4 * 128)) + ((((int)threadIdx.x) >> 7) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((i_4 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + (i_4 & 1)) & 1) * 16)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 15) >> 3)) & 1) * 8)) + (((int)threadIdx.x) & 7))] = condval_2;
       }
-      ((bfloat16_t*)q_s)[(((((((((((int)threadIdx.x) & 127) >> 6) * 4096) + (i_4 * 128)) + ((((int)threadIdx.x) >> 7) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((i_4 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + (i_4 & 1)) & 1) * 16)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 15) >> 3)) & 1) * 8)) + (((int)threadIdx.x) & 7))] = condval_2;
-    }
-    #pragma unroll
-    for (int i_5 = 0; i_5 < 4; ++i_5) {
-      bfloat16_t broadcast_var_2 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
-      int rmod_6 = (it % ((Sq + 63) >> 6));
-      int rmod_7 = (it % ((Sq + 63) >> 6));
-      int rdiv_3 = (it / ((Sq + 63) >> 6));
-      uint4 condval_3;
-      if ((((((((((0 <= ((Sq + 63) >> 6)) && (0 <= rmod_6)) || ((((Sq + 63) >> 6) < 0) && (rmod_6 <= 0))) ? rmod_6 : (rmod_6 + ((Sq + 63) >> 6))) * 64) + (i_5 * 16)) + (((int)threadIdx.x) >> 4)) < Sq) && (((((int)blockIdx.x) * 4) + ((((0 <= ((Sq + 63) >> 6)) && (0 <= rmod_7)) || ((((Sq + 63) >> 6) < 0) && (rmod_7 <= 0))) ? rdiv_3 : (rdiv_3 - 1))) < H))) {
-        int64_t rmod_8 = (((int64_t)it) % ((((int64_t)Sq) + (int64_t)63) >> (int64_t)6));
-        int64_t rmod_9 = (((int64_t)it) % ((((int64_t)Sq) + (int64_t)63) >> (int64_t)6));
-        int64_t rdiv_4 = (((int64_t)it) / ((((int64_t)Sq) + (int64_t)63) >> (int64_t)6));
-        int64_t rmod_10 = (((int64_t)it) % ((((int64_t)Sq) + (int64_t)63) >> (int64_t)6));
-        int64_t rmod_11 = (((int64_t)it) % ((((int64_t)Sq) + (int64_t)63) >> (int64_t)6));
-        int64_t rdiv_5 = (((int64_t)it) / ((((int64_t)Sq) + (int64_t)63) >> (int64_t)6));
-        condval_3 = *(uint4*)(dO + (((((((int64_t)((int)blockIdx.x)) * (int64_t)512) + (((((int64_t)((int)blockIdx.y)) * ((int64_t)H)) * ((int64_t)Sq)) * (int64_t)128)) + ((((((((((int64_t)0 <= ((((int64_t)Sq) + (int64_t)63) >> (int64_t)6)) && ((int64_t)0 <= rmod_10)) || ((((((int64_t)Sq) + (int64_t)63) >> (int64_t)6) < (int64_t)0) && (rmod_10 <= (int64_t)0))) ? rmod_10 : (rmod_10 + ((((int64_t)Sq) + (int64_t)63) >> (int64_t)6))) * (int64_t)64) + (((int64_t)i_5) * (int64_t)16)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) * ((int64_t)H)) * (int64_t)128)) + ((((((int64_t)0 <= ((((int64_t)Sq) + (int64_t)63) >> (int64_t)6)) && ((int64_t)0 <= rmod_11)) || ((((((int64_t)Sq) + (int64_t)63) >> (int64_t)6) < (int64_t)0) && (rmod_11 <= (int64_t)0))) ? rdiv_5 : (rdiv_5 - (int64_t)1)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
-      } else {
-        condval_3 = make_uint4(__pack_nv_bfloat162(broadcast_var_2, broadcast_var_2), __pack_nv_bfloat162(broadcast_var_2, broadcast_var_2), __pack_nv_bfloat162(broadcast_var_2, broadcast_var_2), __pack_nv_bfloat162(broadcast_var_2, broadcast_var_2));
+      #pragma unroll
+      for (int i_5 = 0; i_5 < 4; ++i_5) {
+        bfloat16_t broadcast_var_2 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
+        uint4 condval_3;
+        if ((((((qb * 64) + (i_5 * 16)) + (((int)threadIdx.x) >> 4)) < Sq) && (((((int)blockIdx.x) * 4) + hh) < H))) {
+          condval_3 = *(uint4*)(dO + (((((((int64_t)((int)blockIdx.x)) * (int64_t)512) + (((((int64_t)((int)blockIdx.y)) * ((int64_t)H)) * ((int64_t)Sq)) * (int64_t)128)) + (((((((int64_t)qb) * (int64_t)64) + (((int64_t)i_5) * (int64_t)16)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) * ((int64_t)H)) * (int64_t)128)) + (((int64_t)hh) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
+        } else {
+          condval_3 = make_uint4(__pack_nv_bfloat162(broadcast_var_2, broadcast_var_2), __pack_nv_bfloat162(broadcast_var_2, broadcast_var_2), __pack_nv_bfloat162(broadcast_var_2, broadcast_var_2), __pack_nv_bfloat162(broadcast_var_2, broadcast_var_2));
+        }
+        *(uint4*)(((bfloat16_t*)do_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_5 * 1024)) + ((((int)threadIdx.x) >> 4) * 64)) + (((((((int)threadIdx.x) & 127) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_3;
       }
-      *(uint4*)(((bfloat16_t*)do_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_5 * 1024)) + ((((int)threadIdx.x) >> 4) * 64)) + (((((((int)threadIdx.x) & 127) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_3;
-    }
-    __syncthreads();
-    #pragma unroll
-    for (int i_6 = 0; i_6 < 4; ++i_6) {
-      bfloat16_t O_local_cast[8];
-      bfloat16_t do_s_local_cast_1[8];
-      bfloat16_t broadcast_var_3 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
-      int rmod_12 = (it % ((Sq + 63) >> 6));
-      int rdiv_6 = (it / ((Sq + 63) >> 6));
-      int rmod_13 = (it % ((Sq + 63) >> 6));
-      uint4 condval_4;
-      if (((((((int)blockIdx.x) * 4) + ((((0 <= ((Sq + 63) >> 6)) && (0 <= rmod_12)) || ((((Sq + 63) >> 6) < 0) && (rmod_12 <= 0))) ? rdiv_6 : (rdiv_6 - 1))) < H) && ((((((((0 <= ((Sq + 63) >> 6)) && (0 <= rmod_13)) || ((((Sq + 63) >> 6) < 0) && (rmod_13 <= 0))) ? rmod_13 : (rmod_13 + ((Sq + 63) >> 6))) * 64) + (i_6 * 16)) + (((int)threadIdx.x) >> 4)) < Sq))) {
-        int64_t rmod_14 = (((int64_t)it) % ((((int64_t)Sq) + (int64_t)63) >> (int64_t)6));
-        int64_t rmod_15 = (((int64_t)it) % ((((int64_t)Sq) + (int64_t)63) >> (int64_t)6));
-        int64_t rdiv_7 = (((int64_t)it) / ((((int64_t)Sq) + (int64_t)63) >> (int64_t)6));
-        int64_t rmod_16 = (((int64_t)it) % ((((int64_t)Sq) + (int64_t)63) >> (int64_t)6));
-        int64_t rmod_17 = (((int64_t)it) % ((((int64_t)Sq) + (int64_t)63) >> (int64_t)6));
-        int64_t rdiv_8 = (((int64_t)it) / ((((int64_t)Sq) + (int64_t)63) >> (int64_t)6));
-        condval_4 = *(uint4*)(O + (((((((int64_t)((int)blockIdx.x)) * (int64_t)512) + (((((int64_t)((int)blockIdx.y)) * ((int64_t)H)) * ((int64_t)Sq)) * (int64_t)128)) + ((((((((((int64_t)0 <= ((((int64_t)Sq) + (int64_t)63) >> (int64_t)6)) && ((int64_t)0 <= rmod_16)) || ((((((int64_t)Sq) + (int64_t)63) >> (int64_t)6) < (int64_t)0) && (rmod_16 <= (int64_t)0))) ? rmod_16 : (rmod_16 + ((((int64_t)Sq) + (int64_t)63) >> (int64_t)6))) * (int64_t)64) + (((int64_t)i_6) * (int64_t)16)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) * ((int64_t)H)) * (int64_t)128)) + ((((((int64_t)0 <= ((((int64_t)Sq) + (int64_t)63) >> (int64_t)6)) && ((int64_t)0 <= rmod_17)) || ((((((int64_t)Sq) + (int64_t)63) >> (int64_t)6) < (int64_t)0) && (rmod_17 <= (int64_t)0))) ? rdiv_8 : (rdiv_8 - (int64_t)1)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
-      } else {
-        condval_4 = make_uint4(__pack_nv_bfloat162(broadcast_var_3, broadcast_var_3), __pack_nv_bfloat162(broadcast_var_3, broadcast_var_3), __pack_nv_bfloat162(broadcast_var_3, broadcast_var_3), __pack_nv_bfloat162(broadcast_var_3, broadcast_var_3));
+      #pragma unroll
+      for (int i_6 = 0; i_6 < 4; ++i_6) {
+        bfloat16_t broadcast_var_3 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
+        uint4 condval_4;
+        if ((((((qb * 64) + (i_6 * 16)) + (((int)threadIdx.x) >> 4)) < Sq) && (((((int)blockIdx.x) * 4) + hh) < H))) {
+          condval_4 = *(uint4*)(O + (((((((int64_t)((int)blockIdx.x)) * (int64_t)512) + (((((int64_t)((int)blockIdx.y)) * ((int64_t)H)) * ((int64_t)Sq)) * (int64_t)128)) + (((((((int64_t)qb) * (int64_t)64) + (((int64_t)i_6) * (int64_t)16)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) * ((int64_t)H)) * (int64_t)128)) + (((int64_t)hh) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
+        } else {
+          condval_4 = make_uint4(__pack_nv_bfloat162(broadcast_var_3, broadcast_var_3), __pack_nv_bfloat162(broadcast_var_3, broadcast_var_3), __pack_nv_bfloat162(broadcast_var_3, broadcast_var_3), __pack_nv_bfloat162(broadcast_var_3, broadcast_var_3));
+        }
+        *(uint4*)(((bfloat16_t*)o_s) + ((i_6 * 2048) + (((int)threadIdx.x) * 8))) = condval_4;
       }
-      *(uint4*)(O_local_cast + 0) = condval_4;
-      *(uint4*)(do_s_local_cast_1 + 0) = *(uint4*)(((bfloat16_t*)do_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_6 * 1024)) + ((((int)threadIdx.x) >> 4) * 64)) + (((((((int)threadIdx.x) & 127) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8)));
-      for (int vec = 0; vec < 2; ++vec) {
-        float broadcast_var_4 = 0x0p+0f/*0.000000e+00*/;
-        int rmod_18 = (it % ((Sq + 63) >> 6));
-        float4 condval_5;
-        if (((((((((0 <= ((Sq + 63) >> 6)) && (0 <= rmod_18)) || ((((Sq + 63) >> 6) < 0) && (rmod_18 <= 0))) ? rmod_18 : (rmod_18 + ((Sq + 63) >> 6))) * 64) + (i_6 * 16)) + (((int)threadIdx.x) >> 4)) < Sq)) {
+      __syncthreads();
+      #pragma unroll
+      for (int i_7 = 0; i_7 < 4; ++i_7) {
+        bfloat16_t o_s_local_cast[8];
+        bfloat16_t do_s_local_cast_1[8];
+        *(uint4*)(o_s_local_cast + 0) = *(uint4*)(((bfloat16_t*)o_s) + ((i_7 * 2048) + (((int)threadIdx.x) * 8)));
+        *(uint4*)(do_s_local_cast_1 + 0) = *(uint4*)(((bfloat16_t*)do_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_7 * 1024)) + ((((int)threadIdx.x) >> 4) * 64)) + (((((((int)threadIdx.x) & 127) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8)));
+        for (int vec = 0; vec < 2; ++vec) {
           float4 __1;
             float4 __2;
-            uint2 v_ = *(uint2*)(O_local_cast + (vec * 4));
+            uint2 v_ = *(uint2*)(o_s_local_cast + (vec * 4));
             ((float2*)(&__2))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v_))[0]);
             ((float2*)(&__2))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v_))[1]);
             float4 __3;
@@ -162,221 +137,204 @@ extern "C" __global__ void __launch_bounds__(256, 1) flash_bwd_small_kernel(cons
             __1.y = (__2.y*__3.y);
             __1.z = (__2.z*__3.z);
             __1.w = (__2.w*__3.w);
-          condval_5 = __1;
-        } else {
-          condval_5 = make_float4(broadcast_var_4, broadcast_var_4, broadcast_var_4, broadcast_var_4);
+          *(float4*)(prod + ((i_7 * 8) + (vec * 4))) = __1;
         }
-        *(float4*)(prod + ((i_6 * 8) + (vec * 4))) = condval_5;
       }
-    }
-    #pragma unroll
-    for (int i_7 = 0; i_7 < 4; ++i_7) {
-      delta[i_7] = 0x0p+0f/*0.000000e+00*/;
-      #pragma unroll
-      for (int rv = 0; rv < 8; ++rv) {
-        delta[i_7] = (delta[i_7] + prod[((i_7 * 8) + rv)]);
-      }
-      delta[i_7] = tl::AllReduce<tl::SumOp, 16, 1, 0, tl::NamedBarrier<256>>::run(delta[i_7]);
-    }
-    if ((((int)threadIdx.x) % 16) == 0) {
       #pragma unroll
       for (int i_8 = 0; i_8 < 4; ++i_8) {
-        ((float*)delta_s)[((i_8 * 16) + (((int)threadIdx.x) >> 4))] = delta[i_8];
-        int rmod_19 = (it % ((Sq + 63) >> 6));
-        float condval_6;
-        if (((((((((0 <= ((Sq + 63) >> 6)) && (0 <= rmod_19)) || ((((Sq + 63) >> 6) < 0) && (rmod_19 <= 0))) ? rmod_19 : (rmod_19 + ((Sq + 63) >> 6))) * 64) + (i_8 * 16)) + (((int)threadIdx.x) >> 4)) < Sq)) {
-          int rmod_20 = (it % ((Sq + 63) >> 6));
-          int rdiv_9 = (it / ((Sq + 63) >> 6));
-          float condval_7;
-          if ((((((int)blockIdx.x) * 4) + ((((0 <= ((Sq + 63) >> 6)) && (0 <= rmod_20)) || ((((Sq + 63) >> 6) < 0) && (rmod_20 <= 0))) ? rdiv_9 : (rdiv_9 - 1))) < H)) {
-            int64_t rmod_21 = (((int64_t)it) % ((((int64_t)Sq) + (int64_t)63) >> (int64_t)6));
-            int64_t rmod_22 = (((int64_t)it) % ((((int64_t)Sq) + (int64_t)63) >> (int64_t)6));
-            int64_t rdiv_10 = (((int64_t)it) / ((((int64_t)Sq) + (int64_t)63) >> (int64_t)6));
-            int64_t rmod_23 = (((int64_t)it) % ((((int64_t)Sq) + (int64_t)63) >> (int64_t)6));
-            int64_t rmod_24 = (((int64_t)it) % ((((int64_t)Sq) + (int64_t)63) >> (int64_t)6));
-            int64_t rdiv_11 = (((int64_t)it) / ((((int64_t)Sq) + (int64_t)63) >> (int64_t)6));
-            condval_7 = LSE[((min(((((((((int64_t)0 <= ((((int64_t)Sq) + (int64_t)63) >> (int64_t)6)) && ((int64_t)0 <= rmod_23)) || ((((((int64_t)Sq) + (int64_t)63) >> (int64_t)6) < (int64_t)0) && (rmod_23 <= (int64_t)0))) ? rmod_23 : (rmod_23 + ((((int64_t)Sq) + (int64_t)63) >> (int64_t)6))) * (int64_t)64) + (((int64_t)i_8) * (int64_t)16)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)), (((int64_t)Sq) - (int64_t)1)) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)Sq)) * ((int64_t)H))) + (((((int64_t)((int)blockIdx.x)) * (int64_t)4) + (((((int64_t)0 <= ((((int64_t)Sq) + (int64_t)63) >> (int64_t)6)) && ((int64_t)0 <= rmod_24)) || ((((((int64_t)Sq) + (int64_t)63) >> (int64_t)6) < (int64_t)0) && (rmod_24 <= (int64_t)0))) ? rdiv_11 : (rdiv_11 - (int64_t)1))) * ((int64_t)Sq)))];
-          } else {
-            condval_7 = 0x0p+0f/*0.000000e+00*/;
-          }
-          condval_6 = (condval_7 * 0x1.71547652b82fep+0f/*1.442695e+00*/);
-        } else {
-          condval_6 = 0x0p+0f/*0.000000e+00*/;
+        delta[i_8] = 0x0p+0f/*0.000000e+00*/;
+        #pragma unroll
+        for (int rv = 0; rv < 8; ++rv) {
+          delta[i_8] = (delta[i_8] + prod[((i_8 * 8) + rv)]);
         }
-        ((float*)lse_s)[((i_8 * 16) + (((int)threadIdx.x) >> 4))] = condval_6;
+        delta[i_8] = tl::AllReduce<tl::SumOp, 16, 1, 0, tl::NamedBarrier<256>>::run(delta[i_8]);
       }
-    }
-    {
-      tl::GmmaDescriptor desc_a;
-      tl::GmmaDescriptor desc_b;
+      if ((((int)threadIdx.x) % 16) == 0) {
+        #pragma unroll
+        for (int i_9 = 0; i_9 < 4; ++i_9) {
+          ((float*)delta_s)[((i_9 * 16) + (((int)threadIdx.x) >> 4))] = delta[i_9];
+          float condval_5;
+          if (((((qb * 64) + (i_9 * 16)) + (((int)threadIdx.x) >> 4)) < Sq)) {
+            float condval_6;
+            if ((((((int)blockIdx.x) * 4) + hh) < H)) {
+              condval_6 = LSE[((min((((((int64_t)qb) * (int64_t)64) + (((int64_t)i_9) * (int64_t)16)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)), (((int64_t)Sq) - (int64_t)1)) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)Sq)) * ((int64_t)H))) + (((((int64_t)((int)blockIdx.x)) * (int64_t)4) + ((int64_t)hh)) * ((int64_t)Sq)))];
+            } else {
+              condval_6 = 0x0p+0f/*0.000000e+00*/;
+            }
+            condval_5 = (condval_6 * 0x1.71547652b82fep+0f/*1.442695e+00*/);
+          } else {
+            condval_5 = 0x0p+0f/*0.000000e+00*/;
+          }
+          ((float*)lse_s)[((i_9 * 16) + (((int)threadIdx.x) >> 4))] = condval_5;
+        }
+      }
+      {
+        tl::GmmaDescriptor desc_a;
+        tl::GmmaDescriptor desc_b;
+        __syncthreads();
+        tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a, (&(((bfloat16_t*)k_s)[0])));
+        tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b, (&(((bfloat16_t*)q_s)[0])));
+        tl::warpgroup_fence_operand(reinterpret_cast<float*>(sT + 0), 64);
+        tl::warpgroup_arrive();
+        tl::fence_proxy_async();
+        #pragma unroll
+        for (int ki = 0; ki < 8; ++ki) {
+          tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a + (((((ki >> 2) * 16384) + ((((int)threadIdx.x) >> 7) * 8192)) + ((ki & 3) * 32)) >> 4)), uint64_t(desc_b + ((((ki >> 2) * 8192) + ((ki & 3) * 32)) >> 4)), ((uint32_t*)(sT + 0)), ((0 < ki) ? 1 : 0));
+        }
+        tl::warpgroup_commit_batch();
+        tl::warpgroup_wait<0>();
+        tl::warpgroup_fence_operand(reinterpret_cast<float*>(sT + 0), 64);
+      }
+      {
+        tl::GmmaDescriptor desc_a_1;
+        tl::GmmaDescriptor desc_b_1;
+        tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_1, (&(((bfloat16_t*)v_s)[0])));
+        tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_1, (&(((bfloat16_t*)do_s)[0])));
+        tl::warpgroup_fence_operand(reinterpret_cast<float*>(dpT + 0), 64);
+        tl::warpgroup_arrive();
+        #pragma unroll
+        for (int ki_1 = 0; ki_1 < 8; ++ki_1) {
+          tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a_1 + (((((ki_1 >> 2) * 16384) + ((((int)threadIdx.x) >> 7) * 8192)) + ((ki_1 & 3) * 32)) >> 4)), uint64_t(desc_b_1 + ((((ki_1 >> 2) * 8192) + ((ki_1 & 3) * 32)) >> 4)), ((uint32_t*)(dpT + 0)), ((0 < ki_1) ? 1 : 0));
+        }
+        tl::warpgroup_commit_batch();
+        tl::warpgroup_wait<0>();
+        tl::warpgroup_fence_operand(reinterpret_cast<float*>(dpT + 0), 64);
+      }
+      #pragma unroll
+      for (int i_10 = 0; i_10 < 32; ++i_10) {
+        float condval_7;
+        if ((((((((((int)threadIdx.x) >> 5) * 16) + (((i_10 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < Sk) & (((((qb * 64) + ((i_10 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_10 & 1)) < Sq)) & (((((((int)threadIdx.x) >> 5) * 16) + (((i_10 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((((((qb * 64) + ((i_10 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + Sk) + (i_10 & 1)) - Sq)))) {
+          condval_7 = exp2f(((sT[i_10] * 0x1.0527dbd87e24dp-3f/*1.275174e-01*/) - ((float*)lse_s)[((((i_10 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_10 & 1))]));
+        } else {
+          condval_7 = 0x0p+0f/*0.000000e+00*/;
+        }
+        sT[i_10] = condval_7;
+      }
+      #pragma unroll
+      for (int i_11 = 0; i_11 < 8; ++i_11) {
+        uint2 __4;
+        float4 v__2 = *(float4*)(sT + (i_11 * 4));
+        (reinterpret_cast<__nv_bfloat162*>(&__4))[0] = __float22bfloat162_rn(((float2*)(&v__2))[0]);
+        (reinterpret_cast<__nv_bfloat162*>(&__4))[1] = __float22bfloat162_rn(((float2*)(&v__2))[1]);
+        *(uint2*)(pT + (i_11 * 4)) = __4;
+      }
+      {
+        tl::GmmaDescriptor desc_b_2;
+        tl::initialize_wgmma_descriptor<1, 512, 64>(desc_b_2, (&(((bfloat16_t*)do_s)[0])));
+        tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(pT + 0), 16);
+        tl::warpgroup_fence_operand(reinterpret_cast<float*>(dv + 0), 128);
+        tl::warpgroup_arrive();
+        #pragma unroll
+        for (int ki_2 = 0; ki_2 < 4; ++ki_2) {
+          tl::wgmma_rs<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 128, 16, false, true, 1, 1>(reinterpret_cast<const uint32_t*>(pT + (ki_2 * 8)), uint64_t(desc_b_2 + ((ki_2 * 2048) >> 4)), reinterpret_cast<uint32_t*>(dv + 0), 1);
+        }
+        tl::warpgroup_commit_batch();
+        tl::warpgroup_wait<0>();
+        tl::warpgroup_fence_operand(reinterpret_cast<float*>(dv + 0), 128);
+        tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(pT + 0), 16);
+      }
+      #pragma unroll
+      for (int i_12 = 0; i_12 < 16; ++i_12) {
+        float delta_s_local_cast_2[2];
+        *(float2*)(delta_s_local_cast_2 + 0) = *(float2*)(((float*)delta_s) + (((i_12 >> 1) * 8) + ((((int)threadIdx.x) & 3) * 2)));
+        float broadcast_var_4 = 0x1.6a09e667f3bccp-4f/*8.838835e-02*/;
+        uint1 __5;
+        float2 __6;
+          float2 __7;
+            float2 v__3 = *(float2*)(sT + (i_12 * 2));
+            float2 __8;
+              float2 v__4 = *(float2*)(dpT + (i_12 * 2));
+              float2 v__5 = *(float2*)(delta_s_local_cast_2 + 0);
+              __8.x = (v__4.x-v__5.x);
+              __8.y = (v__4.y-v__5.y);
+            __7.x = (v__3.x*__8.x);
+            __7.y = (v__3.y*__8.y);
+          float2 v__6 = make_float2(broadcast_var_4, broadcast_var_4);
+          __6.x = (__7.x*v__6.x);
+          __6.y = (__7.y*v__6.y);
+        (reinterpret_cast<__nv_bfloat162*>(&__5))[0] = __float22bfloat162_rn(((float2*)(&__6))[0]);
+        *(uint1*)(dsT + (i_12 * 2)) = __5;
+      }
       __syncthreads();
-      tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a, (&(((bfloat16_t*)k_s)[0])));
-      tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b, (&(((bfloat16_t*)q_s)[0])));
-      tl::warpgroup_fence_operand(reinterpret_cast<float*>(sT + 0), 64);
-      tl::warpgroup_arrive();
-      tl::fence_proxy_async();
       #pragma unroll
-      for (int ki = 0; ki < 8; ++ki) {
-        tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a + (((((ki >> 2) * 16384) + ((((int)threadIdx.x) >> 7) * 8192)) + ((ki & 3) * 32)) >> 4)), uint64_t(desc_b + ((((ki >> 2) * 8192) + ((ki & 3) * 32)) >> 4)), ((uint32_t*)(sT + 0)), ((0 < ki) ? 1 : 0));
+      for (int i_13 = 0; i_13 < 4; ++i_13) {
+        tl::ptx_stmatrix_m8n8_x4((&(((bfloat16_t*)ds_s)[((((((((int)threadIdx.x) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (i_13 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_13 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), __pack_half2(dsT[(i_13 * 8)], dsT[((i_13 * 8) + 1)]), __pack_half2(dsT[((i_13 * 8) + 2)], dsT[((i_13 * 8) + 3)]), __pack_half2(dsT[((i_13 * 8) + 4)], dsT[((i_13 * 8) + 5)]), __pack_half2(dsT[((i_13 * 8) + 6)], dsT[((i_13 * 8) + 7)]));
       }
-      tl::warpgroup_commit_batch();
-      tl::warpgroup_wait<0>();
-      tl::warpgroup_fence_operand(reinterpret_cast<float*>(sT + 0), 64);
-    }
-    {
-      tl::GmmaDescriptor desc_a_1;
-      tl::GmmaDescriptor desc_b_1;
-      tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_1, (&(((bfloat16_t*)v_s)[0])));
-      tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_1, (&(((bfloat16_t*)do_s)[0])));
-      tl::warpgroup_fence_operand(reinterpret_cast<float*>(dpT + 0), 64);
-      tl::warpgroup_arrive();
-      #pragma unroll
-      for (int ki_1 = 0; ki_1 < 8; ++ki_1) {
-        tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a_1 + (((((ki_1 >> 2) * 16384) + ((((int)threadIdx.x) >> 7) * 8192)) + ((ki_1 & 3) * 32)) >> 4)), uint64_t(desc_b_1 + ((((ki_1 >> 2) * 8192) + ((ki_1 & 3) * 32)) >> 4)), ((uint32_t*)(dpT + 0)), ((0 < ki_1) ? 1 : 0));
+      {
+        tl::GmmaDescriptor desc_b_3;
+        tl::initialize_wgmma_descriptor<1, 512, 64>(desc_b_3, (&(((bfloat16_t*)q_s)[0])));
+        tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(dsT + 0), 16);
+        tl::warpgroup_fence_operand(reinterpret_cast<float*>(dk + 0), 128);
+        tl::warpgroup_arrive();
+        tl::fence_proxy_async();
+        #pragma unroll
+        for (int ki_3 = 0; ki_3 < 4; ++ki_3) {
+          tl::wgmma_rs<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 128, 16, false, true, 1, 1>(reinterpret_cast<const uint32_t*>(dsT + (ki_3 * 8)), uint64_t(desc_b_3 + ((ki_3 * 2048) >> 4)), reinterpret_cast<uint32_t*>(dk + 0), 1);
+        }
+        tl::warpgroup_commit_batch();
+        tl::warpgroup_wait<0>();
+        tl::warpgroup_fence_operand(reinterpret_cast<float*>(dk + 0), 128);
+        tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(dsT + 0), 16);
       }
-      tl::warpgroup_commit_batch();
-      tl::warpgroup_wait<0>();
-      tl::warpgroup_fence_operand(reinterpret_cast<float*>(dpT + 0), 64);
-    }
-    #pragma unroll
-    for (int i_9 = 0; i_9 < 32; ++i_9) {
-      int rmod_25 = (it % ((Sq + 63) >> 6));
-      int rmod_26 = (it % ((Sq + 63) >> 6));
-      float condval_8;
-      if ((((((((((int)threadIdx.x) >> 5) * 16) + (((i_9 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < Sk) & (((((((((0 <= ((Sq + 63) >> 6)) && (0 <= rmod_25)) || ((((Sq + 63) >> 6) < 0) && (rmod_25 <= 0))) ? rmod_25 : (rmod_25 + ((Sq + 63) >> 6))) * 64) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1)) < Sq)) & (((((((int)threadIdx.x) >> 5) * 16) + (((i_9 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((((((((((0 <= ((Sq + 63) >> 6)) && (0 <= rmod_26)) || ((((Sq + 63) >> 6) < 0) && (rmod_26 <= 0))) ? rmod_26 : (rmod_26 + ((Sq + 63) >> 6))) * 64) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + Sk) + (i_9 & 1)) - Sq)))) {
-        condval_8 = exp2f(((sT[i_9] * 0x1.0527dbd87e24dp-3f/*1.275174e-01*/) - ((float*)lse_s)[((((i_9 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1))]));
-      } else {
-        condval_8 = 0x0p+0f/*0.000000e+00*/;
+      {
+        tl::GmmaDescriptor desc_a_2;
+        tl::GmmaDescriptor desc_b_4;
+        __syncthreads();
+        tl::initialize_wgmma_descriptor<1, 0, 64>(desc_a_2, (&(((bfloat16_t*)ds_s)[0])));
+        tl::initialize_wgmma_descriptor<1, 1024, 64>(desc_b_4, (&(((bfloat16_t*)k_s)[0])));
+        tl::warpgroup_fence_operand(reinterpret_cast<float*>(dq + 0), 32);
+        tl::warpgroup_arrive();
+        #pragma unroll
+        for (int ki_4 = 0; ki_4 < 8; ++ki_4) {
+          tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, true, true, 1, 1>(uint64_t(desc_a_2 + ((ki_4 * 2048) >> 4)), uint64_t(desc_b_4 + ((((((int)threadIdx.x) >> 7) * 16384) + (ki_4 * 2048)) >> 4)), ((uint32_t*)(dq + 0)), ((0 < ki_4) ? 1 : 0));
+        }
+        tl::warpgroup_commit_batch();
+        tl::warpgroup_wait<0>();
+        tl::warpgroup_fence_operand(reinterpret_cast<float*>(dq + 0), 32);
       }
-      sT[i_9] = condval_8;
-    }
-    #pragma unroll
-    for (int i_10 = 0; i_10 < 8; ++i_10) {
-      uint2 __4;
-      float4 v__2 = *(float4*)(sT + (i_10 * 4));
-      (reinterpret_cast<__nv_bfloat162*>(&__4))[0] = __float22bfloat162_rn(((float2*)(&v__2))[0]);
-      (reinterpret_cast<__nv_bfloat162*>(&__4))[1] = __float22bfloat162_rn(((float2*)(&v__2))[1]);
-      *(uint2*)(pT + (i_10 * 4)) = __4;
-    }
-    {
-      tl::GmmaDescriptor desc_b_2;
-      tl::initialize_wgmma_descriptor<1, 512, 64>(desc_b_2, (&(((bfloat16_t*)do_s)[0])));
-      tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(pT + 0), 16);
-      tl::warpgroup_fence_operand(reinterpret_cast<float*>(dv + 0), 128);
-      tl::warpgroup_arrive();
-      #pragma unroll
-      for (int ki_2 = 0; ki_2 < 4; ++ki_2) {
-        tl::wgmma_rs<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 128, 16, false, true, 1, 1>(reinterpret_cast<const uint32_t*>(pT + (ki_2 * 8)), uint64_t(desc_b_2 + ((ki_2 * 2048) >> 4)), reinterpret_cast<uint32_t*>(dv + 0), 1);
-      }
-      tl::warpgroup_commit_batch();
-      tl::warpgroup_wait<0>();
-      tl::warpgroup_fence_operand(reinterpret_cast<float*>(dv + 0), 128);
-      tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(pT + 0), 16);
-    }
-    #pragma unroll
-    for (int i_11 = 0; i_11 < 16; ++i_11) {
-      float delta_s_local_cast_2[2];
-      *(float2*)(delta_s_local_cast_2 + 0) = *(float2*)(((float*)delta_s) + (((i_11 >> 1) * 8) + ((((int)threadIdx.x) & 3) * 2)));
-      float broadcast_var_5 = 0x1.6a09e667f3bccp-4f/*8.838835e-02*/;
-      uint1 __5;
-      float2 __6;
-        float2 __7;
-          float2 v__3 = *(float2*)(sT + (i_11 * 2));
-          float2 __8;
-            float2 v__4 = *(float2*)(dpT + (i_11 * 2));
-            float2 v__5 = *(float2*)(delta_s_local_cast_2 + 0);
-            __8.x = (v__4.x-v__5.x);
-            __8.y = (v__4.y-v__5.y);
-          __7.x = (v__3.x*__8.x);
-          __7.y = (v__3.y*__8.y);
-        float2 v__6 = make_float2(broadcast_var_5, broadcast_var_5);
-        __6.x = (__7.x*v__6.x);
-        __6.y = (__7.y*v__6.y);
-      (reinterpret_cast<__nv_bfloat162*>(&__5))[0] = __float22bfloat162_rn(((float2*)(&__6))[0]);
-      *(uint1*)(dsT + (i_11 * 2)) = __5;
-    }
-    __syncthreads();
-    #pragma unroll
-    for (int i_12 = 0; i_12 < 4; ++i_12) {
-      tl::ptx_stmatrix_m8n8_x4((&(((bfloat16_t*)ds_s)[((((((((int)threadIdx.x) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (i_12 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_12 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), __pack_half2(dsT[(i_12 * 8)], dsT[((i_12 * 8) + 1)]), __pack_half2(dsT[((i_12 * 8) + 2)], dsT[((i_12 * 8) + 3)]), __pack_half2(dsT[((i_12 * 8) + 4)], dsT[((i_12 * 8) + 5)]), __pack_half2(dsT[((i_12 * 8) + 6)], dsT[((i_12 * 8) + 7)]));
-    }
-    {
-      tl::GmmaDescriptor desc_b_3;
-      tl::initialize_wgmma_descriptor<1, 512, 64>(desc_b_3, (&(((bfloat16_t*)q_s)[0])));
-      tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(dsT + 0), 16);
-      tl::warpgroup_fence_operand(reinterpret_cast<float*>(dk + 0), 128);
-      tl::warpgroup_arrive();
-      tl::fence_proxy_async();
-      #pragma unroll
-      for (int ki_3 = 0; ki_3 < 4; ++ki_3) {
-        tl::wgmma_rs<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 128, 16, false, true, 1, 1>(reinterpret_cast<const uint32_t*>(dsT + (ki_3 * 8)), uint64_t(desc_b_3 + ((ki_3 * 2048) >> 4)), reinterpret_cast<uint32_t*>(dk + 0), 1);
-      }
-      tl::warpgroup_commit_batch();
-      tl::warpgroup_wait<0>();
-      tl::warpgroup_fence_operand(reinterpret_cast<float*>(dk + 0), 128);
-      tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(dsT + 0), 16);
-    }
-    {
-      tl::GmmaDescriptor desc_a_2;
-      tl::GmmaDescriptor desc_b_4;
       __syncthreads();
-      tl::initialize_wgmma_descriptor<1, 0, 64>(desc_a_2, (&(((bfloat16_t*)ds_s)[0])));
-      tl::initialize_wgmma_descriptor<1, 1024, 64>(desc_b_4, (&(((bfloat16_t*)k_s)[0])));
-      tl::warpgroup_fence_operand(reinterpret_cast<float*>(dq + 0), 32);
-      tl::warpgroup_arrive();
       #pragma unroll
-      for (int ki_4 = 0; ki_4 < 8; ++ki_4) {
-        tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, true, true, 1, 1>(uint64_t(desc_a_2 + ((ki_4 * 2048) >> 4)), uint64_t(desc_b_4 + ((((((int)threadIdx.x) >> 7) * 16384) + (ki_4 * 2048)) >> 4)), ((uint32_t*)(dq + 0)), ((0 < ki_4) ? 1 : 0));
+      for (int i_14 = 0; i_14 < 4; ++i_14) {
+        tl::ptx_stmatrix_m8n8_x4((&(((bfloat16_t*)dq_s)[((((((((int)threadIdx.x) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (i_14 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_14 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), __pack_half2(((bfloat16_t)dq[(i_14 * 8)]), ((bfloat16_t)dq[((i_14 * 8) + 1)])), __pack_half2(((bfloat16_t)dq[((i_14 * 8) + 2)]), ((bfloat16_t)dq[((i_14 * 8) + 3)])), __pack_half2(((bfloat16_t)dq[((i_14 * 8) + 4)]), ((bfloat16_t)dq[((i_14 * 8) + 5)])), __pack_half2(((bfloat16_t)dq[((i_14 * 8) + 6)]), ((bfloat16_t)dq[((i_14 * 8) + 7)])));
       }
-      tl::warpgroup_commit_batch();
-      tl::warpgroup_wait<0>();
-      tl::warpgroup_fence_operand(reinterpret_cast<float*>(dq + 0), 32);
-    }
-    __syncthreads();
-    #pragma unroll
-    for (int i_13 = 0; i_13 < 4; ++i_13) {
-      tl::ptx_stmatrix_m8n8_x4((&(((bfloat16_t*)dq_s)[((((((((int)threadIdx.x) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (i_13 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_13 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), __pack_half2(((bfloat16_t)dq[(i_13 * 8)]), ((bfloat16_t)dq[((i_13 * 8) + 1)])), __pack_half2(((bfloat16_t)dq[((i_13 * 8) + 2)]), ((bfloat16_t)dq[((i_13 * 8) + 3)])), __pack_half2(((bfloat16_t)dq[((i_13 * 8) + 4)]), ((bfloat16_t)dq[((i_13 * 8) + 5)])), __pack_half2(((bfloat16_t)dq[((i_13 * 8) + 6)]), ((bfloat16_t)dq[((i_13 * 8) + 7)])));
-    }
-    __syncthreads();
-    if (tl::tl_shuffle_elect<256>()) {
-      tl::fence_proxy_async();
-      #pragma unroll
-      for (int i_14 = 0; i_14 < 2; ++i_14) {
-        int rmod_27 = (it % ((Sq + 63) >> 6));
-        int rmod_28 = (it % ((Sq + 63) >> 6));
-        int rdiv_12 = (it / ((Sq + 63) >> 6));
-        tl::tma_store(dQ_desc, (&(((bfloat16_t*)dq_s)[(i_14 * 4096)])), (i_14 * 64), (((((0 <= ((Sq + 63) >> 6)) && (0 <= rmod_27)) || ((((Sq + 63) >> 6) < 0) && (rmod_27 <= 0))) ? rmod_27 : (rmod_27 + ((Sq + 63) >> 6))) * 64), ((((int)blockIdx.x) * 4) + ((((0 <= ((Sq + 63) >> 6)) && (0 <= rmod_28)) || ((((Sq + 63) >> 6) < 0) && (rmod_28 <= 0))) ? rdiv_12 : (rdiv_12 - 1))), ((int)blockIdx.y));
+      __syncthreads();
+      if (tl::tl_shuffle_elect<256>()) {
+        tl::fence_proxy_async();
+        #pragma unroll
+        for (int i_15 = 0; i_15 < 2; ++i_15) {
+          tl::tma_store(dQ_desc, (&(((bfloat16_t*)dq_s)[(i_15 * 4096)])), (i_15 * 64), (qb * 64), ((((int)blockIdx.x) * 4) + hh), ((int)blockIdx.y));
+        }
+        tl::tma_store_arrive();
+        tl::tma_store_wait<0, true>();
       }
-      tl::tma_store_arrive();
-      tl::tma_store_wait<0, true>();
     }
   }
   __syncthreads();
   #pragma unroll
-  for (int i_15 = 0; i_15 < 8; ++i_15) {
-    tl::ptx_stmatrix_m8n8_x4((&(((bfloat16_t*)out_s)[(((((((i_15 >> 2) * 8192) + ((((int)threadIdx.x) >> 5) * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_15 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_15 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), __pack_half2(((bfloat16_t)dv[(i_15 * 8)]), ((bfloat16_t)dv[((i_15 * 8) + 1)])), __pack_half2(((bfloat16_t)dv[((i_15 * 8) + 2)]), ((bfloat16_t)dv[((i_15 * 8) + 3)])), __pack_half2(((bfloat16_t)dv[((i_15 * 8) + 4)]), ((bfloat16_t)dv[((i_15 * 8) + 5)])), __pack_half2(((bfloat16_t)dv[((i_15 * 8) + 6)]), ((bfloat16_t)dv[((i_15 * 8) + 7)])));
+  for (int i_16 = 0; i_16 < 8; ++i_16) {
+    tl::ptx_stmatrix_m8n8_x4((&(((bfloat16_t*)out_s)[(((((((i_16 >> 2) * 8192) + ((((int)threadIdx.x) >> 5) * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_16 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_16 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), __pack_half2(((bfloat16_t)dv[(i_16 * 8)]), ((bfloat16_t)dv[((i_16 * 8) + 1)])), __pack_half2(((bfloat16_t)dv[((i_16 * 8) + 2)]), ((bfloat16_t)dv[((i_16 * 8) + 3)])), __pack_half2(((bfloat16_t)dv[((i_16 * 8) + 4)]), ((bfloat16_t)dv[((i_16 * 8) + 5)])), __pack_half2(((bfloat16_t)dv[((i_16 * 8) + 6)]), ((bfloat16_t)dv[((i_16 * 8) + 7)])));
   }
   __syncthreads();
   if (tl::tl_shuffle_elect<256>()) {
     tl::fence_proxy_async();
     #pragma unroll
-    for (int i_16 = 0; i_16 < 2; ++i_16) {
-      tl::tma_store(dV_desc, (&(((bfloat16_t*)out_s)[(i_16 * 8192)])), (i_16 * 64), 0, ((int)blockIdx.x), ((int)blockIdx.y));
+    for (int i_17 = 0; i_17 < 2; ++i_17) {
+      tl::tma_store(dV_desc, (&(((bfloat16_t*)out_s)[(i_17 * 8192)])), (i_17 * 64), 0, ((int)blockIdx.x), ((int)blockIdx.y));
     }
     tl::tma_store_arrive();
     tl::tma_store_wait<0, true>();
   }
   __syncthreads();
   #pragma unroll
-  for (int i_17 = 0; i_17 < 8; ++i_17) {
-    tl::ptx_stmatrix_m8n8_x4((&(((bfloat16_t*)out_s)[(((((((i_17 >> 2) * 8192) + ((((int)threadIdx.x) >> 5) * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_17 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_17 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), __pack_half2(((bfloat16_t)dk[(i_17 * 8)]), ((bfloat16_t)dk[((i_17 * 8) + 1)])), __pack_half2(((bfloat16_t)dk[((i_17 * 8) + 2)]), ((bfloat16_t)dk[((i_17 * 8) + 3)])), __pack_half2(((bfloat16_t)dk[((i_17 * 8) + 4)]), ((bfloat16_t)dk[((i_17 * 8) + 5)])), __pack_half2(((bfloat16_t)dk[((i_17 * 8) + 6)]), ((bfloat16_t)dk[((i_17 * 8) + 7)])));
+  for (int i_18 = 0; i_18 < 8; ++i_18) {
+    tl::ptx_stmatrix_m8n8_x4((&(((bfloat16_t*)out_s)[(((((((i_18 >> 2) * 8192) + ((((int)threadIdx.x) >> 5) * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_18 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_18 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), __pack_half2(((bfloat16_t)dk[(i_18 * 8)]), ((bfloat16_t)dk[((i_18 * 8) + 1)])), __pack_half2(((bfloat16_t)dk[((i_18 * 8) + 2)]), ((bfloat16_t)dk[((i_18 * 8) + 3)])), __pack_half2(((bfloat16_t)dk[((i_18 * 8) + 4)]), ((bfloat16_t)dk[((i_18 * 8) + 5)])), __pack_half2(((bfloat16_t)dk[((i_18 * 8) + 6)]), ((bfloat16_t)dk[((i_18 * 8) + 7)])));
   }
   __syncthreads();
   if (tl::tl_shuffle_elect<256>()) {
     tl::fence_proxy_async();
     #pragma unroll
-    for (int i_18 = 0; i_18 < 2; ++i_18) {
-      tl::tma_store(dK_desc, (&(((bfloat16_t*)out_s)[(i_18 * 8192)])), (i_18 * 64), 0, ((int)blockIdx.x), ((int)blockIdx.y));
+    for (int i_19 = 0; i_19 < 2; ++i_19) {
+      tl::tma_store(dK_desc, (&(((bfloat16_t*)out_s)[(i_19 * 8192)])), (i_19 * 64), 0, ((int)blockIdx.x), ((int)blockIdx.y));
     }
     tl::tma_store_arrive();
     tl::tma_store_wait<0, true>();

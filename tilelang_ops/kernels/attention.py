@@ -1283,6 +1283,7 @@ def flash_bwd_small_kernel(config: SmallBwdConfig, headdim: int, dtype: str, cau
             dpT = T.alloc_fragment((bm, bn), acc)  # dP^T = V dO^T
             pT = T.alloc_fragment((bm, bn), dtype)
             dsT = T.alloc_fragment((bm, bn), dtype)
+            o_s = T.alloc_shared((bn, D), dtype)
             prod = T.alloc_fragment((bn, D), acc)
             delta = T.alloc_fragment((bn,), acc)
             dq = T.alloc_fragment((bn, D), acc)
@@ -1295,13 +1296,16 @@ def flash_bwd_small_kernel(config: SmallBwdConfig, headdim: int, dtype: str, cau
             T.copy(V[bz, 0:bm, by, :], v_s)
             T.clear(dk)
             T.clear(dv)
-            for it in T.serial(groups * n_q):
-                h = by * groups + it // n_q
-                qb = it % n_q
+            # Two loops, not one over groups * n_q: with h = it // n_q, qb = it % n_q every strided
+            # element access re-derived them (int64 division and modulo per element; 2.7x the fused
+            # backward's GPU time on the H200, session 26).
+            for hh, qb in T.grid(groups, n_q):
+                h = by * groups + hh
                 T.copy(Q[bz, qb * bn : (qb + 1) * bn, h, :], q_s)
                 T.copy(dO[bz, qb * bn : (qb + 1) * bn, h, :], do_s)
-                for i, j in T.Parallel(bn, D):  # the preprocess's Delta, for this step's rows
-                    prod[i, j] = T.if_then_else(qb * bn + i < Sq, T.Cast(acc, O[bz, qb * bn + i, h, j]) * T.Cast(acc, do_s[i, j]), 0)
+                T.copy(O[bz, qb * bn : (qb + 1) * bn, h, :], o_s)
+                for i, j in T.Parallel(bn, D):  # the preprocess's Delta, for this step's rows (the tiles' rows past Sq are zeros)
+                    prod[i, j] = T.Cast(acc, o_s[i, j]) * T.Cast(acc, do_s[i, j])
                 T.reduce_sum(prod, delta, dim=1)
                 for i in T.Parallel(bn):
                     delta_s[i] = delta[i]

@@ -99,10 +99,24 @@ _KDEFS = {
     "cast": ("cast_f32_kernel", {}),
     "bwd_small": ("flash_bwd_small_kernel", {}),  # at most SMALL_BWD_KEYS keys: the whole backward, one kernel
 }
-# The backward in one kernel (no scratch, no prep/cast launches) up to this many keys, at these head
-# dims (kernels.attention.SMALL_BWD_KEYS / SMALL_BWD_HEADDIMS; that module imports tilelang).
+# The backward in one kernel (flash_bwd_small: no scratch, no prep/cast launches) up to this many
+# keys, at these head dims (kernels.attention.SMALL_BWD_KEYS / SMALL_BWD_HEADDIMS; that module
+# imports tilelang), for small problems only: its plain T.gemm steps run ~1.4x the async main
+# kernel's time per step (H200, session 26, benchmarks.diag_single_pass), so it wins on the GPU
+# too only while each CTA walks at most SMALL_BWD_STEPS query blocks and the CTAs (batch x kv
+# heads) fit two waves; beyond that the three-kernel backward's GPU time is less.
 SMALL_BWD_KEYS = 128
 SMALL_BWD_HEADDIMS = (64, 128)
+SMALL_BWD_STEPS = 2
+_SMALL_BWD_QUERIES = 64  # kernels.attention.SmallBwdConfig.block_n
+
+
+def _small_bwd(B: int, Sq: int, Sk: int, HK: int, groups: int, D: int, device) -> bool:
+    """Whether the backward of this problem (no dlse) is flash_bwd_small's."""
+    return (
+        Sk <= SMALL_BWD_KEYS and D in SMALL_BWD_HEADDIMS and groups * -(-Sq // _SMALL_BWD_QUERIES) <= SMALL_BWD_STEPS
+        and B * HK <= 2 * runtime.sm_count(device)
+    )
 # Kernels with every static arg, and the tuned-config entry each resolves its config from
 # (dK/dV-only uses the main backward's: same tiles, minus the dQ work).
 _TUNED_AS = {"fwd": "fwd", "fwd_nolse": "fwd", "bwd": "bwd", "bwd_nodq": "bwd", "bwd_fused": "bwd", "bwd_fused_packed": "bwd", "dq": "dq"}
@@ -374,7 +388,7 @@ def _flash_bwd_cuda(dout, q, k, v, out, lse, causal=False, softmax_scale=None, d
     # fixed order; no fp32 dQ buffer and no cast, S and dP computed twice.
     q, k, v, out, lse = *_qkv3(q, k, v), ready(out), ready(lse)
     dq = q.new_empty(B, Sq, H, D)
-    if Sk <= SMALL_BWD_KEYS and dlse is None and D in SMALL_BWD_HEADDIMS:  # one kernel, deterministic
+    if dlse is None and _small_bwd(B, Sq, Sk, HK, groups, D, dev):  # one kernel, deterministic
         _kernel("bwd_small", dtype, dev, D, causal, groups, softmax_scale)(q, k, v, out, dout, lse, dq, dk, dv)
         return dq, dk, dv
     det = _deterministic()
@@ -550,7 +564,7 @@ def _packed_bwd_cuda(dout, qkv, out, lse, causal=False, softmax_scale=None, dlse
     if dlse is not None or _deterministic() or qkv.numel() == 0 or S * 3 * H * D > INT32_MAX:
         return torch.stack(_flash_bwd_cuda(dout, q, k, v, out, lse, causal, softmax_scale, dlse), dim=2)
     dqkv = qkv.new_empty(B, S, 3, H, D)
-    if S <= SMALL_BWD_KEYS and D in SMALL_BWD_HEADDIMS:  # one kernel, writing the three slices
+    if _small_bwd(B, S, S, H, 1, D, qkv.device):  # one kernel, writing the three slices
         _kernel("bwd_small", q.dtype, q.device, D, causal, 1, softmax_scale)(q, k, v, ready(out), ready(dout), ready(lse), *dqkv.unbind(2))
         return dqkv
     # the kernel writes dq through the whole (B, S, 3, H, D) tensor (slice 0), dk and dv through their slices
