@@ -1144,7 +1144,9 @@ def test_small_backward_is_one_kernel(det, monkeypatch):
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("shape", [(2, 77, 100, 8, 2, 64), (1, 300, 128, 4, 1, 128), (1, 1, 1, 2, 2, 64)], ids=["gqa4", "mqa-sq>sk", "one"])
+# (a single key is no case here: its exact dq is 0, so a relative error is undefined; the op-level
+# tests check it against the baseline error of any bf16 attention)
+@pytest.mark.parametrize("shape", [(2, 77, 100, 8, 2, 64), (1, 300, 128, 4, 1, 128), (2, 17, 128, 4, 4, 128)], ids=["gqa4", "mqa-sq>sk", "mha-sq<sk"])
 def test_flash_bwd_small_kernel_matches_reference(shape, causal):
     # The one-kernel backward at any size it compiles for (one key block), also where the op
     # prefers the three-kernel path (GQA walks of 8-20 steps): NaN-filled gradients, float64 reference.
