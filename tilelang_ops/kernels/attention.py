@@ -1247,11 +1247,7 @@ def flash_bwd_small_kernel(config: SmallBwdConfig, headdim: int, dtype: str, cau
     stored once in dtype: no fp32 accumulator, no atomics, no conversion kernel. For short
     sequences the host path is the cost: one launch instead of three (~4.5 µs each on the H200
     host) and no scratch allocation. Deterministic."""
-    B = T.dynamic("B")
-    Sq = T.dynamic("Sq")
-    Sk = T.dynamic("Sk")
-    H = T.dynamic("H")
-    HK = T.dynamic("HK")
+    B, Sq, _, Sk, H, HK = _bwd_dims()  # no padded SqP: Delta and the base-2 LSE never reach memory
     D = headdim
     bm, bn = config.block_m, config.block_n
     acc = "float32"
