@@ -381,16 +381,16 @@ def _flash_bwd_cuda(dout, q, k, v, out, lse, causal=False, softmax_scale=None, d
         return q.new_zeros(q.shape), dk.zero_(), dv.zero_()
     dev, dtype, groups = q.device, q.dtype, H // HK
     dout = ready(dout)
-    # The flag is read when the backward runs (it is not in the schema): eager calls and
-    # torch.compile'd graphs follow the flag in force then; a captured CUDA graph keeps its path.
-    # Deterministic: dK/dV from the main kernel without its dQ atomics (a GQA group already sums
-    # inside one CTA), dQ from its own kernel, one CTA per query block summing its key blocks in a
-    # fixed order; no fp32 dQ buffer and no cast, S and dP computed twice.
     q, k, v, out, lse = *_qkv3(q, k, v), ready(out), ready(lse)
     dq = q.new_empty(B, Sq, H, D)
     if dlse is None and _small_bwd(B, Sq, Sk, HK, groups, D, dev):  # one kernel, deterministic
         _kernel("bwd_small", dtype, dev, D, causal, groups, softmax_scale)(q, k, v, out, dout, lse, dq, dk, dv)
         return dq, dk, dv
+    # The flag is read when the backward runs (it is not in the schema): eager calls and
+    # torch.compile'd graphs follow the flag in force then; a captured CUDA graph keeps its path.
+    # Deterministic: dK/dV from the main kernel without its dQ atomics (a GQA group already sums
+    # inside one CTA), dQ from its own kernel, one CTA per query block summing its key blocks in a
+    # fixed order; no fp32 dQ buffer and no cast, S and dP computed twice.
     det = _deterministic()
     if not det and dlse is None:  # the common call: preprocess, main kernel and dQ cast in one host call
         _bwd_fused("bwd_fused", dout, q, k, v, out, lse, causal, softmax_scale, dq, dk, dv)
