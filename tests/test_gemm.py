@@ -678,6 +678,9 @@ def test_config_table_and_search_space():
     assert (big.block_M, big.block_N, big.block_K, big.num_stages, big.threads) == (128, 256, 64, 3, 256)
     assert G.config_for("nn", 128, 64, torch.bfloat16, "sm_90a").block_N == 128
     assert G.config_for("tn", 4096, 0, torch.bfloat16, "sm_80", rows=4096).num_stages <= 2
+    for arch in ("sm_90a", "sm_80"):  # the op's one-kernel threshold is one bias-grad CTA's rows
+        cfg = K.default_bias_grad_config(arch, 4096)
+        assert G.BIAS_GRAD_SINGLE_ROWS == cfg.block_M * cfg.steps
     assert len(K.SEARCH_SPACE) <= 12 and len(K.REPRESENTATIVE) <= 13  # bounds the compile tests (CI time): one per kernel shape
     assert G.last_config("no-such-kernel") is None
 

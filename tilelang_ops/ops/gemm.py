@@ -194,6 +194,9 @@ def _with_workspace(launch, cfg, rows: int, n: int):
 # (2.5 against 4.0 µs at 8 x 1024, 4.5 against 6.2 at 64 x 4096; at 128 x 4096 7.4 against 6.3:
 # benchmarks.diag_single_pass, H200, session 26) besides saving the host a launch (~3 µs).
 ACT_GRAD_SINGLE_ROWS = 64
+# Up to one CTA's rows of the bias-gradient kernel (kernels.gemm.BiasGradConfig: block_M * steps;
+# that module imports tilelang), bias_grad runs its one-kernel variant: the same grid, no partials.
+BIAS_GRAD_SINGLE_ROWS = 512
 
 
 def _act_grad_kernel(device, n, dtype, activation, bias_grad, single=False):
@@ -598,10 +601,11 @@ def _(dy):
     M, N = dy.shape
     if dy.numel() == 0:
         return dy.new_zeros(N)
-    kern, rows = _bias_grad_kernel(dy.device, N, dy.dtype)
+    single = M <= BIAS_GRAD_SINGLE_ROWS  # one CTA's rows: the one-kernel variant, no partials
+    kern, rows = _bias_grad_kernel(dy.device, N, dy.dtype, single)
     db = dy.new_empty(N)
-    if M <= rows:  # one block of rows: the one-kernel variant, no partials
-        _bias_grad_kernel(dy.device, N, dy.dtype, True)[0](ready(dy), db)
+    if single:
+        kern(ready(dy), db)
         return db
     partial = torch.empty(-(-M // rows), N, dtype=torch.float32, device=dy.device)  # one fp32 row per `rows` rows
     kern(ready(dy), partial, db)
