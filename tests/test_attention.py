@@ -1028,6 +1028,36 @@ def test_flash_attn_bad_input(device, idx):
         torch.ops.tileops.flash_attn_with_lse(*args, **kwargs)
 
 
+def _bad_grads(d):
+    """flash_attn_backward's own arguments gone wrong: (name, dout, out, lse, dlse, exception, message)."""
+    bf = torch.bfloat16
+    g, o = torch.randn(2, 8, 4, 64, dtype=bf, device=d), torch.randn(2, 8, 4, 64, dtype=bf, device=d)
+    lse = torch.randn(2, 4, 8, device=d)
+    return [
+        ("dout dtype", g.half(), o, lse, None, TypeError, "dout: dtype"),
+        ("dout shape", g[:, :7], o, lse, None, ValueError, "dout: shape"),
+        ("out rank", g, o[0], lse, None, ValueError, "out: expected 4-D"),
+        ("lse dtype", g, o, lse.to(bf), None, TypeError, "lse: dtype"),
+        ("lse layout (B, Sq, H)", g, o, lse.transpose(1, 2).contiguous(), None, ValueError, r"lse: shape \(2, 8, 4\) != \(batch, nheads, seqlen_q\)"),
+        ("dlse shape", g, o, lse, lse[:, :, :7], ValueError, "dlse: shape"),
+    ]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("idx", range(6))
+def test_flash_attn_backward_bad_input(device, idx):
+    # The backward ops check their own arguments too (a user calling them directly, ring
+    # attention passing dlse): a clear error naming the argument, nothing launched.
+    name, dout, out, lse, dlse, exc, msg = _bad_grads(device)[idx]
+    q = torch.randn(2, 8, 4, 64, dtype=torch.bfloat16, device=device)
+    k = torch.randn(2, 8, 2, 64, dtype=torch.bfloat16, device=device)
+    with pytest.raises(exc, match=msg):
+        torch.ops.tileops.flash_attn_backward(dout, q, k, k, out, lse, False, None, dlse)
+    qkv = torch.randn(2, 8, 3, 4, 64, dtype=torch.bfloat16, device=device)  # the packed op: same checks
+    with pytest.raises(exc, match=msg):
+        torch.ops.tileops.flash_attn_qkvpacked_backward(dout, qkv, out, lse, False, None, dlse)
+
+
 def test_kernel_resolution_static_args(monkeypatch):
     # The op resolves each kernel once per (name, dtype, device, static args as passed); the
     # scale baked into fwd/bwd is softmax_scale, or 1/sqrt(headdim) when None. No GPU needed:

@@ -140,6 +140,31 @@ def test_functorch_transforms_still_go_through_function_apply():
         torch.func.grad(lambda t: torch.ops.tileops.softmax(t, -1).pow(2).sum())(x)
 
 
+def test_dead_functorch_wrapper_is_unwrapped_before_the_grad_path():
+    # A tensor that escaped a finished torch.func.grad is a dead wrapper. The grad path calls the
+    # C apply without Function.apply's unwrap: functorch's wrapper key, dispatched before
+    # Autograd, must have unwrapped it already — the op sees a plain tensor, and the gradient
+    # lands where a native op's does (on the unwrapped tensor).
+    leaked = []
+    torch.func.grad(lambda t: leaked.append(t) or (t * t).sum())(torch.randn(4, 8, requires_grad=True))
+    dead = leaked[0]
+    unwrapped = torch._C._functorch.unwrap_if_dead(dead)
+    assert torch._C._functorch.is_functorch_wrapped_tensor(dead) and unwrapped is not dead
+    seen = []
+    impl = softmax_ops.softmax.impls[torch._C.DispatchKey.CPU]
+    softmax_ops.softmax.impls[torch._C.DispatchKey.CPU] = lambda *a: seen.append(torch._C._functorch.is_functorch_wrapped_tensor(a[0])) or impl(*a)
+    try:
+        y = torch.ops.tileops.softmax(dead, -1)
+    finally:
+        softmax_ops.softmax.impls[torch._C.DispatchKey.CPU] = impl
+    assert seen == [False] and y.grad_fn is not None
+    w = torch.randn(4, 8)
+    (y * w).sum().backward()
+    ref = unwrapped.detach().clone().requires_grad_()
+    (torch.softmax(ref, -1) * w).sum().backward()
+    assert unwrapped.grad is not None and rel_err(unwrapped.grad, ref.grad) < 1e-5
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_grad_path_fills_dropped_defaults(device):
     # softmax(x) with dim left at its default: the dispatcher drops it, setup_context must still

@@ -185,17 +185,19 @@ class CustomOp:
 def _fast_apply(fn_cls):
     """(keyset, args) -> fn_cls.apply(*args, keyset), minus Function.apply's Python preamble.
 
-    Outside functorch transforms, `Function.apply` unwraps dead functorch wrappers and calls the C
-    `_FunctionBase.apply`; doing the same here saves ~1.5 µs per grad-recording call (CPU
-    machine). Under vmap/grad it is `Function.apply` itself, unchanged."""
+    Outside functorch transforms, `Function.apply` unwraps dead functorch wrappers (tensors that
+    escaped a finished grad/vmap) and calls the C `_FunctionBase.apply`. Here the call comes from
+    the op's Autograd kernel: the dispatcher has already passed functorch's wrapper keys, whose
+    fallback unwraps dead wrappers, so the C apply is called directly (~1 µs less per
+    grad-recording call on the H200 host; tests/test_library.py feeds a dead wrapper). Under
+    vmap/grad it is `Function.apply` itself, unchanged."""
     raw = _C._FunctionBase.__dict__["apply"].__get__(None, fn_cls)
     transforms_active = _C._are_functorch_transforms_active
-    unwrap = _C._functorch.unwrap_if_dead
 
     def apply(keyset, args):
         if transforms_active():
             return fn_cls.apply(*args, keyset)
-        return raw(*[unwrap(a) if isinstance(a, torch.Tensor) else a for a in args], keyset)
+        return raw(*args, keyset)
 
     return apply
 

@@ -328,10 +328,16 @@ def _(q, k, v, causal=False, softmax_scale=None):
 # ------------------------------------------------------------------------------------ backward
 def _check_bwd(dout, q, k, v, out, lse, softmax_scale, dlse) -> None:
     _check_qkv(q, k, v, softmax_scale)
-    dev = q.device
+    _check_grad_args(dout, q, out, lse, dlse)
+
+
+def _check_grad_args(dout, q, out, lse, dlse) -> None:
+    """A backward's dout and out (q's dtype, shape and device), lse and dlse ((B, H, Sq) float32),
+    q itself already checked."""
+    qs, dt, dev = q.shape, q.dtype, q.device
     if (  # fast accept (what autograd passes), else the full check that names what is wrong
-        dout.dtype is q.dtype and out.dtype is q.dtype and lse.dtype is torch.float32 and dlse is None
-        and dout.shape == q.shape and out.shape == q.shape and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
+        dlse is None and dout.dtype is dt and out.dtype is dt and lse.dtype is torch.float32
+        and dout.shape == qs and out.shape == qs and lse.shape == (qs[0], qs[2], qs[1])
         and dout.device == dev and out.device == dev and lse.device == dev
     ):
         return
@@ -549,7 +555,7 @@ def flash_attn_qkvpacked_backward(
     flash_attn_backward's."""
     _check_qkvpacked(qkv, softmax_scale)
     q, k, v = qkv.unbind(2)
-    _check_bwd(dout, q, k, v, out, lse, softmax_scale, dlse)
+    _check_grad_args(dout, q, out, lse, dlse)
     return torch.stack(reference.flash_attn_backward(dout, q, k, v, out, lse, causal, _scale(q, softmax_scale), dlse), dim=2)
 
 
@@ -557,7 +563,7 @@ def flash_attn_qkvpacked_backward(
 def _packed_bwd_cuda(dout, qkv, out, lse, causal=False, softmax_scale=None, dlse=None):
     _check_qkvpacked(qkv, softmax_scale)
     q, k, v = _packed_qkv(qkv)  # kernel-ready slices (copies only for a qkv TMA cannot read)
-    _check_bwd(dout, q, k, v, out, lse, softmax_scale, dlse)
+    _check_grad_args(dout, q, out, lse, dlse)  # q, k, v: slices of the checked qkv
     B, S, _, H, D = qkv.shape
     # The packed kernel needs int32 strides for the (B, S, 3, H, D) gradient; the deterministic
     # backward and a gradient through lse take flash_attn_backward's paths, then one stack.
