@@ -65,6 +65,7 @@ def candidates():
            _cfg(128, 192, 64, 4, pipe="async"), _cfg(128, 256, 32, 8, pol="FullRow", pipe="async")]
     asy_two = [_cfg(128, 128, 64, 2, mb=2, pipe="async"), _cfg(128, 128, 32, 4, mb=2, pipe="async")]
     return {
+        **_tile_groups(gemm, lin, nt_plain),
         **_pingpong_groups(gemm, lin),
         **_gpt_groups(gemm, lin, nt_plain),
         **_split_groups(gemm),
@@ -112,6 +113,27 @@ def candidates():
 def _selected(gname: str, groups) -> bool:
     """--group patterns are shell-style (`--group 'pp_*'`); none given: every group."""
     return not groups or any(fnmatch.fnmatchcase(gname, g) for g in groups)
+
+
+def _tile_groups(gemm, lin, nt_plain):
+    """Tiles larger than 128x256 at the MLP block's six GEMMs (8192 tokens) and 8192^3. The GEMMs run
+    at the board's 700 W limit, the SM clock falling to 1605-1845 MHz (nvidia-smi dmon, twenty-seventh
+    session), so bytes moved per FLOP cost clock; cuBLAS runs 192x192, 256x128 and 320x128 tiles
+    there. A 192x192 tile (three consumer warpgroups of 64x192) moves 96 FLOP per byte loaded from
+    L2, 128x256 85; 256x128 (two warpgroups of 128x128) as many, with 20% fewer shared-memory bytes
+    read per wgmma FLOP than 64x256 warpgroup tiles. (192x256 with three warpgroups fails in nvcc:
+    three stages and its C tile exceed shared memory.) Groups "tile_*"."""
+    cands = [_cfg(192, 192, 64, 4, th=384, pol="FullRow"), _cfg(192, 192, 64, 3, th=384, pol="FullRow"), _cfg(256, 128, 64, 4)]
+    spec = {
+        "tile_nn_8192_8192": (dict(gemm, n=8192, k=8192), [("gemm", 8192)]),
+        "tile_lin_14336_4096": (dict(lin, n=14336, k=4096), [("linear", 8192)]),  # MLP up, forward
+        "tile_ntplain_4096_14336": (dict(nt_plain, n=4096, k=14336), [("linear_noepi", 8192)]),  # MLP down, forward
+        "tile_nn_14336_4096": (dict(gemm, n=14336, k=4096), [("gemm", 8192)]),  # dX of the down projection
+        "tile_nn_4096_14336": (dict(gemm, n=4096, k=14336), [("gemm", 8192)]),  # dX of the up projection
+        "tile_tn_4096x14336": (dict(gemm, layout="tn", rows=4096, n=14336, k=0), [("wgrad", 8192)]),
+        "tile_tn_14336x4096": (dict(gemm, layout="tn", rows=14336, n=4096, k=0), [("wgrad", 8192)]),
+    }
+    return _beside_defaults(spec, cands)
 
 
 def _pingpong_groups(gemm, lin):
