@@ -5,6 +5,8 @@
 # With MARKER (a file whose time warm_all.sh set before warming), only the kernel entries read or
 # written since then are packed: the cache keeps every kernel ever built here, the GPU host needs
 # the ones today's tests, checks and benchmarks load (a call may carry 64 MiB in all).
+# KERNELS=REGEX keeps only the entries whose __global__ function matches, KERNELS='!REGEX' the
+# others (flash_ / !flash_: the attention kernels in one call, the rest in the next).
 set -euo pipefail
 src=${1:-.tl-cache}
 marker=${2:-}
@@ -13,6 +15,13 @@ root=0.1.15/linux-x86_64
 if [[ -n $marker ]]; then
   marker=$(realpath "$marker")
   (cd "$src" && find "$root/kernels" -mindepth 2 -maxdepth 2 -anewer "$marker" -printf '%h\n' | sort -u) > .tl-carry/entries.txt
+  if [[ -n ${KERNELS:-} ]]; then
+    want=0; re=$KERNELS; [[ $re == '!'* ]] && want=1 re=${re:1}
+    while read -r e; do
+      grep -qE "__global__ void[^(]*(${re})" "$src/$e/device_kernel.cu"; [[ $? == "$want" ]] && echo "$e"
+    done < .tl-carry/entries.txt > .tl-carry/entries.sel || true
+    mv .tl-carry/entries.sel .tl-carry/entries.txt
+  fi
   tar -C "$src" -cf - -T .tl-carry/entries.txt | xz -T0 -6 > .tl-carry/tlcache.tar.xz
   echo "packed $(wc -l < .tl-carry/entries.txt) kernels, $(du -h .tl-carry/tlcache.tar.xz | cut -f1), from $src"
 else
