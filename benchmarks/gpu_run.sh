@@ -16,6 +16,7 @@ tests=(); benches=(); seen=0
 for a in "$@"; do if [[ $a == -- ]]; then seen=1; elif ((seen)); then benches+=("$a"); else tests+=("$a"); fi; done
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv; python3 -c "import torch,tilelang;print('torch',torch.__version__,'cuda',torch.version.cuda,'tilelang',tilelang.__version__)"; } 2>&1 | tee "$OUT/env.txt"
 status=0
+touch "$OUT/.start"
 # CHECK_ARGS="--op layer_norm ...": only those ops (their kernels are all a call may have warmed)
 # shellcheck disable=SC2086
 python3 -m tilelang_ops.cli check ${CHECK_ARGS:-} > "$OUT/check.log" 2>&1; rc=$?; status=$((status|rc))
@@ -26,14 +27,16 @@ run_benches() {
     i=$((i+1)); log="$OUT/${i}_${b%% *}.log"  # numbered: one module may run twice with other arguments
     # under a timeout: a hung kernel must not eat the whole call
     # shellcheck disable=SC2086  # word splitting wanted: the module and its arguments
-    timeout "${BENCH_TIMEOUT:-900}" python3 -m $b > "$log" 2>&1; rc=$?; status=$((status|rc)); echo "== $b rc=$rc"; grep -v "INFO\|WARNING" "$log" | tail -40
+    timeout -s INT -k 30 "${BENCH_TIMEOUT:-900}" python3 -m $b > "$log" 2>&1; rc=$?; status=$((status|rc)); echo "== $b rc=$rc"; grep -v "INFO\|WARNING" "$log" | tail -40
   done
 }
 run_tests() {
   local rc
   ((${#tests[@]})) || return 0
-  HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-gpu} timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider -rs --durations=15 "${tests[@]}" > "$OUT/pytest.log" 2>&1; rc=$?; status=$((status|rc))
+  # -v and SIGINT: a run cut short still names the test it was in and prints the durations so far
+  HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-gpu} timeout -s INT -k 30 "${TEST_TIMEOUT:-540}" python3 -m pytest -v -p no:cacheprovider -rs --durations=15 "${tests[@]}" > "$OUT/pytest.log" 2>&1; rc=$?; status=$((status|rc))
   echo "pytest ${tests[*]}: rc=$rc  $(tail -1 "$OUT/pytest.log")"
+  ((rc == 124)) && echo "cut short in: $(grep -E '^tests/.*::' "$OUT/pytest.log" | tail -1)"
 }
 # TESTS_FIRST=1: the tests before the benchmarks (new kernels: a wrong or hanging one shows before
 # the benchmarks spend the call's time on it)
@@ -41,6 +44,11 @@ if [[ ${TESTS_FIRST:-0} == 1 ]]; then run_tests; run_benches; else run_benches; 
 grep -E "FAILED|Error" "$OUT/pytest.log" 2>/dev/null | head -30
 # Kernels compiled here cost device time (the tma softmax kernels ~20-80 s of nvcc each): say so,
 # so the next call carries them (warm on the CPU machine: benchmarks/warm_all.sh, pack_cache.sh).
+# pytest captures TileLang's log: list the cache entries this host wrote instead (kernel name, entry)
+find "$TILELANG_CACHE_DIR" -name device_kernel.cu -newer "$OUT/.start" 2>/dev/null | while read -r f; do
+  echo "$(grep -o '__global__ void[^(]*' "$f" | head -1 | awk '{print $NF}') $(dirname "$f")"
+done > "$OUT/compiled_here.txt"
+[[ -s $OUT/compiled_here.txt ]] && echo "NOTE: $(wc -l < "$OUT/compiled_here.txt") kernels compiled on this host: $(cut -d' ' -f1 "$OUT/compiled_here.txt" | sort | uniq -c | sort -rn | head -8 | tr -s ' \n' ' ')"
 for log in "$OUT"/*.log; do
   n=$(grep -c "begins to compile" "$log" 2>/dev/null); n=${n:-0}
   ((n)) && echo "NOTE: $(basename "$log"): $n kernels compiled on this host (not in the carried cache)"
