@@ -48,7 +48,13 @@ grep -E "FAILED|Error" "$OUT/pytest.log" 2>/dev/null | head -30
 find "$TILELANG_CACHE_DIR" -name device_kernel.cu -newer "$OUT/.start" 2>/dev/null | while read -r f; do
   echo "$(grep -o '__global__ void[^(]*' "$f" | head -1 | awk '{print $NF}') $(dirname "$f")"
 done > "$OUT/compiled_here.txt"
-[[ -s $OUT/compiled_here.txt ]] && echo "NOTE: $(wc -l < "$OUT/compiled_here.txt") kernels compiled on this host: $(cut -d' ' -f1 "$OUT/compiled_here.txt" | sort | uniq -c | sort -rn | head -8 | tr -s ' \n' ' ')"
+if [[ -s $OUT/compiled_here.txt ]]; then
+  echo "NOTE: $(wc -l < "$OUT/compiled_here.txt") kernels compiled on this host: $(cut -d' ' -f1 "$OUT/compiled_here.txt" | sort | uniq -c | sort -rn | head -8 | tr -s ' \n' ' ')"
+  # ...and bring them back (~50-100 KB each, xz), so the next call carries them instead of
+  # compiling again: here, `tar -C .tl-cache -xJf .../compiled_here.tar.xz`, then pack_cache.sh.
+  (cd "$TILELANG_CACHE_DIR" && cut -d' ' -f2 "$OUT/compiled_here.txt" | sed "s|^$TILELANG_CACHE_DIR/||" \
+    | tar -cf - -T - | xz -T0 -6 > "$OUT/compiled_here.tar.xz")
+fi
 for log in "$OUT"/*.log; do
   n=$(grep -c "begins to compile" "$log" 2>/dev/null); n=${n:-0}
   ((n)) && echo "NOTE: $(basename "$log"): $n kernels compiled on this host (not in the carried cache)"
