@@ -40,10 +40,16 @@ def first_run(fn, label: str, timeout: float = 60.0, sync=None, exit_code: int =
         done.set()
 
 
+# Warm-up per timing, by time: a contender's first ~100 ms run at the clock its predecessor left
+# (the H200 is power-capped at 700 W; after a low-power peer the clock starts high), and in
+# benchmarks the contenders take turns (`interleaved`), so each timing starts after another's.
+WARM_MS = float(os.environ.get("BENCH_WARM_MS", "200"))
+
+
 def bench(fn, warmup: int = 10, rep: int = 50, flush_l2: bool = False) -> float:
     """The tuner's clock (`tilelang_ops.tuning.time_cuda`) with the benchmarks' defaults: flush_l2
-    zeroes 256 MB before each timed run, outside the events."""
-    return time_cuda(fn, warmup, rep, flush_l2)
+    zeroes 256 MB before each timed run, outside the events; at least WARM_MS of warm-up."""
+    return time_cuda(fn, warmup, rep, flush_l2, warm_ms=WARM_MS)
 
 
 def graph_ms(fn, n: int = 10, rep: int = 10) -> float:
@@ -60,8 +66,13 @@ def graph_ms(fn, n: int = 10, rep: int = 10) -> float:
     with torch.cuda.graph(g):
         for _ in range(n):
             fn()
-    for _ in range(2):
-        g.replay()
+    t0 = time.perf_counter()
+    while True:  # at least 2 replays and WARM_MS (see WARM_MS)
+        for _ in range(2):
+            g.replay()
+        torch.cuda.synchronize()
+        if (time.perf_counter() - t0) * 1e3 >= WARM_MS:
+            break
     ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(rep)]
     for a, b in ev:
         a.record()

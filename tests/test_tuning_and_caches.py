@@ -70,6 +70,24 @@ def test_tune_keeps_the_default_unless_the_winner_wins_again(tuned_dir, monkeypa
     assert row["speedup"] == pytest.approx(1.0 / again[lucky] if confirmed else 1.0)
 
 
+@pytest.mark.parametrize("n", [2, 3, 4, 5])
+def test_turns_give_each_contender_new_neighbours(n):
+    """Benchmarks time their contenders in turns; a plain rotation puts each one right after the
+    same peer every round (whose power draw sets the clock it starts at). Each round must be a
+    permutation, no contender may follow the same peer in every round, and the first place moves."""
+    orders = tuning.turn_orders(n, 3)
+    assert all(sorted(o) == list(range(n)) for o in orders)
+    seq = [k for o in orders for k in o]
+    for k in range(n):
+        preds = [seq[i - 1] for i in range(1, len(seq)) if seq[i] == k]
+        assert len(set(preds)) > 1, (k, orders)
+    assert len({o[0] for o in orders}) == min(n, 3)
+    # and in_turns times every contender once per round, in those orders
+    calls = []
+    times = tuning.in_turns({f"c{i}": i for i in range(n)}, lambda i: calls.append(i) or float(i), 3)
+    assert calls == seq and times == {f"c{i}": float(i) for i in range(n)}
+
+
 def test_gemm_entries_tuned_before_the_two_cta_fields_still_apply():
     from tilelang_ops.kernels.gemm import GemmConfig
 

@@ -199,36 +199,65 @@ def tune(tunable: Tunable, shapes, dtype, device, time_fn, progress=None) -> lis
     return rows
 
 
+def turn_orders(n: int, rounds: int) -> list[tuple]:
+    """The order of n contenders in each of `rounds` rounds: each round the permutation (first in
+    lexicographic order among ties) that repeats the fewest (predecessor, contender) pairs of the
+    rounds before, then the fewest first places. A plain rotation (a b c d / b c d a / ...) keeps
+    every contender right after the same one, and on the H200 whatever follows a low-power peer
+    starts at a higher clock (2026-12-04: one forward kernel, timed right after SDPA-flash, ran
+    up to 1.10x its own time right after itself). Above 6 contenders: the rotation."""
+    from itertools import permutations
+
+    if n > 6:
+        return [tuple((r + j) % n for j in range(n)) for r in range(rounds)]
+    seen, firsts, prev, orders = set(), set(), None, []
+    for _ in range(rounds):
+        def cost(p):
+            return sum(pair in seen for pair in zip((prev,) + p[:-1], p)), p[0] in firsts
+
+        order = min(permutations(range(n)), key=cost)
+        seen.update(zip((prev,) + order[:-1], order))
+        firsts.add(order[0])
+        prev = order[-1]
+        orders.append(order)
+    return orders
+
+
 def in_turns(runs: dict, time_fn, rounds: int = 3) -> dict:
-    """Median of `rounds` time_fn(fn) per key of runs {key: fn}, the fns taking turns and each
-    round starting one later, so none always runs right after the same one (the H200's clock falls
-    as it heats). The tuner's confirmation pass and every benchmark comparison
+    """Median of `rounds` time_fn(fn) per key of runs {key: fn}, the fns taking turns in the
+    orders of `turn_orders` (each round a new first, new neighbours), since the H200's clock
+    moves with what ran just before. The tuner's confirmation pass and every benchmark comparison
     (benchmarks/_timing.interleaved) time through this."""
     import statistics
 
     keys = list(runs)
     times = {k: [] for k in keys}
-    for r in range(rounds):
-        for j in range(len(keys)):
-            k = keys[(r + j) % len(keys)]
-            times[k].append(time_fn(runs[k]))
+    for order in turn_orders(len(keys), rounds):
+        for j in order:
+            times[keys[j]].append(time_fn(runs[keys[j]]))
     return {k: statistics.median(t) for k, t in times.items()}
 
 
-def time_cuda(fn, warmup: int = 5, rep: int = 30, flush_l2: bool = True) -> float:
+def time_cuda(fn, warmup: int = 5, rep: int = 30, flush_l2: bool = True, warm_ms: float = 0.0) -> float:
     """Median milliseconds of fn() by CUDA events (the tuner's clock; benchmarks/_timing.bench is
     this with more runs). With flush_l2, 256 MB (over 4x an H200's L2) are zeroed before each
     timed run, outside the events: a memory-bound op's configs are then ranked on DRAM traffic, as
     the benchmarks measure them, not on inputs the previous run left in L2; and the memset keeps
     the GPU busy while the host launches fn, so a small problem is timed on the GPU, not on its
-    host path."""
+    host path. warm_ms: the warm-up goes on until fn has run this long (wall time), so that the
+    timed runs see the clock that fn's own power draw settles at, not the one its predecessor left."""
     import statistics
+    import time
 
     import torch
 
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    while True:
+        for _ in range(warmup):
+            fn()
+        torch.cuda.synchronize()
+        if warmup <= 0 or (time.perf_counter() - t0) * 1e3 >= warm_ms:
+            break
     scratch = torch.empty(256 << 20, dtype=torch.uint8, device="cuda") if flush_l2 else None
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(rep)]
     for s, e in events:
