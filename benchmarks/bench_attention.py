@@ -9,7 +9,9 @@ the backward kernels (plus a few small elementwise ops) for every implementation
 (B, H, S, D) tensors, tileops (B, S, H, D): each gets its own layout, no transposes are timed.
 `tileops_det` is tileops with the backward under `torch.use_deterministic_algorithms(True)`
 (bitwise reproducible: dK/dV kernel + a separate dQ kernel instead of fp32 atomics), timed beside
-the default; "bwd det cost" = deterministic backward time / default backward time. It runs with
+the default; "bwd det cost" = deterministic backward time / default backward time; its forward
+is the default's kernel, so "fwd A/A" (tileops forward time / tileops_det's) is the run's own
+noise: ratios to the peers that differ from 1 by less than it are not a difference. It runs with
 PyTorch's defaults for that flag, so it includes the NaN fill of the op's fresh buffers
 (`torch.utils.deterministic.fill_uninitialized_memory`), as a user's run would.
 Writes $OUT/bench_attention.json (or bench_results/) and prints a table last.
@@ -173,6 +175,8 @@ def _summary(rows):
         det = next((r for r in case if r["impl"] == "tileops_det"), None)
         if ours and det:  # the deterministic backward's cost: its time over the default's
             line["bwd det cost"] = det["bwd_ms"] / ours["bwd_ms"]
+            # tileops_det's forward is the same kernel as tileops': their ratio is the run's noise
+            line["fwd A/A"] = ours["fwd_ms"] / det["fwd_ms"]
         out.append(line)
     return out
 
