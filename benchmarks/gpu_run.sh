@@ -51,7 +51,7 @@ done > "$OUT/compiled_here.txt"
 if [[ -s $OUT/compiled_here.txt ]]; then
   echo "NOTE: $(wc -l < "$OUT/compiled_here.txt") kernels compiled on this host: $(cut -d' ' -f1 "$OUT/compiled_here.txt" | sort | uniq -c | sort -rn | head -8 | tr -s ' \n' ' ')"
   # ...and bring them back (~50-100 KB each, xz), so the next call carries them instead of
-  # compiling again: here, `tar -C .tl-cache -xJf .../compiled_here.tar.xz`, then pack_cache.sh.
+  # compiling again: here, benchmarks/add_to_carry.sh .../compiled_here.tar.xz.
   (cd "$TILELANG_CACHE_DIR" && cut -d' ' -f2 "$OUT/compiled_here.txt" | sed "s|^$TILELANG_CACHE_DIR/||" \
     | tar -cf - -T - | xz -T0 -6 > "$OUT/compiled_here.tar.xz")
 fi
