@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from tilelang_ops.tuning import in_turns, time_cuda
+from tilelang_ops.tuning import in_turns, time_cuda, warm_up
 
 
 def first_run(fn, label: str, timeout: float = 60.0, sync=None, exit_code: int = 3) -> None:
@@ -66,13 +66,7 @@ def graph_ms(fn, n: int = 10, rep: int = 10) -> float:
     with torch.cuda.graph(g):
         for _ in range(n):
             fn()
-    t0 = time.perf_counter()
-    while True:  # at least 2 replays and WARM_MS (see WARM_MS)
-        for _ in range(2):
-            g.replay()
-        torch.cuda.synchronize()
-        if (time.perf_counter() - t0) * 1e3 >= WARM_MS:
-            break
+    warm_up(g.replay, 2, WARM_MS)
     ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(rep)]
     for a, b in ev:
         a.record()

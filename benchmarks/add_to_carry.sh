@@ -2,7 +2,7 @@
 # Adds kernels a GPU host had to compile (benchmarks/gpu_run.sh brings them back as
 # compiled_here.tar.xz) to the local cache and to the packed carry, so the next call loads them:
 #   benchmarks/add_to_carry.sh benchmarks/results/<date>-h200-sessionN/callK/compiled_here.tar.xz ...
-# (Session 30: 26 kernels the model-level GPU tests compile took their run from 36 s to 175-206 s.)
+# (Session 30: the model-level GPU tests compile 26 kernels; carried, their run took 36 s, not 175-206 s.)
 set -euo pipefail
 cache=${TILELANG_CACHE_DIR:-.tl-cache}
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT

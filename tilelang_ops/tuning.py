@@ -238,6 +238,22 @@ def in_turns(runs: dict, time_fn, rounds: int = 3) -> dict:
     return {k: statistics.median(t) for k, t in times.items()}
 
 
+def warm_up(fn, calls: int, warm_ms: float = 0.0) -> None:
+    """fn() `calls` times, again and again until at least warm_ms have passed (wall time, the GPU
+    synchronized after each batch; calls <= 0: one synchronize)."""
+    import time
+
+    import torch
+
+    t0 = time.perf_counter()
+    while True:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        if calls <= 0 or (time.perf_counter() - t0) * 1e3 >= warm_ms:
+            break
+
+
 def time_cuda(fn, warmup: int = 5, rep: int = 30, flush_l2: bool = True, warm_ms: float = 0.0) -> float:
     """Median milliseconds of fn() by CUDA events (the tuner's clock; benchmarks/_timing.bench is
     this with more runs). With flush_l2, 256 MB (over 4x an H200's L2) are zeroed before each
@@ -247,17 +263,10 @@ def time_cuda(fn, warmup: int = 5, rep: int = 30, flush_l2: bool = True, warm_ms
     host path. warm_ms: the warm-up goes on until fn has run this long (wall time), so that the
     timed runs see the clock that fn's own power draw settles at, not the one its predecessor left."""
     import statistics
-    import time
 
     import torch
 
-    t0 = time.perf_counter()
-    while True:
-        for _ in range(warmup):
-            fn()
-        torch.cuda.synchronize()
-        if warmup <= 0 or (time.perf_counter() - t0) * 1e3 >= warm_ms:
-            break
+    warm_up(fn, warmup, warm_ms)
     scratch = torch.empty(256 << 20, dtype=torch.uint8, device="cuda") if flush_l2 else None
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(rep)]
     for s, e in events:
