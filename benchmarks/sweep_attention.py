@@ -13,7 +13,7 @@ wrong kernel shows.
     python -m benchmarks.sweep_attention --bwd --walk [--shapes 0 3]  # backward: the default twice and with the other reverse (4: D=64 GQA)
     python -m benchmarks.sweep_attention --wide --shapes 2 4 5  # forward, D=64: 192 x 128 in the async pipelines (5: GPT-2's shape)
     python -m benchmarks.sweep_attention --tiles128 --shapes 0 1 3 [--causal-only]  # forward, D=128: 128 x 128 async tiles, persistent or not
-    python -m benchmarks.sweep_attention --lpt --causal-only --shapes 0 1 2 3 4 5  # the op's default at each length, again, and with FwdConfig.lpt
+    python -m benchmarks.sweep_attention --lpt --causal-only --shapes 0 1 2 3 4 5  # the op's default at each length, again, persistent with FwdConfig.lpt 1 / 4
 
 Forward FLOPs = 4 * B * H * S^2 * D, halved when causal; backward 2.5x that (as bench_attention).
 --bwd times the backward as the op runs it (`flash_bwd_fused`: preprocess, main kernel, dQ cast).
@@ -65,12 +65,11 @@ def candidates(headdim: int, causal: bool = False, seqlen=None):
 
     from tilelang_ops.kernels.attention import FwdConfig, fwd_default_config
 
-    if LPT:  # the default again (the run's noise), with the longest-first tile order; persistent too
+    if LPT:  # the default again (the run's noise); persistent with tiles from a counter, groups of 1 and 4 heads
         default = fwd_default_config(headdim, causal, seqlen_k=seqlen)
         if default.pipeline == "auto":
             return [default]
-        lpt = dataclasses.replace(default, lpt=True)
-        return [default, lpt] + ([dataclasses.replace(lpt, persistent=True)] if not default.persistent else [])
+        return [default] + [dataclasses.replace(default, persistent=True, lpt=hg) for hg in (1, 4)]
     if TILES128 and headdim == 128:
         # causal: 128 x 128 wastes 3% of a 4096-token causal tile set on the diagonal, 128 x 176 7%;
         # non-causal: the default's 192 rows pad 4096 to 4224, and at 128 x 128 O has its own shared
@@ -190,7 +189,7 @@ def _name(cfg) -> str:
     post += f"/stats{cfg.stats_early}" if getattr(cfg, "stats_early", 0) else ""
     post += "/dqfirst" if getattr(cfg, "dq_first", False) else ""
     post += "/reverse" if getattr(cfg, "reverse", False) else ""
-    post += "/lpt" if getattr(cfg, "lpt", False) else ""
+    post += f"/lpt{cfg.lpt}" if getattr(cfg, "lpt", 0) else ""
     return f"{cfg.block_m}x{cfg.block_n}/{cfg.num_stages}/{cfg.threads}/{cfg.pipeline}{lazy}{post}"
 
 
@@ -324,7 +323,7 @@ if __name__ == "__main__":
     ap.add_argument("--walk", action="store_true", help="--bwd: the default, itself again and with the other BwdConfig.reverse")
     ap.add_argument("--wide", action="store_true", help="forward, D=64: 192 x 128 tiles in the async pipelines (three consumer warpgroups)")
     ap.add_argument("--tiles128", action="store_true", help="forward, D=128: the default twice, 128 x 128 async tiles (persistent or not)")
-    ap.add_argument("--lpt", action="store_true", help="forward: the op's default at each length, again, and with FwdConfig.lpt (and persistent)")
+    ap.add_argument("--lpt", action="store_true", help="forward: the op's default at each length, again, and persistent with FwdConfig.lpt 1 and 4")
     ap.add_argument("--causal-only", action="store_true", help="causal shapes only")
     ap.add_argument("--shapes", type=int, nargs="+", help="only these SHAPES (indexes)")
     args = ap.parse_args()

@@ -293,8 +293,9 @@ WIDE_FWD_CONFIGS = {64: [(192, 128, 2, 384, "async", 0.0, True)], 128: []}
 # FwdConfig.lpt (session 31): the tiles in longest-first order over head groups; persistent, taken
 # from a global counter (O in its own buffer at D=64, through Q's at D=128); not persistent, a
 # 1-D grid in that order.
-LPT_FWD_CONFIGS = {64: [(128, 128, 2, 256, "async", 0.0, True, True, True), (128, 128, 2, 256, "async", 0.0, True, False, True)],
-                   128: [(128, 128, 2, 256, "async", 8.0, False, True, True), (128, 128, 2, 256, "async", 8.0, False, False, True)]}
+LPT_FWD_CONFIGS = {64: [(128, 128, 2, 256, "async", 0.0, True, True, 16), (128, 128, 2, 256, "async", 0.0, True, False, 16),
+                        (128, 128, 2, 256, "async", 0.0, True, True, 1)],
+                   128: [(128, 128, 2, 256, "async", 8.0, False, True, 16), (128, 128, 2, 256, "async", 8.0, False, False, 16)]}
 for _d in PERSISTENT_FWD_CONFIGS:
     PERSISTENT_FWD_CONFIGS[_d] += [c for c in LPT_FWD_CONFIGS[_d] if c[7]]
 for _d in ASYNC_FWD_CONFIGS:
@@ -452,32 +453,31 @@ def test_flash_fwd_persistent_walks_many_tiles(walk):
             _check_fwd_kernel(kern, *_inputs((B, Sq, Sk, H, HK, D), torch.bfloat16, "cuda", requires_grad=False), static["causal"])
 
 
-def _lpt_coords(i, nq, H, B, causal):
-    """kernels.attention's lpt tile_coords, in Python."""
-    from tilelang_ops.kernels.attention import LPT_HEADS
-
-    grp = i // (nq * LPT_HEADS)
-    size = min(LPT_HEADS, H * B - grp * LPT_HEADS)
-    rank = (i - grp * nq * LPT_HEADS) // size
-    bh = grp * LPT_HEADS + (i - grp * nq * LPT_HEADS - rank * size)
+def _lpt_coords(i, nq, H, B, causal, hg):
+    """kernels.attention's tile_coords for FwdConfig.lpt = hg, in Python."""
+    grp = i // (nq * hg)
+    size = min(hg, H * B - grp * hg)
+    rank = (i - grp * nq * hg) // size
+    bh = grp * hg + (i - grp * nq * hg - rank * size)
     return (nq - 1 - rank if causal else rank), bh % H, bh // H
 
 
+@pytest.mark.parametrize("hg", [1, 4, 16])
 @pytest.mark.parametrize("nq, H, B", [(1, 1, 1), (16, 32, 16), (3, 5, 7), (8, 12, 32), (33, 17, 1), (2, 16, 3)])
-def test_lpt_tile_order_covers_every_tile_once_longest_first(nq, H, B):
+def test_lpt_tile_order_covers_every_tile_once_longest_first(nq, H, B, hg):
     """FwdConfig.lpt's tile list: every (query tile, head, batch) exactly once; causal, within each
-    group of LPT_HEADS (batch, head) pairs no tile comes after a lighter one, and the list ends on
-    the lightest tiles (the last query tiles before the diagonal are the shortest)."""
-    from tilelang_ops.kernels.attention import LPT_HEADS
-
-    tiles = [_lpt_coords(i, nq, H, B, True) for i in range(nq * H * B)]
+    group of hg (batch, head) pairs no tile comes after a lighter one, and the list ends on the
+    lightest tile (the first query tile: the fewest keys before the diagonal); hg = 1 is the
+    fixed walk's list (a pair's tiles in turn, heaviest first)."""
+    tiles = [_lpt_coords(i, nq, H, B, True, hg) for i in range(nq * H * B)]
     assert sorted(tiles) == sorted((q, h, b) for q in range(nq) for h in range(H) for b in range(B))
-    group = nq * LPT_HEADS
-    for start in range(0, len(tiles), group):
-        work = [qt for qt, _, _ in tiles[start : start + group]]
+    for start in range(0, len(tiles), nq * hg):
+        work = [qt for qt, _, _ in tiles[start : start + nq * hg]]
         assert work == sorted(work, reverse=True)
     assert tiles[-1][0] == 0
-    assert [_lpt_coords(i, nq, H, B, False)[1:] for i in range(nq * H * B)] == [t[1:] for t in tiles]
+    assert [_lpt_coords(i, nq, H, B, False, hg)[1:] for i in range(nq * H * B)] == [t[1:] for t in tiles]
+    if hg == 1:
+        assert tiles == [(nq - 1 - i % nq, i // nq % H, i // nq // H) for i in range(nq * H * B)]
 
 
 def dynamic_fwd_kernels():

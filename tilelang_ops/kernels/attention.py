@@ -92,23 +92,24 @@ class FwdConfig:
     # loads the next tile's Q and first K/V blocks while the consumers finish this one (the
     # grid is the `ctas` static the op passes: the device's SM count).
     persistent: bool = dataclasses.field(default=False, metadata={"omit_default": True})
-    # "async" only: the tiles in longest-first order (`lpt_coords`: causal query tiles heaviest
-    # first, over groups of LPT_HEADS (batch, head) pairs whose K/V the CTAs running together share
-    # in L2). Not persistent: a 1-D grid in that order (the hardware hands CTAs out in order as
-    # SMs free up: greedy longest-first). Persistent: each CTA takes its next tile from a global
-    # counter (FlashAttention-3's dynamic scheduler) instead of a fixed walk, whose per-CTA sums
-    # of causal tile lengths differ by a few percent; the kernel then takes a `TileCounter`
-    # (int32[2], zero; the last CTA to finish sets it back to zero; `runtime.tile_counter`).
-    lpt: bool = dataclasses.field(default=False, metadata={"omit_default": True})
+    # "async" only, > 0: the tiles in longest-first order over groups of `lpt` (batch, head)
+    # pairs (`tile_coords`: within a group, causal, every pair's heaviest query tile, then every
+    # pair's next...; 1 = one pair's tiles heaviest first, the default walk's list). Not
+    # persistent: a 1-D grid in that order (the hardware hands CTAs out in order as SMs free up:
+    # greedy longest-first). Persistent: each CTA takes its next tile from a global counter
+    # (FlashAttention-3's dynamic scheduler) instead of a fixed walk, whose per-CTA sums of causal
+    # tile lengths differ by a few percent; the kernel then takes a `TileCounter` (int32[2], zero;
+    # the last CTA to finish sets it back to zero; `runtime.tile_counter`).
+    lpt: int = dataclasses.field(default=0, metadata={"omit_default": True})
 
     def for_arch(self, arch: str) -> "FwdConfig":
         # TileLang 0.1.15's cp.async pipeline (pre-Hopper) fails in codegen on a symbolic trip count.
-        return self if _is_hopper(arch) else dataclasses.replace(self, num_stages=1, pipeline="auto", persistent=False, lpt=False)
+        return self if _is_hopper(arch) else dataclasses.replace(self, num_stages=1, pipeline="auto", persistent=False, lpt=0)
 
     @property
     def tile_counter(self) -> bool:
         """Whether the kernel takes a TileCounter argument (persistent, dynamic tile order)."""
-        return self.persistent and self.lpt
+        return self.persistent and self.lpt > 0
 
     @property
     def min_sm(self) -> int:
@@ -117,10 +118,6 @@ class FwdConfig:
     def pass_configs(self) -> dict:
         return {} if self.pipeline == "auto" else HAND_SYNC_PASS_CONFIGS
 
-
-# (batch, head) pairs per group of FwdConfig.lpt's tile order: the CTAs running together work on
-# about 132 / LPT_HEADS query tiles of each of these heads and share their K/V blocks in L2.
-LPT_HEADS = 16
 
 # Causal head-dim-128 forwards over at most this many keys take 128 x 128 tiles, longer ones
 # FlashAttention-3's 128 x 176: a causal tile computes up to its diagonal block, and at 4096 keys
@@ -492,14 +489,15 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
     def tile_coords(coords, i, nq, H):
         """(query tile, head, batch) of tile list index i into coords. The fixed walk's list: a
         (batch, head)'s query tiles in turn (causal: heaviest first). config.lpt's: groups of
-        LPT_HEADS (batch, head) pairs (the last may be short), in each group rank 0 (causal: the
+        config.lpt (batch, head) pairs (the last may be short), in each group rank 0 (causal: the
         heaviest query tile) of every pair, then rank 1, ... — so the list ends on the lightest
         tiles and the CTAs running together work on few heads."""
-        if config.lpt:
-            grp = T.truncdiv(i, nq * LPT_HEADS)
-            size = T.min(LPT_HEADS, H * B - grp * LPT_HEADS)
-            rank = T.truncdiv(i - grp * nq * LPT_HEADS, size)
-            bh = grp * LPT_HEADS + (i - grp * nq * LPT_HEADS - rank * size)
+        if config.lpt > 0:
+            hg = config.lpt
+            grp = T.truncdiv(i, nq * hg)
+            size = T.min(hg, H * B - grp * hg)
+            rank = T.truncdiv(i - grp * nq * hg, size)
+            bh = grp * hg + (i - grp * nq * hg - rank * size)
             coords[0] = nq - 1 - rank if causal else rank
             coords[1] = T.truncmod(bh, H)
             coords[2] = T.truncdiv(bh, H)
@@ -718,11 +716,11 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
 
     if config.persistent:
         assert config.pipeline == "async", "FwdConfig.persistent needs pipeline='async'"
-        body = body_dynamic if config.lpt else body_persistent  # noqa: F811
+        body = body_dynamic if config.lpt > 0 else body_persistent  # noqa: F811
     elif config.pipeline != "auto":
-        body = body_async_lpt if config.lpt else body_async  # noqa: F811
+        body = body_async_lpt if config.lpt > 0 else body_async  # noqa: F811
     else:
-        assert not config.lpt, "FwdConfig.lpt needs pipeline 'async' or 'pingpong'"
+        assert config.lpt == 0, "FwdConfig.lpt needs pipeline 'async' or 'pingpong'"
 
     # T.prim_func needs an explicit signature per argument list: with and without LSE, with and
     # without the dynamic walk's tile counter.
