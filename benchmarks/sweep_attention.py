@@ -13,7 +13,6 @@ wrong kernel shows.
     python -m benchmarks.sweep_attention --bwd --walk [--shapes 0 3]  # backward: the default twice and with the other reverse (4: D=64 GQA)
     python -m benchmarks.sweep_attention --wide --shapes 2 4 5  # forward, D=64: 192 x 128 in the async pipelines (5: GPT-2's shape)
     python -m benchmarks.sweep_attention --tiles128 --shapes 0 1 3 [--causal-only]  # forward, D=128: 128 x 128 async tiles, persistent or not
-    python -m benchmarks.sweep_attention --lpt --causal-only --shapes 0 1 2 3 4 5  # the op's default at each length, again, persistent with FwdConfig.lpt 1 / 4
 
 Forward FLOPs = 4 * B * H * S^2 * D, halved when causal; backward 2.5x that (as bench_attention).
 --bwd times the backward as the op runs it (`flash_bwd_fused`: preprocess, main kernel, dQ cast).
@@ -41,7 +40,6 @@ WALK = False
 PERSISTENT = False
 WIDE = False
 TILES128 = False
-LPT = False
 
 
 def _gpt_candidates():
@@ -55,9 +53,8 @@ def _gpt_candidates():
             FwdConfig(192, 128, 2, 384, "async"), FwdConfig(192, 128, 2, 384, "pingpong")]
 
 
-def candidates(headdim: int, causal: bool = False, seqlen=None):
-    """FwdConfigs to time beside the default at this head dim (the default is added by the caller;
-    with --lpt, the op's default at `seqlen` keys):
+def candidates(headdim: int, causal: bool = False):
+    """FwdConfigs to time beside the default at this head dim (the default is added by the caller):
     the hand-synchronized pipelines at FlashAttention-3's tiles (128 query rows, 176 keys a step at
     D=128; the eighth session's sweep tried 128x128 and 192x96), ptxas: no spills. With --lazy:
     the default and those tiles with FwdConfig.lazy_rescale (and without, for comparison)."""
@@ -65,11 +62,6 @@ def candidates(headdim: int, causal: bool = False, seqlen=None):
 
     from tilelang_ops.kernels.attention import FwdConfig, fwd_default_config
 
-    if LPT:  # the default again (the run's noise); persistent with tiles from a counter, groups of 1 and 4 heads
-        default = fwd_default_config(headdim, causal, seqlen_k=seqlen)
-        if default.pipeline == "auto":
-            return [default]
-        return [default] + [dataclasses.replace(default, persistent=True, lpt=hg) for hg in (1, 4)]
     if TILES128 and headdim == 128:
         # causal: 128 x 128 wastes 3% of a 4096-token causal tile set on the diagonal, 128 x 176 7%;
         # non-causal: the default's 192 rows pad 4096 to 4224, and at 128 x 128 O has its own shared
@@ -144,7 +136,7 @@ def jobs(bwd: bool = False):
             if bwd:
                 cfgs = [K.bwd_default_config(D, causal)] + bwd_candidates(D)
             else:
-                cfgs = [K.fwd_default_config(D, causal, seqlen_k=S if LPT else None)] + candidates(D, causal, S)
+                cfgs = [K.fwd_default_config(D, causal)] + candidates(D, causal)
             for cfg in cfgs:
                 if (cfg, static) not in [(c, s) for c, s in out]:
                     out.append((cfg, static))
@@ -189,7 +181,6 @@ def _name(cfg) -> str:
     post += f"/stats{cfg.stats_early}" if getattr(cfg, "stats_early", 0) else ""
     post += "/dqfirst" if getattr(cfg, "dq_first", False) else ""
     post += "/reverse" if getattr(cfg, "reverse", False) else ""
-    post += f"/lpt{cfg.lpt}" if getattr(cfg, "lpt", 0) else ""
     return f"{cfg.block_m}x{cfg.block_n}/{cfg.num_stages}/{cfg.threads}/{cfg.pipeline}{lazy}{post}"
 
 
@@ -267,7 +258,7 @@ def main() -> None:
     arch = runtime.arch_for_device(torch.device("cuda", torch.cuda.current_device()))
     rows = []
     for B, H, HK, S, D, causal, static, q, k, v in _cases():
-        cfgs = [K.fwd_default_config(D, causal, arch, S if LPT else None)] + candidates(D, causal, S)
+        cfgs = [K.fwd_default_config(D, causal, arch)] + candidates(D, causal)
         fns, names, checks = [], [], []
         ref = None
         # One output pair for every config: where a buffer lies moves a kernel's time by up to
@@ -323,7 +314,6 @@ if __name__ == "__main__":
     ap.add_argument("--walk", action="store_true", help="--bwd: the default, itself again and with the other BwdConfig.reverse")
     ap.add_argument("--wide", action="store_true", help="forward, D=64: 192 x 128 tiles in the async pipelines (three consumer warpgroups)")
     ap.add_argument("--tiles128", action="store_true", help="forward, D=128: the default twice, 128 x 128 async tiles (persistent or not)")
-    ap.add_argument("--lpt", action="store_true", help="forward: the op's default at each length, again, and persistent with FwdConfig.lpt 1 and 4")
     ap.add_argument("--causal-only", action="store_true", help="causal shapes only")
     ap.add_argument("--shapes", type=int, nargs="+", help="only these SHAPES (indexes)")
     args = ap.parse_args()
@@ -336,7 +326,6 @@ if __name__ == "__main__":
     PERSISTENT = args.persistent
     WIDE = args.wide
     TILES128 = args.tiles128
-    LPT = args.lpt
     if args.causal_only:
         CAUSAL = (True,)
     LAZY = args.lazy

@@ -290,17 +290,8 @@ POST_MASK_FWD_CONFIGS = {64: [(192, 176, 2, 384, "auto", 0.0, True), (128, 128, 
 PERSISTENT_FWD_CONFIGS = {64: [(128, 128, 2, 256, "async", 0.0, True, True), (192, 128, 2, 384, "async", 0.0, True, True)],
                           128: [(128, 176, 2, 256, "async", 8.0, False, True), (128, 128, 2, 256, "async", 8.0, False, True)]}
 WIDE_FWD_CONFIGS = {64: [(192, 128, 2, 384, "async", 0.0, True)], 128: []}
-# FwdConfig.lpt (session 31): the tiles in longest-first order over head groups; persistent, taken
-# from a global counter (O in its own buffer at D=64, through Q's at D=128); not persistent, a
-# 1-D grid in that order.
-LPT_FWD_CONFIGS = {64: [(128, 128, 2, 256, "async", 0.0, True, True, 16), (128, 128, 2, 256, "async", 0.0, True, False, 16),
-                        (128, 128, 2, 256, "async", 0.0, True, True, 1)],
-                   128: [(128, 128, 2, 256, "async", 8.0, False, True, 16), (128, 128, 2, 256, "async", 8.0, False, False, 16)]}
-for _d in PERSISTENT_FWD_CONFIGS:
-    PERSISTENT_FWD_CONFIGS[_d] += [c for c in LPT_FWD_CONFIGS[_d] if c[7]]
 for _d in ASYNC_FWD_CONFIGS:
     ASYNC_FWD_CONFIGS[_d] += LAZY_FWD_CONFIGS[_d] + POST_MASK_FWD_CONFIGS[_d] + PERSISTENT_FWD_CONFIGS[_d] + WIDE_FWD_CONFIGS[_d]
-    ASYNC_FWD_CONFIGS[_d] += [c for c in LPT_FWD_CONFIGS[_d] if not c[7]]
 ASYNC_FWD_SHAPES = [
     (1, 1, 1, 2, 2, 0),  # one query, one key
     (2, 17, 33, 4, 2, 0),  # one ragged tile, GQA
@@ -451,80 +442,6 @@ def test_flash_fwd_persistent_walks_many_tiles(walk):
         if static["headdim"] == D and static["groups"] == H // HK and static["ctas"] == ctas:
             kern = runtime.launcher(K.flash_fwd_kernel.compile(config, "sm_90a", **static))
             _check_fwd_kernel(kern, *_inputs((B, Sq, Sk, H, HK, D), torch.bfloat16, "cuda", requires_grad=False), static["causal"])
-
-
-def _lpt_coords(i, nq, H, B, causal, hg):
-    """kernels.attention's tile_coords for FwdConfig.lpt = hg, in Python."""
-    grp = i // (nq * hg)
-    size = min(hg, H * B - grp * hg)
-    rank = (i - grp * nq * hg) // size
-    bh = grp * hg + (i - grp * nq * hg - rank * size)
-    return (nq - 1 - rank if causal else rank), bh % H, bh // H
-
-
-@pytest.mark.parametrize("hg", [1, 4, 16])
-@pytest.mark.parametrize("nq, H, B", [(1, 1, 1), (16, 32, 16), (3, 5, 7), (8, 12, 32), (33, 17, 1), (2, 16, 3)])
-def test_lpt_tile_order_covers_every_tile_once_longest_first(nq, H, B, hg):
-    """FwdConfig.lpt's tile list: every (query tile, head, batch) exactly once; causal, within each
-    group of hg (batch, head) pairs no tile comes after a lighter one, and the list ends on the
-    lightest tile (the first query tile: the fewest keys before the diagonal); hg = 1 is the
-    fixed walk's list (a pair's tiles in turn, heaviest first)."""
-    tiles = [_lpt_coords(i, nq, H, B, True, hg) for i in range(nq * H * B)]
-    assert sorted(tiles) == sorted((q, h, b) for q in range(nq) for h in range(H) for b in range(B))
-    for start in range(0, len(tiles), nq * hg):
-        work = [qt for qt, _, _ in tiles[start : start + nq * hg]]
-        assert work == sorted(work, reverse=True)
-    assert tiles[-1][0] == 0
-    assert [_lpt_coords(i, nq, H, B, False, hg)[1:] for i in range(nq * H * B)] == [t[1:] for t in tiles]
-    if hg == 1:
-        assert tiles == [(nq - 1 - i % nq, i // nq % H, i // nq // H) for i in range(nq * H * B)]
-
-
-def dynamic_fwd_kernels():
-    """(config, static) of test_flash_fwd_dynamic_walk_counter; warm_attention_cache pre-builds them."""
-    from tilelang_ops.kernels import attention as K
-
-    return [(K.FwdConfig(*LPT_FWD_CONFIGS[64][0]), dict(headdim=64, dtype="bfloat16", causal=True, groups=2, scale=K.default_scale(64), ctas=6))]
-
-
-@pytest.mark.gpu
-@requires_cuda
-def test_flash_fwd_dynamic_walk_counter():
-    """The dynamic walk's tile counter: back to zero after every launch, so launch after launch
-    (eager, on a side stream, replays of a CUDA graph) every tile is computed once and right; a
-    stream gets its own counter, a graph a new one per capture."""
-    from tilelang_ops import runtime
-    from tilelang_ops.kernels import attention as K
-
-    (config, static), = dynamic_fwd_kernels()
-    assert config.tile_counter
-    kern = runtime.launcher(K.flash_fwd_kernel.compile(config, "sm_90a", **static))
-    q, k, v = _inputs((3, 300, 700, 8, 4, 64), torch.bfloat16, "cuda", requires_grad=False)
-    for _ in range(3):
-        _check_fwd_kernel(kern, q, k, v, True)
-    counter = runtime.tile_counter(q.get_device())
-    torch.cuda.synchronize()
-    assert counter.tolist() == [0, 0]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        assert runtime.tile_counter(q.get_device()) is not counter
-        for _ in range(2):
-            _check_fwd_kernel(kern, q, k, v, True)
-    torch.cuda.current_stream().wait_stream(side)
-    ref_out, ref_lse, _ = _ref(q, k, v, True)
-    out = torch.full_like(q, float("nan"))
-    lse = torch.full((3, 8, 300), float("nan"), device="cuda")
-    kern(q, k, v, out, lse)  # warm
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        kern(q, k, v, out, lse)
-    for _ in range(3):
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.isfinite(out).all() and rel_err(out, ref_out) <= ATTENTION_REL_ERR[q.dtype]
-    assert counter.tolist() == [0, 0]
 
 
 def test_persistent_forward_walk_covers_every_tile_once():

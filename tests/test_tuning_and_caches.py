@@ -169,25 +169,3 @@ def test_benchmark_first_run_ends_a_hung_candidate():
                        env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert p.returncode == 3, (p.stdout, p.stderr[-1000:])
     assert "quick ok" in p.stdout and "HUNG: cfg-x" in p.stdout and "not reached" not in p.stdout
-
-
-def test_launcher_appends_the_tile_counter_of_a_kernel_that_takes_one(monkeypatch):
-    """runtime.launcher: a kernel whose last parameter is TileCounter (the dynamic attention walk)
-    is called with the counter of the first argument's device appended; others as they are."""
-    from types import SimpleNamespace
-
-    from tilelang_ops import runtime
-
-    def compiled(*names):
-        calls = []
-        module = SimpleNamespace(main=lambda *args: calls.append(args))
-        params = [SimpleNamespace(name=f"{n}_handle") for n in names]
-        return SimpleNamespace(adapter=SimpleNamespace(_get_executable=lambda: module), prim_func=SimpleNamespace(params=params)), calls
-
-    monkeypatch.setattr(runtime, "tile_counter", lambda index: ("counter", index))
-    arg = SimpleNamespace(get_device=lambda: 3)
-    plain, plain_calls = compiled("Q", "O")
-    runtime.launcher(plain)(arg, 1)
-    dynamic, dynamic_calls = compiled("Q", "O", "TileCounter")
-    runtime.launcher(dynamic)(arg, 1)
-    assert plain_calls == [(arg, 1)] and dynamic_calls == [(arg, 1, ("counter", 3))]

@@ -163,36 +163,12 @@ def launcher(compiled) -> Callable[..., None]:
     `JITKernel.__call__` works out devices and output shapes in Python on every call before it
     reaches this function; the function itself (tvm_ffi, C) checks the dtype, shape, strides and
     device of each argument, takes torch's current stream and launches. Ops keep it in their
-    per-key caches so a call pays only the C part. A kernel whose last parameter is a
-    `TileCounter` (tiles taken from a global counter) gets it appended: `tile_counter`.
+    per-key caches so a call pays only the C part.
     """
     ex = compiled.adapter._get_executable()
     # A fresh compile gives a runtime Module; a disk-cache load gives an Executable whose
     # jit() links (once) and returns that Module.
-    main = (ex.jit() if hasattr(ex, "jit") else ex).main
-    if not compiled.prim_func.params[-1].name.startswith("TileCounter"):
-        return main
-    return lambda *args: main(*args, tile_counter(args[0].get_device()))
-
-
-_COUNTERS: dict[tuple[int, int], Any] = {}
-
-
-def tile_counter(index: int):
-    """A zero int32[2] on CUDA device `index` for a kernel that takes its tiles from a global
-    counter: the kernel's last CTA sets it back to zero, so one per stream serves every launch
-    on that stream in order; two streams must not share one (their launches may overlap). Under
-    CUDA-graph capture a new one per call (a memset in the graph): a graph may be replayed on any
-    stream, beside eager calls or other graphs."""
-    import torch
-
-    if torch._C._cuda_isCurrentStreamCapturing():
-        return torch.zeros(2, dtype=torch.int32, device=index)
-    key = (index, torch._C._cuda_getCurrentRawStream(index))
-    counter = _COUNTERS.get(key)
-    if counter is None:  # zeroed on this stream, so before the first kernel that uses it
-        counter = _COUNTERS[key] = torch.zeros(2, dtype=torch.int32, device=index)
-    return counter
+    return (ex.jit() if hasattr(ex, "jit") else ex).main
 
 
 def compiled_count() -> int:

@@ -92,24 +92,10 @@ class FwdConfig:
     # loads the next tile's Q and first K/V blocks while the consumers finish this one (the
     # grid is the `ctas` static the op passes: the device's SM count).
     persistent: bool = dataclasses.field(default=False, metadata={"omit_default": True})
-    # "async" only, > 0: the tiles in longest-first order over groups of `lpt` (batch, head)
-    # pairs (`tile_coords`: within a group, causal, every pair's heaviest query tile, then every
-    # pair's next...; 1 = one pair's tiles heaviest first, the default walk's list). Not
-    # persistent: a 1-D grid in that order (the hardware hands CTAs out in order as SMs free up:
-    # greedy longest-first). Persistent: each CTA takes its next tile from a global counter
-    # (FlashAttention-3's dynamic scheduler) instead of a fixed walk, whose per-CTA sums of causal
-    # tile lengths differ by a few percent; the kernel then takes a `TileCounter` (int32[2], zero;
-    # the last CTA to finish sets it back to zero; `runtime.tile_counter`).
-    lpt: int = dataclasses.field(default=0, metadata={"omit_default": True})
 
     def for_arch(self, arch: str) -> "FwdConfig":
         # TileLang 0.1.15's cp.async pipeline (pre-Hopper) fails in codegen on a symbolic trip count.
-        return self if _is_hopper(arch) else dataclasses.replace(self, num_stages=1, pipeline="auto", persistent=False, lpt=0)
-
-    @property
-    def tile_counter(self) -> bool:
-        """Whether the kernel takes a TileCounter argument (persistent, dynamic tile order)."""
-        return self.persistent and self.lpt > 0
+        return self if _is_hopper(arch) else dataclasses.replace(self, num_stages=1, pipeline="auto", persistent=False)
 
     @property
     def min_sm(self) -> int:
@@ -481,85 +467,58 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
         if with_lse:
             T.copy(lse, LSE[b, h, qt * bm : (qt + 1) * bm])
 
-    def tile_index(t, cta, grid):
-        """List index of CTA cta's tile in round t of the persistent walk (see body_persistent)."""
-        return t * grid + T.truncmod(cta + t, grid)
-
-    @T.macro
-    def tile_coords(coords, i, nq, H):
-        """(query tile, head, batch) of tile list index i into coords. The fixed walk's list: a
-        (batch, head)'s query tiles in turn (causal: heaviest first). config.lpt's: groups of
-        config.lpt (batch, head) pairs (the last may be short), in each group rank 0 (causal: the
-        heaviest query tile) of every pair, then rank 1, ... — so the list ends on the lightest
-        tiles and the CTAs running together work on few heads."""
-        if config.lpt > 0:
-            hg = config.lpt
-            grp = T.truncdiv(i, nq * hg)
-            size = T.min(hg, H * B - grp * hg)
-            rank = T.truncdiv(i - grp * nq * hg, size)
-            bh = grp * hg + (i - grp * nq * hg - rank * size)
-            coords[0] = nq - 1 - rank if causal else rank
-            coords[1] = T.truncmod(bh, H)
-            coords[2] = T.truncdiv(bh, H)
-        else:
-            coords[0] = nq - 1 - T.truncmod(i, nq) if causal else T.truncmod(i, nq)
-            coords[1] = T.truncmod(T.truncdiv(i, nq), H)
-            coords[2] = T.truncdiv(T.truncdiv(i, nq), H)
-
-    @T.macro
-    def tile_async(Q, K, V, O, LSE, qt, by, bz):
-        """One CTA of the async forward: query tile qt of head `by`, batch `bz`."""
-        q_s = T.alloc_shared((bm, D), dtype)
-        k_s = T.alloc_shared((S, bn, D), dtype)
-        v_s = T.alloc_shared((S, bn, D), dtype)
-        # The output tile goes out through Q's buffer: a warpgroup's wgmmas read only its own
-        # rows of q_s, and its last one has retired when it writes them (saves bm x D, e.g. a
-        # third K/V stage at D=128).
-        o_s = q_s
-        s, p, o, m, m_prev, m_scaled, alpha, row_sum, l, lse, moved = tile_state()
-        q_full = T.alloc_barrier([128])
-        k_full = T.alloc_barrier([128] * S)
-        v_full = T.alloc_barrier([128] * S)
-        k_empty = T.alloc_barrier([consumers] * S)
-        v_empty = T.alloc_barrier([consumers] * S)
-
-        kvh = by // groups
-        offset = Sk - Sq
-        n_blocks = n_key_blocks(qt, offset)
-
-        with T.ws(len(cwg)):
-            T.dec_max_nreg(PRODUCER_REGS)
-            T.tma_copy(Q[bz, qt * bm : (qt + 1) * bm, by, :], q_s, barrier=q_full)
-            T.mbarrier_arrive(q_full)
-            load_kv(K, V, k_s, v_s, k_full, v_full, k_empty, v_empty, bz, kvh, 0, n_blocks)
-        with T.ws(*cwg):
-            T.inc_max_nreg(warpgroup_regs(consumers))
-            wg = T.get_thread_binding() // 128
-            if pingpong:
-                if wg == len(cwg) - 1:
-                    T.named_barrier_arrive(_TURN, 256)  # prime the ring: warpgroup 0 goes first
-            reset_tile(o, l, m, m_scaled)
-            T.mbarrier_wait_parity(q_full, 0)
-            attend_tile(q_s, k_s, v_s, s, p, o, m, m_prev, m_scaled, alpha, row_sum, l, moved,
-                        k_full, v_full, k_empty, v_empty, None, wg, 0, n_blocks, qt, offset)
-            store_tile(o, l, m_scaled, lse, o_s, O, LSE, bz, by, qt)
-
     @T.macro
     def body_async(Q, K, V, O, LSE):
         # Producer warpgroup: Q once, then K_j and V_j into an S-stage ring (full_*: the bytes
         # landed; empty_*: every consumer thread is done with the stage); the consumer
         # warpgroups: attend_tile.
         with T.Kernel(T.ceildiv(Sq, bm), H, B, threads=consumers + 128) as (bx, by, bz):
-            # causal: heaviest query tiles (most keys) first, so the short ones fill the tail
-            tile_async(Q, K, V, O, LSE, T.ceildiv(Sq, bm) - 1 - bx if causal else bx, by, bz)
+            q_s = T.alloc_shared((bm, D), dtype)
+            k_s = T.alloc_shared((S, bn, D), dtype)
+            v_s = T.alloc_shared((S, bn, D), dtype)
+            # The output tile goes out through Q's buffer: a warpgroup's wgmmas read only its own
+            # rows of q_s, and its last one has retired when it writes them (saves bm x D, e.g. a
+            # third K/V stage at D=128).
+            o_s = q_s
+            s, p, o, m, m_prev, m_scaled, alpha, row_sum, l, lse, moved = tile_state()
+            q_full = T.alloc_barrier([128])
+            k_full = T.alloc_barrier([128] * S)
+            v_full = T.alloc_barrier([128] * S)
+            k_empty = T.alloc_barrier([consumers] * S)
+            v_empty = T.alloc_barrier([consumers] * S)
+
+            qt = T.ceildiv(Sq, bm) - 1 - bx if causal else bx
+            kvh = by // groups
+            offset = Sk - Sq
+            n_blocks = n_key_blocks(qt, offset)
+
+            with T.ws(len(cwg)):
+                T.dec_max_nreg(PRODUCER_REGS)
+                T.tma_copy(Q[bz, qt * bm : (qt + 1) * bm, by, :], q_s, barrier=q_full)
+                T.mbarrier_arrive(q_full)
+                load_kv(K, V, k_s, v_s, k_full, v_full, k_empty, v_empty, bz, kvh, 0, n_blocks)
+            with T.ws(*cwg):
+                T.inc_max_nreg(warpgroup_regs(consumers))
+                wg = T.get_thread_binding() // 128
+                if pingpong:
+                    if wg == len(cwg) - 1:
+                        T.named_barrier_arrive(_TURN, 256)  # prime the ring: warpgroup 0 goes first
+                reset_tile(o, l, m, m_scaled)
+                T.mbarrier_wait_parity(q_full, 0)
+                attend_tile(q_s, k_s, v_s, s, p, o, m, m_prev, m_scaled, alpha, row_sum, l, moved,
+                            k_full, v_full, k_empty, v_empty, None, wg, 0, n_blocks, qt, offset)
+                store_tile(o, l, m_scaled, lse, o_s, O, LSE, bz, by, qt)
+
+    def tile_index(t, cta, grid):
+        """List index of CTA cta's tile in round t of the persistent walk (see body_persistent)."""
+        return t * grid + T.truncmod(cta + t, grid)
 
     @T.macro
-    def body_async_lpt(Q, K, V, O, LSE):
-        # body_async over a 1-D grid in config.lpt's order
-        with T.Kernel(T.ceildiv(Sq, bm) * H * B, threads=consumers + 128) as i:
-            coords = T.alloc_local((3,), "int32")
-            tile_coords(coords, i, T.ceildiv(Sq, bm), H)
-            tile_async(Q, K, V, O, LSE, coords[0], coords[1], coords[2])
+    def tile_coords(coords, i, nq, H):
+        """(query tile, head, batch) of tile list index i into coords."""
+        coords[0] = nq - 1 - T.truncmod(i, nq) if causal else T.truncmod(i, nq)
+        coords[1] = T.truncmod(T.truncdiv(i, nq), H)
+        coords[2] = T.truncdiv(T.truncdiv(i, nq), H)
 
     @T.macro
     def body_persistent(Q, K, V, O, LSE):
@@ -625,132 +584,14 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
                         g = g + nb
                         n = n + 1
 
-    _FETCH = 7  # named barrier of the producer warpgroup's threads (dynamic walk)
-
-    @T.macro
-    def body_dynamic(Q, K, V, O, LSE, TileCounter):
-        # body_persistent's pipeline walking config.lpt's tile list dynamically: CTA c starts at
-        # tile c, then takes grid + TileCounter[0]++ until that is past the end. The producer's
-        # first thread fetches the next index while the producer loads this tile (next_s, read by
-        # the other producer threads after a named barrier) and announces each tile to the
-        # consumers in tile_s, written before the q_full arrive that hands them the tile (a past-
-        # the-end index, without a Q load: stop). Both slots alternate by tile parity: a slot is
-        # rewritten two tiles later, after every reader passed a barrier the writer waited on.
-        # The last CTA to stop zeroes the counter for the next launch on the stream.
-        nq = T.ceildiv(Sq, bm)
-        tiles = nq * H * B
-        grid = T.min(tiles, ctas)
-        with T.Kernel(grid, threads=consumers + 128) as cta:
-            q_s = T.alloc_shared((bm, D), dtype)
-            k_s = T.alloc_shared((S, bn, D), dtype)
-            v_s = T.alloc_shared((S, bn, D), dtype)
-            o_s = T.alloc_shared((bm, D), dtype) if own_o else q_s
-            tile_s = T.alloc_shared((2,), "int32")
-            next_s = T.alloc_shared((2,), "int32")
-            s, p, o, m, m_prev, m_scaled, alpha, row_sum, l, lse, moved = tile_state()
-            coords = T.alloc_local((3,), "int32")
-            q_full = T.alloc_barrier([128])
-            q_empty = T.alloc_barrier([consumers])
-            k_full = T.alloc_barrier([128] * S)
-            v_full = T.alloc_barrier([128] * S)
-            k_empty = T.alloc_barrier([consumers] * S)
-            v_empty = T.alloc_barrier([consumers] * S)
-            offset = Sk - Sq
-
-            with T.ws(len(cwg)):
-                T.dec_max_nreg(PRODUCER_REGS)
-                first = T.get_thread_binding() == consumers
-                i = T.alloc_var("int32", init=cta)
-                fetched = T.alloc_var("int32", init=0)
-                g = T.alloc_var("int32", init=0)
-                n = T.alloc_var("int32", init=0)
-                while i < tiles:
-                    if first:
-                        tile_s[n & 1] = i
-                        fetched = T.atomic_add(TileCounter[0], 1, return_prev=True)
-                    tile_coords(coords, i, nq, H)
-                    qt, h, b = coords[0], coords[1], coords[2]
-                    nb = n_key_blocks(qt, offset)
-                    T.mbarrier_wait_parity(q_empty, (n & 1) ^ 1)
-                    T.tma_copy(Q[b, qt * bm : (qt + 1) * bm, h, :], q_s, barrier=q_full)
-                    T.mbarrier_arrive(q_full)
-                    load_kv(K, V, k_s, v_s, k_full, v_full, k_empty, v_empty, b, h // groups, g, nb)
-                    if first:
-                        next_s[n & 1] = grid + fetched
-                    T.sync_threads(_FETCH, 128)
-                    i = next_s[n & 1]
-                    g = g + nb
-                    n = n + 1
-                if first:
-                    tile_s[n & 1] = i
-                T.mbarrier_wait_parity(q_empty, (n & 1) ^ 1)
-                T.mbarrier_arrive(q_full)
-                if first:
-                    # acq_rel: every CTA's last fetch happens before its count, all of them
-                    # before the last one's reset
-                    if T.atomic_add(TileCounter[1], 1, memory_order="acq_rel", return_prev=True) == grid - 1:
-                        TileCounter[0] = 0
-                        TileCounter[1] = 0
-            with T.ws(*cwg):
-                T.inc_max_nreg(warpgroup_regs(consumers))
-                i = T.alloc_var("int32", init=0)
-                g = T.alloc_var("int32", init=0)
-                n = T.alloc_var("int32", init=0)
-                T.mbarrier_wait_parity(q_full, 0)
-                i = tile_s[0]
-                while i < tiles:
-                    tile_coords(coords, i, nq, H)
-                    qt, h, b = coords[0], coords[1], coords[2]
-                    nb = n_key_blocks(qt, offset)
-                    reset_tile(o, l, m, m_scaled)
-                    attend_tile(q_s, k_s, v_s, s, p, o, m, m_prev, m_scaled, alpha, row_sum, l, moved,
-                                k_full, v_full, k_empty, v_empty, q_empty if own_o else None, 0, g, nb, qt, offset)
-                    store_tile(o, l, m_scaled, lse, o_s, O, LSE, b, h, qt)
-                    if not own_o:
-                        T.sync_threads(1, consumers)  # the store has read o_s = q_s
-                        T.mbarrier_arrive(q_empty)
-                    g = g + nb
-                    n = n + 1
-                    T.mbarrier_wait_parity(q_full, n & 1)
-                    i = tile_s[n & 1]
-
     if config.persistent:
         assert config.pipeline == "async", "FwdConfig.persistent needs pipeline='async'"
-        body = body_dynamic if config.lpt > 0 else body_persistent  # noqa: F811
+        body = body_persistent  # noqa: F811
     elif config.pipeline != "auto":
-        body = body_async_lpt if config.lpt > 0 else body_async  # noqa: F811
-    else:
-        assert config.lpt == 0, "FwdConfig.lpt needs pipeline 'async' or 'pingpong'"
+        body = body_async  # noqa: F811
 
-    # T.prim_func needs an explicit signature per argument list: with and without LSE, with and
-    # without the dynamic walk's tile counter.
-    if config.tile_counter:
-        if with_lse:
-
-            @T.prim_func
-            def flash_fwd(
-                Q: _qkv_param("q", (B, Sq, H, D), dtype),
-                K: _qkv_param("k", (B, Sk, HK, D), dtype),
-                V: _qkv_param("v", (B, Sk, HK, D), dtype),
-                O: T.Tensor((B, Sq, H, D), dtype),
-                LSE: T.Tensor((B, H, Sq), acc),
-                TileCounter: T.Tensor((2,), "int32"),
-            ):
-                body(Q, K, V, O, LSE, TileCounter)
-
-        else:
-
-            @T.prim_func
-            def flash_fwd(
-                Q: _qkv_param("q", (B, Sq, H, D), dtype),
-                K: _qkv_param("k", (B, Sk, HK, D), dtype),
-                V: _qkv_param("v", (B, Sk, HK, D), dtype),
-                O: T.Tensor((B, Sq, H, D), dtype),
-                TileCounter: T.Tensor((2,), "int32"),
-            ):
-                body(Q, K, V, O, None, TileCounter)
-
-    elif with_lse:
+    # T.prim_func needs an explicit signature per argument list: with and without LSE.
+    if with_lse:
 
         @T.prim_func
         def flash_fwd(
