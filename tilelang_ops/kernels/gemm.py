@@ -104,6 +104,7 @@ _PP = GemmConfig(128, 128, 64, 6, 256, 8, "Square", 0, "pingpong")  # persistent
 _PP16 = GemmConfig(128, 128, 64, 6, 256, 16, "Square", 0, "pingpong")  # the same, panels of 16 tile rows
 _PP16S7 = dataclasses.replace(_PP16, num_stages=7)  # and 7 stages (224 KB)
 _PP7 = dataclasses.replace(_PP, num_stages=7)  # 7 stages, panels of 8
+_PP192 = GemmConfig(128, 192, 64, 5, 256, 8, "Square", 0, "pingpong")  # 128x192 per warpgroup, 5 stages
 DEFAULT_OVERRIDES: dict[tuple, GemmConfig] = {
     # benchmarks/sweep_gemm.py on one H200 (bf16; GPU time from CUDA-graph replays, contenders and
     # cuBLAS in turns). "2 CTAs/SM" = min_blocks=2 (setmaxnreg 24/104): one CTA's epilogue overlaps
@@ -118,7 +119,7 @@ DEFAULT_OVERRIDES: dict[tuple, GemmConfig] = {
     ("sm_9", "nn", 2, 768, 3072): _PP,  # 16384x768x3072 (GPT-2's MLP dX): 686 vs 635 (1.08x), 1.06x cuBLAS (session14/call1)
     # 16384x3072x768 (GPT-2's MLP down-projection dX): 608 TFLOP/s vs 560 for _PP (1.085x), 1.02x cuBLAS
     # (session15/call2; _PP had 591 vs 528 for the auto default, 1.12x, in the eleventh session)
-    ("sm_9", "nn", 2, 3072, 768): GemmConfig(128, 192, 64, 5, 256, 8, "Square", 0, "pingpong"),
+    ("sm_9", "nn", 2, 3072, 768): _PP192,
     ("sm_9", "nn", 2, 768, 2304): _PP,  # 16384x768x2304 (GPT-2's QKV dX): 673 vs 642 (1.05x), 1.00x cuBLAS (session15/call2)
     ("sm_9", "nn", 1, 4096, 4096): GemmConfig(128, 256, 64, 4, 256, 8, "Square"),  # 4096^3: 1.03x default (fifth session)
     # 8192^3: 680 vs 649 TFLOP/s (1.05x), 1.01x cuBLAS; 128x224 and 128x192 (fewer idle SMs in the
@@ -129,7 +130,7 @@ DEFAULT_OVERRIDES: dict[tuple, GemmConfig] = {
     ("sm_9", "nn", 1, 14336, 4096): _PP16S7,  # 4096x14336x4096: 671 vs 635 (1.06x), 0.99x cuBLAS (call3)
     # 14336 = 64 tiles of 224: 512 tiles at M=1024 fill 3.9 waves of 132 SMs (128x256: 3.4) (fifth session)
     ("sm_9", "nn", 0, 14336, 4096): _PP7,  # 1024x14336x4096: 697 vs 654 for 128x224 (1.07x), 1.12x cuBLAS
-    ("sm_9", "nn", 2, 14336, 4096): GemmConfig(128, 192, 64, 5, 256, 8, "Square", 0, "pingpong"),  # 16384x14336x4096: 659 vs 639 (1.03x), 0.99x cuBLAS
+    ("sm_9", "nn", 2, 14336, 4096): _PP192,  # 16384x14336x4096: 659 vs 639 (1.03x), 0.99x cuBLAS
     # "nt" = linear (+ bias + gelu_tanh epilogue), ratios to cuBLASLt's _addmm_activation (fifth session:
     # session5/call1 and call4; eleventh: the pingpong rows, session11/call1)
     ("sm_9", "nt", 2, 768, 3072): _PP,  # 16384x768x3072 (GPT-2's MLP down-projection): 672 vs 622 (1.08x), 1.07x cuBLAS (session15/call2)
@@ -139,7 +140,9 @@ DEFAULT_OVERRIDES: dict[tuple, GemmConfig] = {
     ("sm_9", "nt", 2, 4096, 4096): GemmConfig(block_M=128, block_N=256, block_K=64, num_stages=4, threads=256, swizzle=8, policy="FullRow"),  # 16384x4096x4096: 1.026x default, 0.955x
     # (call 3 re-ran the call-1 winners beside 7 stages: _PP16S7 won again where listed)
     ("sm_9", "nt", 0, 14336, 4096): _PP16S7,  # 1024x14336x4096: 719 vs 659 for _PP16 (call1: _PP16 681 vs 611 for 128x224), 1.06x
-    ("sm_9", "nt", 1, 14336, 4096): _PP7,  # 4096x14336x4096: 630 vs 591 for _PP16S7 (1.07x), 0.95x (session 31 call 3)
+    # 4096x14336x4096: 630 vs 591 for _PP16S7 (1.07x), 0.95x (session 31 call 3); bench_gemm (call 4)
+    # showed no difference either way, as for 4096^3 above
+    ("sm_9", "nt", 1, 14336, 4096): _PP7,
     ("sm_9", "nt", 2, 14336, 4096): _PP16,  # 16384x14336x4096: 641 vs 622 (1.03x; call1 1.01x), 0.99x
     # ("sm_9", "nt", 0, 4096, 14336): the default 128x256/s3, 639 vs 611 for the former _PP16S7 (1.05x), 0.93x (session 31 call 3)
     # ("sm_9", "nt", 1, 4096, 14336): the default 128x256/s3 (678-659 vs 658-647 for s4/FullRow, calls 1 and 3)
@@ -149,7 +152,7 @@ DEFAULT_OVERRIDES: dict[tuple, GemmConfig] = {
     ("sm_9", "nt", 0, 3072, 768): GemmConfig(block_M=128, block_N=192, block_K=64, num_stages=4, threads=256, swizzle=8, policy="Square"),  # 1024x3072x768: 1.265x default, 1.132x
     ("sm_9", "nt", 1, 3072, 768): _PP,  # 4096x3072x768: 526 vs 503 for two CTAs/SM (1.05x), 0.97x
     # 16384x3072x768: 486 vs 456 for _PP (1.07x), 0.92x (session 31 call 3; _PP 1.13x two CTAs/SM, session 11)
-    ("sm_9", "nt", 2, 3072, 768): GemmConfig(128, 192, 64, 5, 256, 8, "Square", 0, "pingpong"),
+    ("sm_9", "nt", 2, 3072, 768): _PP192,
 }
 
 
