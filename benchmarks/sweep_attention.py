@@ -13,6 +13,7 @@ wrong kernel shows.
     python -m benchmarks.sweep_attention --bwd --walk [--shapes 0 3]  # backward: the default twice and with the other reverse (4: D=64 GQA)
     python -m benchmarks.sweep_attention --wide --shapes 2 4 5  # forward, D=64: 192 x 128 in the async pipelines (5: GPT-2's shape)
     python -m benchmarks.sweep_attention --tiles128 --shapes 0 1 3 [--causal-only]  # forward, D=128: 128 x 128 async tiles, persistent or not
+    python -m benchmarks.sweep_attention --ablate [--bwd]  # the op's defaults, again (A/A) and with each feature switched
 
 Forward FLOPs = 4 * B * H * S^2 * D, halved when causal; backward 2.5x that (as bench_attention).
 --bwd times the backward as the op runs it (`flash_bwd_fused`: preprocess, main kernel, dQ cast).
@@ -40,6 +41,7 @@ WALK = False
 PERSISTENT = False
 WIDE = False
 TILES128 = False
+ABLATE = False
 
 
 def _gpt_candidates():
@@ -125,6 +127,45 @@ def bwd_candidates(headdim: int):
     return []
 
 
+def ablations(cfg, headdim: int, causal: bool, groups: int) -> list:
+    """--ablate: the default `cfg` again (the run's own noise), then the default with one feature
+    switched at a time: the features were kept on sweeps timed in biased turns (docs/benchmarks.md,
+    thirtieth session), and a 1-4% gain there is the size of that bias."""
+    import dataclasses
+
+    from tilelang_ops.kernels.attention import BwdConfig
+
+    out = [cfg, cfg]
+    if isinstance(cfg, BwdConfig):
+        if cfg.pipeline != "async":
+            return out
+        if headdim == 64:  # at D=128, 128 queries a step need 290 KB of shared memory
+            out.append(dataclasses.replace(cfg, block_n=192 - cfg.block_n))  # 64 <-> 128 queries a step
+        out.append(dataclasses.replace(cfg, num_stages=5 - cfg.num_stages))  # 2 <-> 3
+        if cfg.block_n == 64:
+            out.append(dataclasses.replace(cfg, stats_early=1 - min(cfg.stats_early, 1)))
+        out.append(dataclasses.replace(cfg, dq_first=not cfg.dq_first))
+        if causal and groups > 1:
+            out.append(dataclasses.replace(cfg, reverse=not cfg.reverse))
+        return out
+    out.append(dataclasses.replace(cfg, lazy_rescale=0.0 if cfg.lazy_rescale else 8.0))
+    out.append(dataclasses.replace(cfg, post_mask=not cfg.post_mask))
+    if cfg.pipeline == "async" and headdim == 64:  # at D=128 the persistent walk lost 0.82-0.97x (session 18)
+        out.append(dataclasses.replace(cfg, persistent=not cfg.persistent))
+    return out
+
+
+def _configs(D: int, S: int, causal: bool, groups: int, bwd: bool, arch: str = "sm_90a") -> list:
+    """The configs a shape times, the default first (with --ablate: the op's own default for S keys)."""
+    from tilelang_ops.kernels import attention as K
+
+    if bwd:
+        default = K.bwd_default_config(D, causal, arch)
+        return ablations(default, D, causal, groups) if ABLATE else [default] + bwd_candidates(D)
+    default = K.fwd_default_config(D, causal, arch, S if ABLATE else None)
+    return ablations(default, D, causal, groups) if ABLATE else [default] + candidates(D, causal)
+
+
 def jobs(bwd: bool = False):
     """(config, static) of every kernel the sweep runs: default and candidates, causal and not."""
     from tilelang_ops.kernels import attention as K
@@ -133,11 +174,7 @@ def jobs(bwd: bool = False):
     for B, H, HK, S, D in SHAPES:
         for causal in CAUSAL:
             static = dict(headdim=D, dtype="bfloat16", causal=causal, groups=H // HK, scale=K.default_scale(D))
-            if bwd:
-                cfgs = [K.bwd_default_config(D, causal)] + bwd_candidates(D)
-            else:
-                cfgs = [K.fwd_default_config(D, causal)] + candidates(D, causal)
-            for cfg in cfgs:
+            for cfg in _configs(D, S, causal, H // HK, bwd):
                 if (cfg, static) not in [(c, s) for c, s in out]:
                     out.append((cfg, static))
     return out
@@ -221,7 +258,7 @@ def main_bwd() -> None:
         dq_acc = torch.empty(B, S, H, D, device="cuda")
         fns, names, checks, ref = [], [], [], None
         grads = [torch.empty_like(t) for t in (q, k, v)]  # shared by every config, as in main()
-        for cfg in [K.bwd_default_config(D, causal, arch)] + bwd_candidates(D):
+        for cfg in _configs(D, S, causal, H // HK, True, arch):
             for g in grads:
                 g.fill_(float("nan"))
             try:
@@ -258,7 +295,7 @@ def main() -> None:
     arch = runtime.arch_for_device(torch.device("cuda", torch.cuda.current_device()))
     rows = []
     for B, H, HK, S, D, causal, static, q, k, v in _cases():
-        cfgs = [K.fwd_default_config(D, causal, arch)] + candidates(D, causal)
+        cfgs = _configs(D, S, causal, H // HK, False, arch)
         fns, names, checks = [], [], []
         ref = None
         # One output pair for every config: where a buffer lies moves a kernel's time by up to
@@ -314,6 +351,7 @@ if __name__ == "__main__":
     ap.add_argument("--walk", action="store_true", help="--bwd: the default, itself again and with the other BwdConfig.reverse")
     ap.add_argument("--wide", action="store_true", help="forward, D=64: 192 x 128 tiles in the async pipelines (three consumer warpgroups)")
     ap.add_argument("--tiles128", action="store_true", help="forward, D=128: the default twice, 128 x 128 async tiles (persistent or not)")
+    ap.add_argument("--ablate", action="store_true", help="the op's defaults twice and with each feature switched (forward, or --bwd)")
     ap.add_argument("--causal-only", action="store_true", help="causal shapes only")
     ap.add_argument("--shapes", type=int, nargs="+", help="only these SHAPES (indexes)")
     args = ap.parse_args()
@@ -326,6 +364,7 @@ if __name__ == "__main__":
     PERSISTENT = args.persistent
     WIDE = args.wide
     TILES128 = args.tiles128
+    ABLATE = args.ablate
     if args.causal_only:
         CAUSAL = (True,)
     LAZY = args.lazy

@@ -102,6 +102,11 @@ def candidates():
         # the same GEMM without bias/activation: the epilogue's cost is the difference
         "ntplain_14336_4096": (dict(nt_plain, n=14336, k=4096), [C0], [("linear_noepi", 8192)]),
         "ntplain_4096_4096": (dict(nt_plain, n=4096, k=4096), [C0], [("linear_noepi", 4096)]),
+        # K=768, where the fused Linear trails cuBLASLt most (0.85-0.92x): its ping-pong schedules
+        # without bias and activation, beside pp_lin_3072_768 (the same schedules with them)
+        **_beside_defaults({"ntplain_3072_768": (dict(nt_plain, n=3072, k=768), [("linear_noepi", 4096), ("linear_noepi", 16384)])},
+                           [_cfg(128, 128, 64, 6, pipe="pingpong"), _cfg(128, 192, 64, 5, pipe="pingpong"),
+                            _tma(_cfg(128, 128, 64, 5, pipe="pingpong")), _tma(_cfg(128, 192, 64, 3, pipe="pingpong"))]),
         # the MLP block's backward (d=4096, hidden=14336, 8192 tokens): dX of the down and up
         # projections ("nn") and both weight gradients ("tn", reduction over the 8192 tokens)
         "nn_4096_14336": (dict(gemm, n=4096, k=14336), big + [_cfg(128, 128, 64, 4), _cfg(128, 192, 64, 4)], [("gemm", 8192)]),
@@ -145,7 +150,15 @@ def _pingpong_groups(gemm, lin):
     return {**_pp_groups("pp", gemm, lin, [_cfg(128, 128, 64, 6, pipe="pingpong"), _cfg(128, 128, 64, 7, pipe="pingpong"), _cfg(128, 192, 64, 5, pipe="pingpong"),
                                           _cfg(128, 128, 64, 6, sw=16, pipe="pingpong"), _cfg(128, 128, 64, 3, th=128, mb=2, pipe="async")]),
             **_pp_groups("pp2", gemm, lin, [_cfg(64, 256, 64, 5, pipe="pingpong"), _cfg(64, 256, 64, 5, sw=16, pipe="pingpong"),
-                                           _cfg(128, 192, 64, 5, sw=16, pipe="pingpong"), _cfg(128, 128, 64, 7, sw=16, pipe="pingpong")])}
+                                           _cfg(128, 192, 64, 5, sw=16, pipe="pingpong"), _cfg(128, 128, 64, 7, sw=16, pipe="pingpong")]),
+            # "ppt_*": the ping-pong pipeline with the TMA-store epilogue (GemmConfig.tma_store;
+            # two C tiles of shared memory cost stages: 128x128 fits 5, 128x192 3)
+            **_pp_groups("ppt", gemm, lin, [_tma(_cfg(128, 128, 64, 5, pipe="pingpong")), _tma(_cfg(128, 128, 64, 5, sw=16, pipe="pingpong")),
+                                           _tma(_cfg(128, 128, 64, 4, pipe="pingpong")), _tma(_cfg(128, 192, 64, 3, pipe="pingpong"))])}
+
+
+def _tma(c):
+    return dataclasses.replace(c, tma_store=True)
 
 
 def _gpt_groups(gemm, lin, nt_plain):
@@ -243,6 +256,7 @@ def _graph_ms(fn) -> float:
 
 def _short(c) -> str:
     extra = (f"/mb{c.min_blocks}" if c.min_blocks else "") + (f"/{c.pipeline}" if c.pipeline != "auto" else "") + (f"/split{c.split_k}" if c.split_k > 1 else "")
+    extra += "/tmastore" if c.tma_store else ""
     return f"{c.block_M}x{c.block_N}x{c.block_K}/s{c.num_stages}/t{c.threads}/sw{c.swizzle}/{c.policy}{extra}"
 
 

@@ -428,6 +428,13 @@ ASYNC_CASES = [
     (dict(block_N=128, num_stages=7, swizzle=16, pipeline="pingpong"), dict(layout="nt", n=200, k=1000, bias=True, activation="relu"), [700, 5000]),
     (dict(block_N=128, num_stages=6, pipeline="pingpong", swizzle=0), dict(layout="tn", n=136, k=0, rows=200), [1, 1000]),
     (dict(block_N=128, num_stages=6, pipeline="pingpong"), dict(layout="nn", n=128, k=72, dtype="float16", batched=True), [17, 300, 2000]),
+    # ping-pong with the TMA-store epilogue (each warpgroup's own C tile): ragged M and N tiles
+    # clipped by the store, the pre-activation's store before C's, batched, "tn"
+    (dict(block_N=128, num_stages=5, pipeline="pingpong", tma_store=True), dict(layout="nn", n=200, k=1000), [1, 129, 700, 4097]),
+    (dict(block_N=128, num_stages=5, pipeline="pingpong", tma_store=True), dict(layout="nt", n=200, k=1000, bias=True, activation="gelu_tanh", save_preact=True), [7, 700, 5000]),
+    (dict(block_N=192, num_stages=3, pipeline="pingpong", tma_store=True), dict(layout="nt", n=3072, k=768, bias=True, activation="gelu_tanh"), [1000, 4097, 16384]),
+    (dict(block_N=128, num_stages=5, pipeline="pingpong", swizzle=0, tma_store=True), dict(layout="tn", n=136, k=0, rows=200), [1, 1000]),
+    (dict(block_N=128, num_stages=5, pipeline="pingpong", tma_store=True), dict(layout="nn", n=128, k=72, dtype="float16", batched=True), [17, 300, 2000]),
 ]
 
 
@@ -485,6 +492,38 @@ def test_gemm_pingpong_source():
     order1 = ["__named_barrier_arrive(2, 256)", "__sync_thread_partial(3, 256)", "wgmma_ss", "wait_wgmma<1>", "empty["]
     assert [wg1.index(x) for x in order1] == sorted(wg1.index(x) for x in order1)
     assert wg1.index("wait_wgmma<1>") < wg1.rindex("__named_barrier_arrive(2, 256)") < wg1.index("wait_wgmma<0>")
+
+
+@pytest.mark.slow
+def test_gemm_pingpong_tma_store_source():
+    """GemmConfig.tma_store: each consumer warpgroup stages its C tile in shared memory of its own
+    (the two tiles at different offsets, though each is used in one branch only), syncs only its
+    own 128 threads (named barrier 4 + w: the other warpgroup is in its main loop), has one
+    elected thread issue the TMA store and wait until it has read the tile, and syncs again before
+    the tile can be written for the next output tile."""
+    import re
+
+    from tilelang_ops.kernels import gemm as K
+
+    cfg = K.GemmConfig(128, 128, 64, 5, 256, 8, "Square", 0, "pingpong", tma_store=True)
+    src = K.matmul_kernel.source(cfg, "sm_90a", layout="nt", n=3072, k=768, rows=0, dtype="bfloat16", batched=False, bias=True, activation="gelu_tanh", save_preact=False)
+    offsets = dict(re.findall(r"void\* (C_s[01]) = \(\(void\*\)\(\(char\*\)buf_dyn_shmem \+ (\d+)\)\)", src))
+    assert set(offsets) == {"C_s0", "C_s1"} and abs(int(offsets["C_s0"]) - int(offsets["C_s1"])) >= 128 * 128 * 2, offsets
+    wg1_at = src.index("if ((128 <= ((int)threadIdx.x)) && (((int)threadIdx.x) < 256))")
+    for w, part in enumerate((src[src.index("if (((int)threadIdx.x) < 128)") : wg1_at], src[wg1_at:])):
+        epi = part[part.index("wait_wgmma<0>"):]
+        order = ["stmatrix", f"C_s{w}", "fence_proxy_async", f"__sync_thread_partial({4 + w}, 128)", "tl_shuffle_elect<128>", "tma_store(", "tma_store_wait<0, true>", f"__sync_thread_partial({4 + w}, 128)"]
+        at = [epi.index(order[0])]
+        for x in order[1:]:
+            at.append(epi.index(x, at[-1] + 1))
+        assert "C_s1" not in epi if w == 0 else "C_s0" not in epi
+
+
+def test_gemm_tma_store_is_the_pingpong_epilogue():
+    from tilelang_ops.kernels import gemm as K
+
+    with pytest.raises(ValueError, match="tma_store.*pingpong"):
+        K.GemmConfig(128, 128, 64, 4, 256, 8, "Square", 0, "async", tma_store=True)
 
 
 def test_gemm_pingpong_needs_two_consumer_warpgroups():

@@ -65,6 +65,12 @@ class GemmConfig:
     # 128x256 on 132 SMs) the one-tile-per-CTA grid leaves SMs idle; 64 tiles of 192x192 x 2
     # slices fill one wave (cuBLAS's choice there). Deterministic: a fixed summation order.
     split_k: int = dataclasses.field(default=1, metadata={"omit_default": True})
+    # "pingpong" only: C leaves through a shared tile of the warpgroup's own (stmatrix) and a TMA
+    # store, as cuBLAS's epilogues do, instead of straight from the wgmma fragment, whose 4-byte
+    # stores fill half of each 32-byte sector: twice the store sectors, and the stores throttle
+    # the load/store queue (Nsight Compute at 4096x3072x768, session 32). Costs two C tiles of
+    # shared memory, i.e. stages.
+    tma_store: bool = dataclasses.field(default=False, metadata={"omit_default": True})
 
     @property
     def min_sm(self) -> int:
@@ -73,7 +79,15 @@ class GemmConfig:
         # table never splits).
         return 90 if self.pipeline != "auto" or self.split_k > 1 else 0
 
+    def __post_init__(self):
+        if self.tma_store and self.pipeline != "pingpong":
+            raise ValueError(f"GemmConfig.tma_store is the 'pingpong' pipeline's epilogue, got pipeline={self.pipeline!r}")
+
     def pass_configs(self) -> dict:
+        if self.tma_store:
+            # The two warpgroups' C tiles are each used in one warp-specialized branch: the
+            # shared-memory planner would give both the same bytes.
+            return {**HAND_SYNC_PASS_CONFIGS, "tl.disable_shared_memory_reuse": True}
         return HAND_SYNC_PASS_CONFIGS if self.pipeline != "auto" else {}
 
 
@@ -330,50 +344,64 @@ def matmul_kernel(
     if pingpong and consumers != 256:
         raise ValueError(f"pipeline 'pingpong' takes threads=256 (two consumer warpgroups), got {consumers}")
 
+    TURN = 2  # ping-pong: named barriers 2 and 3 (0: __syncthreads, 1: the async pipeline's consumers)
+    EPI = 4  # ping-pong with tma_store: named barriers 4 and 5, each warpgroup's own C tile
+
     @T.macro
-    def sync(before_store):
-        # Async pipeline only (TileLang's sync pass is off there): named barrier 1 over the
-        # consumer threads (the producer warpgroup may have exited). Before a TMA store the
-        # generic-proxy writes to C_s must be made visible to the async proxy.
+    def sync(before_store, w):
+        # Hand-synchronized pipelines only (TileLang's sync pass is off there): a named barrier
+        # over the threads that share C_s — the consumers (1; the producer warpgroup may have
+        # exited), or in the ping-pong pipeline warpgroup w alone (EPI + w: the other one is in
+        # its main loop). Before a TMA store the generic-proxy writes to C_s must be made visible
+        # to the async proxy.
         if hand_sync:
             if before_store:
                 T.fence_proxy_async()
-            T.sync_threads(1, consumers)
+            if w is None:
+                T.sync_threads(1, consumers)
+            else:
+                T.sync_threads(EPI + w, 128)
 
     # Async pipeline only: when its stages and a C tile do not both fit in the CTA's share of 227 KB
     # of shared memory, C leaves straight from registers. (The auto pipeline overlaps its C tile
     # with the stages.) Ping-pong always stores from registers: its stores overlap the other
     # warpgroup's main loop, and the shared memory goes to stages.
     smem_budget = 227 * 1024 // max(config.min_blocks, 1)
-    direct_store = pingpong or (hand_sync and config.num_stages * (bm * bk + bk * bn) * 2 + bm * bn * 2 > smem_budget)  # 16-bit dtypes
+    # (the ping-pong pipeline with tma_store: each warpgroup its own C tile, see body_pingpong)
+    direct_store = (pingpong and not config.tma_store) or (
+        not pingpong and hand_sync and config.num_stages * (bm * bk + bk * bn) * 2 + bm * bn * 2 > smem_budget  # 16-bit dtypes
+    )
 
     @T.macro
-    def store(C_f, C_s, dst, reuse_after):
+    def store(C_f, C_s, dst, reuse_after, w):
         """C_f (cast to dtype) into the global tile `dst`: through C_s and a TMA store, or straight
-        from registers under direct_store. reuse_after: C_s is written again afterwards."""
+        from registers under direct_store. reuse_after: C_s is written again afterwards (the TMA
+        store's elected thread waits until it has read C_s; the barrier holds the others until
+        then). w: the ping-pong warpgroup whose tile C_s is (None: every consumer's)."""
         if direct_store:
             T.copy(C_f, dst)
         else:
             T.copy(C_f, C_s)
-            sync(True)
+            sync(True, w)
             T.copy(C_s, dst)
             if reuse_after:
-                sync(False)
+                sync(False, w)
 
     @T.macro
-    def epilogue(C_f, C_s, Bias, C, Z, ix, bx, by):
+    def epilogue(C_f, C_s, Bias, C, Z, ix, bx, by, w):
         """Bias and activation in registers (no extra pass over global memory), then C (and the
-        pre-activation Z) out."""
+        pre-activation Z) out. w: the ping-pong warpgroup (None elsewhere)."""
         if bias:
             for i, j in T.Parallel(bm, bn):
                 col = T.min(bx * bn + j, N - 1) if n_ragged else bx * bn + j
                 C_f[i, j] = C_f[i, j] + T.Cast(accum, Bias[col])
         if save_preact:
-            store(C_f, C_s, Z[ix + (by * bm, bx * bn)], True)
+            store(C_f, C_s, Z[ix + (by * bm, bx * bn)], True, w)
         if activation != "none":
             for i, j in T.Parallel(bm, bn):
                 C_f[i, j] = _act(C_f[i, j], activation)
-        store(C_f, C_s, C[ix + (by * bm, bx * bn)], False)
+        # A ping-pong warpgroup writes C_s again at its next tile: wait for this store's read.
+        store(C_f, C_s, C[ix + (by * bm, bx * bn)], w is not None, w)
 
     @T.macro
     def body_auto(A, B, Bias, C, Z, bx, by, bz):
@@ -407,7 +435,7 @@ def matmul_kernel(
                 # wait, so the next TMA load could overwrite operands a wgmma still reads. The
                 # "async" pipeline below places the release itself.
                 T.gemm(A_s, B_s, C_f, transpose_A=trans_a, transpose_B=trans_b, policy=policy)
-            epilogue(C_f, C_s, Bias, C, Z, ix, bx, by)
+            epilogue(C_f, C_s, Bias, C, Z, ix, bx, by, None)
 
     S = config.num_stages
     cwg = tuple(range(consumers // 128))  # consumer warpgroups; the producer is the next one
@@ -478,7 +506,7 @@ def matmul_kernel(
                 # If the shared-memory planner ever lets C_s overlap the stages, the other
                 # consumer warpgroup's last wgmma may still be reading them: meet first.
                 T.sync_threads(1, consumers)
-            epilogue(C_f, C_s, Bias, C, Z, ix, bx, by)
+            epilogue(C_f, C_s, Bias, C, Z, ix, bx, by, None)
 
     # Persistent ping-pong: PERSISTENT_CTAS CTAs (one per SM) walk the output tiles. The producer
     # loads every tile's k-steps, in tile order, into one ring of S stages; consumer warpgroup w
@@ -487,7 +515,6 @@ def matmul_kernel(
     # While one warpgroup runs its epilogue (bias, activation, stores from registers), the
     # other's k-steps keep the tensor cores busy: the epilogue and the tile's pipeline fill no
     # longer sit between two main loops (what bounds the non-persistent kernels at K=768).
-    TURN = 2  # named barriers 2 and 3 (0: __syncthreads, 1: the async pipeline's consumers)
     m_tiles = m_blocks * n_blocks
     n_tiles = m_tiles * Bt if batched else m_tiles
     grid = T.min(n_tiles, ctas)
@@ -511,7 +538,7 @@ def matmul_kernel(
             tc[1] = T.truncdiv(r, n_blocks)
 
     @T.macro
-    def consumer(A_s, B_s, full, empty, C_f, tc, Bias, C, Z, bid, w, n_mine, nk):
+    def consumer(A_s, B_s, full, empty, C_f, C_s, tc, Bias, C, Z, bid, w, n_mine, nk):
         # The two warpgroups take turns at the main loop (named barriers TURN + w: bar.sync on
         # one's own, bar.arrive on the other's once its k-steps are issued). Besides keeping one
         # warpgroup's wgmmas from contending with the other's, the turns keep the stage ring
@@ -533,7 +560,7 @@ def matmul_kernel(
                 T.named_barrier_arrive(TURN + 1 - w, 256)
             T.wait_wgmma(0)
             T.mbarrier_arrive(empty[(i * nk + nk - 1) % S])  # the tile's last stage
-            epilogue(C_f, None, Bias, C, Z, (tc[2],) if batched else (), tc[0], tc[1])
+            epilogue(C_f, C_s, Bias, C, Z, (tc[2],) if batched else (), tc[0], tc[1], w)
 
     @T.macro
     def body_pingpong(A, B, Bias, C, Z, bid):
@@ -542,6 +569,9 @@ def matmul_kernel(
         B_s = T.alloc_shared((S,) + b_tile, dtype)
         C0 = T.alloc_fragment((bm, bn), accum)  # warpgroup 0's tile
         C1 = T.alloc_fragment((bm, bn), accum)  # warpgroup 1's
+        # each warpgroup's C tile (tma_store; the planner's reuse is off, see pass_configs)
+        C_s0 = T.alloc_shared((bm, bn), dtype) if config.tma_store else None
+        C_s1 = T.alloc_shared((bm, bn), dtype) if config.tma_store else None
         tc = T.alloc_local((3,), "int32")  # the current tile's (bx, by, bz), per thread
         full = T.alloc_barrier([128] * S)
         empty = T.alloc_barrier([128] * S)  # one consumer warpgroup reads a stage
@@ -553,9 +583,9 @@ def matmul_kernel(
                 set_tile(tc, bid + i * grid)
                 load_k_steps(A, B, A_s, B_s, full, empty, (tc[2],) if batched else (), tc, i * nk, nk)
         with T.ws(0):
-            consumer(A_s, B_s, full, empty, C0, tc, Bias, C, Z, bid, 0, n_mine, nk)
+            consumer(A_s, B_s, full, empty, C0, C_s0, tc, Bias, C, Z, bid, 0, n_mine, nk)
         with T.ws(1):
-            consumer(A_s, B_s, full, empty, C1, tc, Bias, C, Z, bid, 1, n_mine, nk)
+            consumer(A_s, B_s, full, empty, C1, C_s1, tc, Bias, C, Z, bid, 1, n_mine, nk)
 
     body = body_async if hand_sync else body_auto
     # T.Pipelined adds its producer warpgroup itself; the async pipelines declare it.

@@ -1,0 +1,44 @@
+"""Diagnostic (GPU, under Nsight Compute): our fused Linear and plain "nt" GEMM next to cuBLASLt's
+fused epilogue and cuBLAS at one shape, one launch each inside a profiler range, so `ncu` reports
+the four kernels' tensor-pipe use and stall reasons side by side:
+
+    ncu --profile-from-start off --set full -o FILE python3 -m benchmarks.diag_gemm_ncu [M N K]
+    ncu --import FILE.ncu-rep --page details --csv > details.csv
+
+Default shape 4096 x 3072 x 768 (GPT-2's MLP up-projection, where the fused Linear trails cuBLASLt
+most). Without ncu it only runs the four calls once (a smoke test).
+"""
+import sys
+
+import torch
+
+import tilelang_ops  # noqa: F401
+
+
+def main(argv=None) -> None:
+    m, n, k = (int(v) for v in (argv or sys.argv[1:] or (4096, 3072, 768)))
+    bf = torch.bfloat16
+    a = torch.randn(m, k, device="cuda", dtype=bf)
+    w = torch.randn(n, k, device="cuda", dtype=bf) * k**-0.5
+    bias = torch.randn(n, device="cuda", dtype=bf)
+    calls = {
+        "ours linear+bias+gelu_tanh": lambda: torch.ops.tileops.linear(a, w, bias, "gelu_tanh"),
+        "ours gemm_nt": lambda: torch.ops.tileops.gemm_nt(a, w),
+        "cublasLt _addmm_activation": lambda: torch._addmm_activation(bias, a, w.t(), use_gelu=True),
+        "cublas matmul": lambda: torch.matmul(a, w.t()),
+    }
+    for f in calls.values():  # compile / load and warm every kernel outside the profiled range
+        f(), f()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    for name, f in calls.items():
+        torch.cuda.nvtx.range_push(name)
+        f()
+        torch.cuda.nvtx.range_pop()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+    print(f"ran {', '.join(calls)} at {m}x{n}x{k}")
+
+
+if __name__ == "__main__":
+    main()
