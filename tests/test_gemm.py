@@ -321,7 +321,7 @@ def test_gemm_cuda_poisoned_output(layout, m, kn):
 # gradients): (op, M or the tokens of a "tn", K, N), M past the largest bucket's bound and ragged.
 GPT_SHAPES = [
     ("linear", 6337, 3072, 768),  # MLP down-projection + bias: "nt" 768x3072 ping-pong
-    ("gemm", 6337, 768, 3072),  # its dX: "nn" 3072x768, 128x192 ping-pong
+    ("gemm", 6337, 768, 3072),  # its dX: "nn" 3072x768, 128x128 ping-pong with the TMA-store epilogue
     ("gemm", 6337, 2304, 768),  # the QKV projection's dX: "nn" 768x2304 ping-pong
     ("gemm_tn", 6337, 768, 3072),  # its dW (768 x 3072 over the tokens): split-K
 ]
@@ -417,7 +417,7 @@ ASYNC_CASES = [
     (dict(block_N=128, num_stages=4), dict(layout="nt", n=200, k=1000, bias=True, activation="relu"), [129, 4097]),
     (dict(block_N=128, num_stages=4), dict(layout="nn", n=128, k=72, dtype="float16", batched=True), [17, 300]),
     (dict(block_N=128, num_stages=2, min_blocks=2), dict(layout="nn", n=3072, k=768), [1000, 4097]),
-    (dict(block_N=192, num_stages=4), dict(layout="nn", n=3072, k=768), [1, 1000, 1536]),  # the shipped override (M <= 1536)
+    (dict(block_N=192, num_stages=4), dict(layout="nn", n=3072, k=768), [1, 1000, 1536]),  # M <= 1536's override until session 32
     # 4 stages of 128x256 leave no room for a C tile: the epilogue stores from registers
     (dict(num_stages=4), dict(layout="nt", n=200, k=1000, bias=True, activation="gelu_tanh", save_preact=True), [7, 700]),
     # persistent ping-pong: fewer tiles than CTAs, one, and several per CTA (odd and even counts
@@ -435,6 +435,7 @@ ASYNC_CASES = [
     (dict(block_N=192, num_stages=3, pipeline="pingpong", tma_store=True), dict(layout="nt", n=3072, k=768, bias=True, activation="gelu_tanh"), [1000, 4097, 16384]),
     (dict(block_N=128, num_stages=5, pipeline="pingpong", swizzle=0, tma_store=True), dict(layout="tn", n=136, k=0, rows=200), [1, 1000]),
     (dict(block_N=128, num_stages=5, pipeline="pingpong", tma_store=True), dict(layout="nn", n=128, k=72, dtype="float16", batched=True), [17, 300, 2000]),
+    (dict(block_N=192, num_stages=3, pipeline="pingpong", tma_store=True), dict(layout="nn", n=3072, k=768), [1, 1000, 1536, 4097]),  # shipped (M <= 6144)
 ]
 
 
@@ -462,8 +463,8 @@ def test_gemm_async_pipeline_source():
     barrier init (a __syncthreads inside the role branches would deadlock the producer)."""
     from tilelang_ops.kernels import gemm as K
 
-    cfg = K.DEFAULT_OVERRIDES[("sm_9", "nn", 0, 3072, 768)]
-    assert cfg.pipeline == "async" and cfg.min_sm == 90
+    cfg = K.GemmConfig(128, 192, 64, 4, 256, 8, "Square", 0, "async")  # 1024x3072x768's default until session 32
+    assert cfg.min_sm == 90
     src = K.matmul_kernel.source(cfg, "sm_90a", layout="nn", n=3072, k=768, rows=0, dtype="bfloat16", batched=False, bias=False, activation="none", save_preact=False)
     assert src.count("__syncthreads()") == 1 and src.index("__syncthreads()") < src.index("fence_barrier_init") + 60
     loop = src[src.index("wait_wgmma<1>"):]

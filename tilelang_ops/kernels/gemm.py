@@ -119,6 +119,11 @@ _PP16 = GemmConfig(128, 128, 64, 6, 256, 16, "Square", 0, "pingpong")  # the sam
 _PP16S7 = dataclasses.replace(_PP16, num_stages=7)  # and 7 stages (224 KB)
 _PP7 = dataclasses.replace(_PP, num_stages=7)  # 7 stages, panels of 8
 _PP192 = GemmConfig(128, 192, 64, 5, 256, 8, "Square", 0, "pingpong")  # 128x192 per warpgroup, 5 stages
+# With the TMA-store epilogue (GemmConfig.tma_store): each warpgroup's C tile in shared memory
+# leaves room for 5 stages of 128x128, 3 of 128x192.
+_PPT = dataclasses.replace(_PP, num_stages=5, tma_store=True)
+_PPT16 = dataclasses.replace(_PP16, num_stages=5, tma_store=True)
+_PPT192 = dataclasses.replace(_PP192, num_stages=3, tma_store=True)
 DEFAULT_OVERRIDES: dict[tuple, GemmConfig] = {
     # benchmarks/sweep_gemm.py on one H200 (bf16; GPU time from CUDA-graph replays, contenders and
     # cuBLAS in turns). "2 CTAs/SM" = min_blocks=2 (setmaxnreg 24/104): one CTA's epilogue overlaps
@@ -127,13 +132,15 @@ DEFAULT_OVERRIDES: dict[tuple, GemmConfig] = {
     # gelu_tanh, or K=768's short main loops) weighs; loses at M=1024 (about one tile per
     # warpgroup: the turns serialize) and at deep K without an epilogue (not explained: see
     # docs/benchmarks.md). Eleventh session: `session11/call1` and `call3`.
-    # 1024x3072x768: 490-495 TFLOP/s in two sweeps vs 439-444 for the former two-CTA override (1.11x);
-    # 0.96x cuBLAS in bench_gemm's interleaved GPU time (cuBLAS moves 403-516 between runs here) (sixth session)
-    ("sm_9", "nn", 0, 3072, 768): GemmConfig(128, 192, 64, 4, 256, 8, "Square", 0, "async"),
+    # K=768 (12 k-steps a tile, so the epilogue weighs): the TMA-store ping-pong, session 32
+    # (`sweep_gemm --group 'ppt_*'`, call 4; before it C left from registers in half-filled
+    # sectors). 1024x3072x768: 518 vs 495 for the async 128x192 (1.05x), 1.00x cuBLAS;
+    # 4096x3072x768: 603 vs 547 for the rule default (1.10x), 1.03x; 16384x3072x768: 594 vs 540
+    # for _PP192 (1.10x), 0.99x.
+    ("sm_9", "nn", 0, 3072, 768): _PPT192,
+    ("sm_9", "nn", 1, 3072, 768): _PPT192,
+    ("sm_9", "nn", 2, 3072, 768): _PPT,
     ("sm_9", "nn", 2, 768, 3072): _PP,  # 16384x768x3072 (GPT-2's MLP dX): 686 vs 635 (1.08x), 1.06x cuBLAS (session14/call1)
-    # 16384x3072x768 (GPT-2's MLP down-projection dX): 608 TFLOP/s vs 560 for _PP (1.085x), 1.02x cuBLAS
-    # (session15/call2; _PP had 591 vs 528 for the auto default, 1.12x, in the eleventh session)
-    ("sm_9", "nn", 2, 3072, 768): _PP192,
     ("sm_9", "nn", 2, 768, 2304): _PP,  # 16384x768x2304 (GPT-2's QKV dX): 673 vs 642 (1.05x), 1.00x cuBLAS (session15/call2)
     ("sm_9", "nn", 1, 4096, 4096): GemmConfig(128, 256, 64, 4, 256, 8, "Square"),  # 4096^3: 1.03x default (fifth session)
     # 8192^3: 680 vs 649 TFLOP/s (1.05x), 1.01x cuBLAS; 128x224 and 128x192 (fewer idle SMs in the
@@ -157,16 +164,21 @@ DEFAULT_OVERRIDES: dict[tuple, GemmConfig] = {
     # 4096x14336x4096: 630 vs 591 for _PP16S7 (1.07x), 0.95x (session 31 call 3); bench_gemm (call 4)
     # showed no difference either way, as for 4096^3 above
     ("sm_9", "nt", 1, 14336, 4096): _PP7,
-    ("sm_9", "nt", 2, 14336, 4096): _PP16,  # 16384x14336x4096: 641 vs 622 (1.03x; call1 1.01x), 0.99x
+    # 16384x14336x4096: 643 vs 626 for _PP16 (1.03x; the other two TMA-store 128x128 forms 641), 1.01x
+    # (session 32 call 4; _PP16 641 vs 622, 1.03x, in session 11)
+    ("sm_9", "nt", 2, 14336, 4096): _PPT,
     # ("sm_9", "nt", 0, 4096, 14336): the default 128x256/s3, 639 vs 611 for the former _PP16S7 (1.05x), 0.93x (session 31 call 3)
     # ("sm_9", "nt", 1, 4096, 14336): the default 128x256/s3 (678-659 vs 658-647 for s4/FullRow, calls 1 and 3)
-    ("sm_9", "nt", 2, 11008, 4096): GemmConfig(block_M=128, block_N=256, block_K=64, num_stages=4, threads=256, swizzle=8, policy="FullRow"),  # 16384x11008x4096: 1.060x default, 0.973x
+    # 16384x11008x4096: 641 vs 625 for 128x256/s4/FullRow (1.03x; the other TMA-store forms 634-638), 1.01x
+    # (session 32 call 4; 128x256/s4/FullRow was 1.06x the rule default in session 5)
+    ("sm_9", "nt", 2, 11008, 4096): _PPT16,
     ("sm_9", "nt", 0, 11008, 4096): _PP16S7,  # 1024x11008x4096: 648 vs 601 for _PP16 (call1: _PP16 1.05x 128x176), 0.91x
     ("sm_9", "nt", 1, 11008, 4096): _PP16S7,  # 4096x11008x4096: 661 vs 646 for _PP16 (call1: _PP16 1.14x 128x176), 1.05x
     ("sm_9", "nt", 0, 3072, 768): GemmConfig(block_M=128, block_N=192, block_K=64, num_stages=4, threads=256, swizzle=8, policy="Square"),  # 1024x3072x768: 1.265x default, 1.132x
-    ("sm_9", "nt", 1, 3072, 768): _PP,  # 4096x3072x768: 526 vs 503 for two CTAs/SM (1.05x), 0.97x
-    # 16384x3072x768: 486 vs 456 for _PP (1.07x), 0.92x (session 31 call 3; _PP 1.13x two CTAs/SM, session 11)
-    ("sm_9", "nt", 2, 3072, 768): _PP192,
+    # 4096x3072x768: 525 vs 454 for _PP (1.16x), 0.99x cuBLASLt; 16384x3072x768: 530 vs 493 for _PP192
+    # (1.08x), 0.99x (the TMA-store epilogue, session 32 call 4)
+    ("sm_9", "nt", 1, 3072, 768): _PPT192,
+    ("sm_9", "nt", 2, 3072, 768): _PPT,
 }
 
 
