@@ -148,6 +148,8 @@ DEFAULT_OVERRIDES: dict[tuple, GemmConfig] = {
     ("sm_9", "nn", 2, 8192, 8192): GemmConfig(128, 256, 64, 4, 256, 8, "Square"),
     ("sm_9", "nn", 0, 11008, 4096): GemmConfig(block_M=128, block_N=256, block_K=64, num_stages=4, threads=256, swizzle=8, policy="FullRow"),  # 1024x11008x4096: 1.04x default, 1.12x cuBLAS
     ("sm_9", "nn", 1, 11008, 4096): _PP16S7,  # 4096x11008x4096: 691 vs 657 for _PP (1.05x; call1: _PP 1.025x the auto default), 1.08x cuBLAS
+    # ("sm_9", "nn", 2, 11008, 4096): the rule default. _PPT swept 1.025x it (663 vs 647, session 32
+    # call 5) but bench_gemm then gave the same ratio to cuBLAS with either (0.962-0.964, calls 5-6).
     ("sm_9", "nn", 1, 14336, 4096): _PP16S7,  # 4096x14336x4096: 671 vs 635 (1.06x), 0.99x cuBLAS (call3)
     # 14336 = 64 tiles of 224: 512 tiles at M=1024 fill 3.9 waves of 132 SMs (128x256: 3.4) (fifth session)
     ("sm_9", "nn", 0, 14336, 4096): _PP7,  # 1024x14336x4096: 697 vs 654 for 128x224 (1.07x), 1.12x cuBLAS
