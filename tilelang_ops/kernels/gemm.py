@@ -21,7 +21,8 @@ K and N to multiples of 8 elements before calling these kernels.
 Three Hopper main loops (`GemmConfig.pipeline`): "auto" (that T.Pipelined loop), "async" (our own
 producer/consumer mbarrier ring, one wgmma batch in flight) and "pingpong" (the async ring made
 persistent: one CTA per SM walks the tiles, each consumer warpgroup computes its own tiles and
-the two take turns at the main loop, so one's epilogue runs under the other's k-steps). Which
+the two take turns at the main loop, so one's epilogue runs under the other's k-steps; C leaves
+from registers or, with `tma_store`, through the warpgroup's own shared tile and a TMA store). Which
 one serves a shape is measured: DEFAULT_OVERRIDES.
 """
 # No `from __future__ import annotations`: TileLang evaluates the T.Tensor annotations below
