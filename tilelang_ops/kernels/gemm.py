@@ -244,7 +244,7 @@ SEARCH_SPACE = [
     GemmConfig(256, 128, 64, 4, 256, 8),
     GemmConfig(128, 192, 64, 4, 256, 8),
     _PP16S7,
-    _PP16,
+    _PPT,  # the ping-pong with the TMA-store epilogue (K=768's and the 16384-token Linears' default)
     GemmConfig(128, 128, 64, 2, 256, 8, "Square", 2),  # two CTAs per SM
 ]
 
