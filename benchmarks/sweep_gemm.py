@@ -38,10 +38,10 @@ GRAPH_N = 10
 REP = 10
 
 
-def _cfg(bm, bn, bk, st, th=256, sw=8, pol="Square", mb=0, pipe="auto"):
+def _cfg(bm, bn, bk, st, th=256, sw=8, pol="Square", mb=0, pipe="auto", tma=False):
     from tilelang_ops.kernels.gemm import GemmConfig
 
-    return GemmConfig(bm, bn, bk, st, th, sw, pol, mb, pipe)
+    return GemmConfig(bm, bn, bk, st, th, sw, pol, mb, pipe, tma_store=tma)
 
 
 def candidates():
@@ -106,7 +106,7 @@ def candidates():
         # without bias and activation, beside pp_lin_3072_768 (the same schedules with them)
         **_beside_defaults({"ntplain_3072_768": (dict(nt_plain, n=3072, k=768), [("linear_noepi", 4096), ("linear_noepi", 16384)])},
                            [_cfg(128, 128, 64, 6, pipe="pingpong"), _cfg(128, 192, 64, 5, pipe="pingpong"),
-                            _tma(_cfg(128, 128, 64, 5, pipe="pingpong")), _tma(_cfg(128, 192, 64, 3, pipe="pingpong"))]),
+                            _cfg(128, 128, 64, 5, pipe="pingpong", tma=True), _cfg(128, 192, 64, 3, pipe="pingpong", tma=True)]),
         # the MLP block's backward (d=4096, hidden=14336, 8192 tokens): dX of the down and up
         # projections ("nn") and both weight gradients ("tn", reduction over the 8192 tokens)
         "nn_4096_14336": (dict(gemm, n=4096, k=14336), big + [_cfg(128, 128, 64, 4), _cfg(128, 192, 64, 4)], [("gemm", 8192)]),
@@ -153,12 +153,8 @@ def _pingpong_groups(gemm, lin):
                                            _cfg(128, 192, 64, 5, sw=16, pipe="pingpong"), _cfg(128, 128, 64, 7, sw=16, pipe="pingpong")]),
             # "ppt_*": the ping-pong pipeline with the TMA-store epilogue (GemmConfig.tma_store;
             # two C tiles of shared memory cost stages: 128x128 fits 5, 128x192 3)
-            **_pp_groups("ppt", gemm, lin, [_tma(_cfg(128, 128, 64, 5, pipe="pingpong")), _tma(_cfg(128, 128, 64, 5, sw=16, pipe="pingpong")),
-                                           _tma(_cfg(128, 128, 64, 4, pipe="pingpong")), _tma(_cfg(128, 192, 64, 3, pipe="pingpong"))])}
-
-
-def _tma(c):
-    return dataclasses.replace(c, tma_store=True)
+            **_pp_groups("ppt", gemm, lin, [_cfg(128, 128, 64, 5, pipe="pingpong", tma=True), _cfg(128, 128, 64, 5, sw=16, pipe="pingpong", tma=True),
+                                           _cfg(128, 128, 64, 4, pipe="pingpong", tma=True), _cfg(128, 192, 64, 3, pipe="pingpong", tma=True)])}
 
 
 def _gpt_groups(gemm, lin, nt_plain):

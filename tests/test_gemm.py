@@ -514,10 +514,11 @@ def test_gemm_pingpong_tma_store_source():
     for w, part in enumerate((src[src.index("if (((int)threadIdx.x) < 128)") : wg1_at], src[wg1_at:])):
         epi = part[part.index("wait_wgmma<0>"):]
         order = ["stmatrix", f"C_s{w}", "fence_proxy_async", f"__sync_thread_partial({4 + w}, 128)", "tl_shuffle_elect<128>", "tma_store(", "tma_store_wait<0, true>", f"__sync_thread_partial({4 + w}, 128)"]
-        at = [epi.index(order[0])]
-        for x in order[1:]:
-            at.append(epi.index(x, at[-1] + 1))
-        assert "C_s1" not in epi if w == 0 else "C_s0" not in epi
+        pos = -1
+        for x in order:  # each after the previous one
+            pos = epi.find(x, pos + 1)
+            assert pos >= 0, f"warpgroup {w}'s epilogue: {x!r} missing or out of order ({order})"
+        assert f"C_s{1 - w}" not in epi, f"warpgroup {w}'s epilogue touches the other warpgroup's C tile"
 
 
 def test_gemm_tma_store_is_the_pingpong_epilogue():

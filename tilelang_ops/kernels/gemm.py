@@ -377,12 +377,11 @@ def matmul_kernel(
             else:
                 T.sync_threads(EPI + w, 128)
 
-    # Async pipeline only: when its stages and a C tile do not both fit in the CTA's share of 227 KB
-    # of shared memory, C leaves straight from registers. (The auto pipeline overlaps its C tile
-    # with the stages.) Ping-pong always stores from registers: its stores overlap the other
-    # warpgroup's main loop, and the shared memory goes to stages.
+    # Async pipeline: when its stages and a C tile do not both fit in the CTA's share of 227 KB of
+    # shared memory, C leaves straight from registers. (The auto pipeline overlaps its C tile with
+    # the stages.) Ping-pong stores from registers unless tma_store gives each warpgroup a C tile
+    # of its own (see body_pingpong); either way its stores overlap the other's main loop.
     smem_budget = 227 * 1024 // max(config.min_blocks, 1)
-    # (the ping-pong pipeline with tma_store: each warpgroup its own C tile, see body_pingpong)
     direct_store = (pingpong and not config.tma_store) or (
         not pingpong and hand_sync and config.num_stages * (bm * bk + bk * bn) * 2 + bm * bn * 2 > smem_budget  # 16-bit dtypes
     )
@@ -527,7 +526,7 @@ def matmul_kernel(
     # loads every tile's k-steps, in tile order, into one ring of S stages; consumer warpgroup w
     # computes the tiles i = w, w + 2, ... of its CTA (each a whole bm x bn tile: 128 threads,
     # bm*bn/128 fp32 accumulators each), so stage number g = i*nk + kk is known to both sides.
-    # While one warpgroup runs its epilogue (bias, activation, stores from registers), the
+    # While one warpgroup runs its epilogue (bias, activation, stores), the
     # other's k-steps keep the tensor cores busy: the epilogue and the tile's pipeline fill no
     # longer sit between two main loops (what bounds the non-persistent kernels at K=768).
     m_tiles = m_blocks * n_blocks
