@@ -5,6 +5,7 @@ torch._addmm_activation and F.gelu(F.linear), MLP block forward+backward vs eage
     python -m benchmarks.bench_gemm --tune     # time SEARCH_SPACE configs at a few shapes, print the best
     python -m benchmarks.bench_gemm --compile  # also time torch.compile'd eager baselines (slow: compiles)
     python -m benchmarks.bench_gemm --mlp-profile  # the MLP block's GPU time kernel by kernel, ours vs eager
+    python -m benchmarks.bench_gemm --only linear  # one part of the table (gemm | linear | mlp)
 
 bf16 throughout. TFLOP/s = 2·M·N·K / time; `ratio` = torch time / ours (> 1 means we are faster).
 Two timings per row, both sides the same way: per call (CUDA events around each call: the host
@@ -201,6 +202,7 @@ def main(argv=None) -> None:
     p.add_argument("--compile", action="store_true", help="also time torch.compile'd baselines")
     p.add_argument("--rep", type=int, default=30)
     p.add_argument("--mlp-profile", action="store_true", help="only the MLP block's kernel-by-kernel GPU time, ours vs eager")
+    p.add_argument("--only", choices=("gemm", "linear", "mlp"), help="one part of the table, and the summary lines it feeds")
     args = p.parse_args(argv)
     t0 = time.time()
     if args.mlp_profile:
@@ -213,11 +215,20 @@ def main(argv=None) -> None:
         write_json("bench_gemm_tune", rows)
         print(table(rows, ["what", "shape", "config", "ours_TFLOPs", "torch_TFLOPs", "ratio", "rel_err", "load_s"]))
         return
-    rows = gemm_rows(args.rep)
-    torch.cuda.empty_cache()
-    rows += linear_rows(args.rep, args.compile)
-    torch.cuda.empty_cache()
-    rows += mlp_rows(args.rep, args.compile)
+    rows = []
+    for part, fn in (("gemm", lambda: gemm_rows(args.rep)), ("linear", lambda: linear_rows(args.rep, args.compile)),
+                     ("mlp", lambda: mlp_rows(args.rep, args.compile))):
+        if args.only in (None, part):
+            rows += fn()
+            torch.cuda.empty_cache()
+    if args.only:
+        path = write_json(f"bench_gemm_{args.only}", rows)
+        print(f"wrote {path}")
+        ratios = {k: _geomean([r[k] for r in rows if r.get(k)]) for k in ("ratio", "gpu_ratio", "ratio_vs_gelu_linear", "gpu_ratio_vs_gelu_linear")}
+        print(f"{args.only}: geomean " + " ".join(f"{k}={v:.3f}" for k, v in ratios.items()))
+        print(table(rows, ["what", "shape", "ours_TFLOPs", "torch_TFLOPs", "ratio", "ratio_vs_gelu_linear", "gpu_ours_TFLOPs", "gpu_torch_TFLOPs", "gpu_ratio",
+                           "gpu_ratio_vs_gelu_linear", "rel_err"]))
+        return
     gemm_ratios = [r["ratio"] for r in rows if r["what"] == "gemm" and r["shape"] != f"{CUBE}x{CUBE}x{CUBE}"]
     summary = dict(
         gemm_8192_ratio=next(r["ratio"] for r in rows if r["shape"] == f"{CUBE}x{CUBE}x{CUBE}"),

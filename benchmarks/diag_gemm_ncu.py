@@ -1,8 +1,9 @@
 """Diagnostic (GPU, under Nsight Compute): our fused Linear and plain "nt" GEMM next to cuBLASLt's
 fused epilogue and cuBLAS at one shape, one launch each inside a profiler range, so `ncu` reports
-the four kernels' tensor-pipe use and stall reasons side by side:
+the kernels' tensor-pipe use and stall reasons side by side (with `--nn`, also our "nn" GEMM and
+cuBLAS's on the same shape: `a @ b` with b of shape (K, N)):
 
-    ncu --profile-from-start off --set full -o FILE python3 -m benchmarks.diag_gemm_ncu [M N K]
+    ncu --profile-from-start off --set full -o FILE python3 -m benchmarks.diag_gemm_ncu [--nn] [M N K]
     ncu --import FILE.ncu-rep --page details --csv > details.csv
 
 Default shape 4096 x 3072 x 768 (GPT-2's MLP up-projection, where the fused Linear trails cuBLASLt
@@ -16,7 +17,10 @@ import tilelang_ops  # noqa: F401
 
 
 def main(argv=None) -> None:
-    m, n, k = (int(v) for v in (argv or sys.argv[1:] or (4096, 3072, 768)))
+    args = list(sys.argv[1:] if argv is None else argv)
+    nn = "--nn" in args
+    args = [a for a in args if a != "--nn"]
+    m, n, k = (int(v) for v in (args or (4096, 3072, 768)))
     bf = torch.bfloat16
     a = torch.randn(m, k, device="cuda", dtype=bf)
     w = torch.randn(n, k, device="cuda", dtype=bf) * k**-0.5
@@ -27,6 +31,10 @@ def main(argv=None) -> None:
         "cublasLt _addmm_activation": lambda: torch._addmm_activation(bias, a, w.t(), use_gelu=True),
         "cublas matmul": lambda: torch.matmul(a, w.t()),
     }
+    if nn:
+        b = w.t().contiguous()
+        calls["ours gemm"] = lambda: torch.ops.tileops.gemm(a, b)
+        calls["cublas matmul nn"] = lambda: torch.matmul(a, b)
     for f in calls.values():  # compile / load and warm every kernel outside the profiled range
         f(), f()
     torch.cuda.synchronize()

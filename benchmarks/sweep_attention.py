@@ -14,6 +14,8 @@ wrong kernel shows.
     python -m benchmarks.sweep_attention --wide --shapes 2 4 5  # forward, D=64: 192 x 128 in the async pipelines (5: GPT-2's shape)
     python -m benchmarks.sweep_attention --tiles128 --shapes 0 1 3 [--causal-only]  # forward, D=128: 128 x 128 async tiles, persistent or not
     python -m benchmarks.sweep_attention --ablate [--bwd]  # the op's defaults, again (A/A) and with each feature switched
+    python -m benchmarks.sweep_attention --stages --shapes 2 4  # forward: the defaults again and with one more K/V stage
+    python -m benchmarks.sweep_attention --pingpong --shapes 2 4 0  # forward: the async defaults against FlashAttention-3's warpgroup ping-pong
 
 Forward FLOPs = 4 * B * H * S^2 * D, halved when causal; backward 2.5x that (as bench_attention).
 --bwd times the backward as the op runs it (`flash_bwd_fused`: preprocess, main kernel, dQ cast).
@@ -21,6 +23,7 @@ Forward FLOPs = 4 * B * H * S^2 * D, halved when causal; backward 2.5x that (as 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 # (B, H, HK, S, D) as bench_attention.CASES
@@ -42,6 +45,8 @@ PERSISTENT = False
 WIDE = False
 TILES128 = False
 ABLATE = False
+PINGPONG = False
+STAGES = False
 
 
 def _gpt_candidates():
@@ -96,6 +101,22 @@ def candidates(headdim: int, causal: bool = False):
             return _gpt_candidates()
         return [FwdConfig(128, 176, 2, 256, "async"), FwdConfig(128, 176, 2, 256, "pingpong"), FwdConfig(192, 128, 2, 384, "async")]
     return []
+
+
+def pingpong_candidates(default) -> list:
+    """--pingpong: cuDNN's D=64 forward (Nsight Compute, session 33) is a ping-pong, two consumer
+    warpgroups of 64 x 128 that wait for each GEMM and take turns (a 256-thread named barrier),
+    without intra-warpgroup overlap. The default again (A/A), then our tiles in the ping-pong
+    pipeline (not persistent: the persistent walk is async-only)."""
+    import dataclasses
+
+    from tilelang_ops.kernels.attention import FwdConfig
+
+    if default.pipeline == "async":
+        flat = dataclasses.replace(default, persistent=False)
+        out = [default, flat, dataclasses.replace(flat, pipeline="pingpong")] if default.persistent else [default, dataclasses.replace(flat, pipeline="pingpong")]
+        return out if flat.lazy_rescale else out + [dataclasses.replace(flat, pipeline="pingpong", lazy_rescale=8.0)]
+    return [default] + [FwdConfig(128, bn, 2, 256, "pingpong", default.lazy_rescale, post_mask=True) for bn in (128, 176)]
 
 
 def bwd_candidates(headdim: int):
@@ -162,7 +183,11 @@ def _configs(D: int, S: int, causal: bool, groups: int, bwd: bool, arch: str = "
     if bwd:
         default = K.bwd_default_config(D, causal, arch)
         return ablations(default, D, causal, groups) if ABLATE else [default] + bwd_candidates(D)
-    default = K.fwd_default_config(D, causal, arch, S if ABLATE else None)
+    default = K.fwd_default_config(D, causal, arch, S if ABLATE or PINGPONG else None)
+    if PINGPONG:
+        return [default] + pingpong_candidates(default)
+    if STAGES:  # the default again (A/A) and with one more K/V stage (cuDNN's D=64 forward: 134 KB of shared memory, ours 98)
+        return [default, default, dataclasses.replace(default, num_stages=default.num_stages + 1)]
     return ablations(default, D, causal, groups) if ABLATE else [default] + candidates(D, causal)
 
 
@@ -352,6 +377,8 @@ if __name__ == "__main__":
     ap.add_argument("--wide", action="store_true", help="forward, D=64: 192 x 128 tiles in the async pipelines (three consumer warpgroups)")
     ap.add_argument("--tiles128", action="store_true", help="forward, D=128: the default twice, 128 x 128 async tiles (persistent or not)")
     ap.add_argument("--ablate", action="store_true", help="the op's defaults twice and with each feature switched (forward, or --bwd)")
+    ap.add_argument("--pingpong", action="store_true", help="forward: the defaults again and in FlashAttention-3's warpgroup ping-pong")
+    ap.add_argument("--stages", action="store_true", help="forward: the defaults again and with one more K/V stage")
     ap.add_argument("--causal-only", action="store_true", help="causal shapes only")
     ap.add_argument("--shapes", type=int, nargs="+", help="only these SHAPES (indexes)")
     args = ap.parse_args()
@@ -365,6 +392,8 @@ if __name__ == "__main__":
     WIDE = args.wide
     TILES128 = args.tiles128
     ABLATE = args.ablate
+    PINGPONG = args.pingpong
+    STAGES = args.stages
     if args.causal_only:
         CAUSAL = (True,)
     LAZY = args.lazy

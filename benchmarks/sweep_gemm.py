@@ -107,6 +107,14 @@ def candidates():
         **_beside_defaults({"ntplain_3072_768": (dict(nt_plain, n=3072, k=768), [("linear_noepi", 4096), ("linear_noepi", 16384)])},
                            [_cfg(128, 128, 64, 6, pipe="pingpong"), _cfg(128, 192, 64, 5, pipe="pingpong"),
                             _cfg(128, 128, 64, 5, pipe="pingpong", tma=True), _cfg(128, 192, 64, 3, pipe="pingpong", tma=True)]),
+        # Deep K at the board's power limit (session 33): at clocks locked by Nsight Compute these
+        # kernels take cuBLAS's cycles, at 700 W they run at a 2-3% lower SM clock, moving 19% more
+        # DRAM bytes. Tile-row panels of 16 (and 4, none) change the rows x columns of tiles that
+        # run at once, hence the bytes each wave reads from DRAM. Groups "raster_*".
+        **_beside_defaults({"raster_nn_4096_14336": (dict(gemm, n=4096, k=14336), [("gemm", 8192), ("gemm", 16384)]),
+                            "raster_nt_4096_14336": (dict(nt_plain, n=4096, k=14336), [("linear_noepi", 8192)]),
+                            "raster_nn_8192_8192": (dict(gemm, n=8192, k=8192), [("gemm", 8192)])},
+                           [_cfg(128, 256, 64, 3, sw=16), _cfg(128, 256, 64, 3, sw=4), _cfg(128, 256, 64, 3, sw=0), _cfg(128, 256, 64, 4, sw=16)]),
         # the MLP block's backward (d=4096, hidden=14336, 8192 tokens): dX of the down and up
         # projections ("nn") and both weight gradients ("tn", reduction over the 8192 tokens)
         "nn_4096_14336": (dict(gemm, n=4096, k=14336), big + [_cfg(128, 128, 64, 4), _cfg(128, 192, 64, 4)], [("gemm", 8192)]),

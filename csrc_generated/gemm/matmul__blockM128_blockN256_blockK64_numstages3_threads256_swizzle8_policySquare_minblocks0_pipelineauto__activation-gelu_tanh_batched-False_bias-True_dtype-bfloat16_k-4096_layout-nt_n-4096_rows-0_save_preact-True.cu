@@ -13,7 +13,6 @@
 #endif
 #include <tl_templates/cuda/instruction/wgmma.h>
 #include <tl_templates/cuda/intrin.h>
-#include <tl_templates/cuda/math.h>
 #include <tl_templates/cuda/barrier.h>
 #include <tl_templates/cuda/copy_sm90.h>
 #include <tl_templates/cuda/reduce.h>
@@ -123,7 +122,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) matmul_kernel(__grid_consta
     }
     #pragma unroll
     for (int i_5 = 0; i_5 < 128; ++i_5) {
-      C_f[i_5] = (C_f[i_5] * tl::fast_rcp((0x1p+0f/*1.000000e+00*/ + __expf(((C_f[i_5] * (0x1.9884533d43651p+0f/*1.595769e+00*/ + ((0x1.2444f2a4d8b4bp-4f/*7.135482e-02*/ * C_f[i_5]) * C_f[i_5]))) * -0x1p+0f/*-1.000000e+00*/)))));
+      C_f[i_5] = ((0x1p-1f/*5.000000e-01*/ * C_f[i_5]) + ((0x1p-1f/*5.000000e-01*/ * C_f[i_5]) * __tanhf((C_f[i_5] * (0x1.9884533d43651p-1f/*7.978846e-01*/ + ((0x1.2444f2a4d8b4bp-5f/*3.567741e-02*/ * C_f[i_5]) * C_f[i_5]))))));
     }
     tl::__sync_thread_partial(3, 256);
     #pragma unroll
