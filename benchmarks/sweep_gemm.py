@@ -91,11 +91,12 @@ def candidates():
         # (176 only for "nt": an "nn" B tile 176 wide has no canonical wgmma shared layout.)
         "nn_11008_4096": (dict(gemm, n=11008, k=4096), big + [_cfg(128, 128, 64, 4), _cfg(128, 192, 64, 4)], [("gemm", 1024), ("gemm", 4096)]),
         "nn_14336_4096": (dict(gemm, n=14336, k=4096), big[:3] + [_cfg(128, 128, 64, 4), _cfg(128, 192, 64, 4)] + wave14336, [("gemm", 1024)]),
-        # linear + bias + gelu_tanh ("nt" with the epilogue) over the bench_gemm set: no "nt" override exists yet
-        **{
-            f"lin_{n}_{k}": (dict(lin, n=n, k=k), big + [_cfg(128, 128, 64, 4), _cfg(128, 192, 64, 4)], [("linear", m) for m in (1024, 4096, 16384)])
-            for n, k in ((4096, 4096), (14336, 4096), (4096, 14336), (11008, 4096), (3072, 768))
-        },
+        # linear + bias + gelu_tanh ("nt" with the epilogue) over the bench_gemm set, beside each
+        # shape's current default (the ping-pong overrides among them: 4096x4096x4096 and the
+        # 11008x4096 ones were chosen against ping-pong candidates only, before the tanh.approx epilogue)
+        **_beside_defaults({f"lin_{n}_{k}": (dict(lin, n=n, k=k), [("linear", m) for m in (1024, 4096, 16384)])
+                            for n, k in ((4096, 4096), (14336, 4096), (4096, 14336), (11008, 4096), (3072, 768))},
+                           big + [_cfg(128, 128, 64, 4), _cfg(128, 192, 64, 4)]),
         "lin_two_3072_768": (dict(lin, n=3072, k=768), [C0, _cfg(128, 192, 64, 4)] + two, [("linear", m) for m in (1024, 4096, 16384)]),
         "lin_wave_11008_4096": (dict(lin, n=11008, k=4096), [C0] + wave11008, [("linear", 1024), ("linear", 4096)]),
         "lin_wave_14336_4096": (dict(lin, n=14336, k=4096), [C0] + wave14336, [("linear", 1024), ("linear", 4096)]),
