@@ -19,37 +19,28 @@ import time
 
 import torch
 
-from benchmarks._timing import environment, table, write_json
+from benchmarks._timing import table, write_json
+from benchmarks.diag_gemm_ncu import contenders
 
 
-def _contenders(m: int, n: int, k: int):
-    bf = torch.bfloat16
-    a = torch.randn(m, k, device="cuda", dtype=bf)
-    w = torch.randn(n, k, device="cuda", dtype=bf) * k**-0.5
-    b = w.t().contiguous()
-    return {
-        "ours gemm (nn)": lambda: torch.ops.tileops.gemm(a, b),
-        "cublas nn": lambda: torch.matmul(a, b),
-        "ours gemm_nt": lambda: torch.ops.tileops.gemm_nt(a, w),
-        "cublas nt": lambda: torch.matmul(a, w.t()),
-    }
-
-
-def _phase(fn, seconds: float) -> tuple[float, float, float, int]:
-    """(t0, t1, ms per call, calls): fn back to back for `seconds` after a 1 s warm-up."""
-    end = time.time() + 1.0
-    while time.time() < end:
-        for _ in range(10):
-            fn()
-        torch.cuda.synchronize()
+def _run_for(fn, seconds: float) -> int:
+    """fn back to back, 10 calls between synchronizations, for `seconds`; the calls made."""
     calls, t0 = 0, time.time()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
     while time.time() - t0 < seconds:
         for _ in range(10):
             fn()
         calls += 10
         torch.cuda.synchronize()
+    return calls
+
+
+def _phase(fn, seconds: float) -> tuple[float, float, float, int]:
+    """(t0, t1, ms per call, calls): fn back to back for `seconds` after a 1 s warm-up."""
+    _run_for(fn, 1.0)
+    t0 = time.time()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    calls = _run_for(fn, seconds)
     stop.record()
     torch.cuda.synchronize()
     return t0, time.time(), start.elapsed_time(stop) / calls, calls
@@ -61,7 +52,6 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", type=int, nargs=3, action="append", metavar=("M", "N", "K"))
     ap.add_argument("--rounds", type=int, default=2, help="every contender this many times, in turns")
     args = ap.parse_args(argv)
-    import tilelang_ops  # noqa: F401
 
     shapes = args.shape or [(8192, 4096, 14336), (8192, 8192, 8192)]
     log = tempfile.NamedTemporaryFile("w", suffix=".csv", delete=False).name
@@ -69,7 +59,7 @@ def main(argv=None) -> int:
     phases = []
     try:
         for m, n, k in shapes:
-            fns = _contenders(m, n, k)
+            fns = contenders(m, n, k, nn=True, linear=False)
             for f in fns.values():
                 f()
             torch.cuda.synchronize()
@@ -96,7 +86,7 @@ def main(argv=None) -> int:
         watts = sum(s[2] for s in inside) / len(inside) if inside else float("nan")
         rows.append(dict(shape=p["shape"], what=p["what"], round=p["round"], tflops=round(p["tflops"], 1), sm_mhz=round(mhz),
                          watts=round(watts), tflops_per_ghz=round(p["tflops"] / (mhz / 1000), 1), samples=len(inside)))
-    out = write_json("diag_gemm_power", rows, {"env": environment()})
+    out = write_json("diag_gemm_power", rows)
     print(f"wrote {out}")
     print(table(rows, ["shape", "what", "round", "tflops", "sm_mhz", "watts", "tflops_per_ghz", "samples"]))
     os.unlink(log)

@@ -65,8 +65,6 @@ def candidates(headdim: int, causal: bool = False):
     the hand-synchronized pipelines at FlashAttention-3's tiles (128 query rows, 176 keys a step at
     D=128; the eighth session's sweep tried 128x128 and 192x96), ptxas: no spills. With --lazy:
     the default and those tiles with FwdConfig.lazy_rescale (and without, for comparison)."""
-    import dataclasses
-
     from tilelang_ops.kernels.attention import FwdConfig, fwd_default_config
 
     if TILES128 and headdim == 128:
@@ -108,14 +106,14 @@ def pingpong_candidates(default) -> list:
     warpgroups of 64 x 128 that wait for each GEMM and take turns (a 256-thread named barrier),
     without intra-warpgroup overlap. The default again (A/A), then our tiles in the ping-pong
     pipeline (not persistent: the persistent walk is async-only)."""
-    import dataclasses
-
     from tilelang_ops.kernels.attention import FwdConfig
 
     if default.pipeline == "async":
         flat = dataclasses.replace(default, persistent=False)
-        out = [default, flat, dataclasses.replace(flat, pipeline="pingpong")] if default.persistent else [default, dataclasses.replace(flat, pipeline="pingpong")]
-        return out if flat.lazy_rescale else out + [dataclasses.replace(flat, pipeline="pingpong", lazy_rescale=8.0)]
+        out = [default] + ([flat] if default.persistent else []) + [dataclasses.replace(flat, pipeline="pingpong")]
+        if not flat.lazy_rescale:
+            out.append(dataclasses.replace(flat, pipeline="pingpong", lazy_rescale=8.0))
+        return out
     return [default] + [FwdConfig(128, bn, 2, 256, "pingpong", default.lazy_rescale, post_mask=True) for bn in (128, 176)]
 
 
@@ -124,8 +122,6 @@ def bwd_candidates(headdim: int):
     T.Pipelined kernel at its former defaults, and the async pipeline's other tiles. With
     --dq: the default with the other BwdConfig.dq_producer (the dQ reduce-add issued by the
     producer warpgroup or by a consumer thread), and with three stages."""
-    import dataclasses
-
     from tilelang_ops.kernels.attention import BwdConfig, bwd_default_config
 
     if WALK and headdim in (64, 128):  # the default again (the run's noise) and the other BwdConfig.reverse (causal GQA)
@@ -152,8 +148,6 @@ def ablations(cfg, headdim: int, causal: bool, groups: int) -> list:
     """--ablate: the default `cfg` again (the run's own noise), then the default with one feature
     switched at a time: the features were kept on sweeps timed in biased turns (docs/benchmarks.md,
     thirtieth session), and a 1-4% gain there is the size of that bias."""
-    import dataclasses
-
     from tilelang_ops.kernels.attention import BwdConfig
 
     out = [cfg, cfg]
@@ -177,13 +171,14 @@ def ablations(cfg, headdim: int, causal: bool, groups: int) -> list:
 
 
 def _configs(D: int, S: int, causal: bool, groups: int, bwd: bool, arch: str = "sm_90a") -> list:
-    """The configs a shape times, the default first (with --ablate: the op's own default for S keys)."""
+    """The configs a shape times, the default first (with --ablate, --pingpong, --stages: the op's own
+    default for S keys)."""
     from tilelang_ops.kernels import attention as K
 
     if bwd:
         default = K.bwd_default_config(D, causal, arch)
         return ablations(default, D, causal, groups) if ABLATE else [default] + bwd_candidates(D)
-    default = K.fwd_default_config(D, causal, arch, S if ABLATE or PINGPONG else None)
+    default = K.fwd_default_config(D, causal, arch, S if ABLATE or PINGPONG or STAGES else None)
     if PINGPONG:
         return [default] + pingpong_candidates(default)
     if STAGES:  # the default again (A/A) and with one more K/V stage (cuDNN's D=64 forward: 134 KB of shared memory, ours 98)
