@@ -125,6 +125,7 @@ _PP192 = GemmConfig(128, 192, 64, 5, 256, 8, "Square", 0, "pingpong")  # 128x192
 _PPT = dataclasses.replace(_PP, num_stages=5, tma_store=True)
 _PPT16 = dataclasses.replace(_PP16, num_stages=5, tma_store=True)
 _PPT192 = dataclasses.replace(_PP192, num_stages=3, tma_store=True)
+_S4ROW = GemmConfig(128, 256, 64, 4, 256, 8, "FullRow")  # T.Pipelined 128x256, 4 stages, warps stacked along M
 DEFAULT_OVERRIDES: dict[tuple, GemmConfig] = {
     # benchmarks/sweep_gemm.py on one H200 (bf16; GPU time from CUDA-graph replays, contenders and
     # cuBLAS in turns). "2 CTAs/SM" = min_blocks=2 (setmaxnreg 24/104): one CTA's epilogue overlaps
@@ -147,7 +148,7 @@ DEFAULT_OVERRIDES: dict[tuple, GemmConfig] = {
     # 8192^3: 680 vs 649 TFLOP/s (1.05x), 1.01x cuBLAS; 128x224 and 128x192 (fewer idle SMs in the
     # last wave) 0.72-0.92x cuBLAS (`sweep_gemm --group wave_nn_8192_8192`, session20/call4)
     ("sm_9", "nn", 2, 8192, 8192): GemmConfig(128, 256, 64, 4, 256, 8, "Square"),
-    ("sm_9", "nn", 0, 11008, 4096): GemmConfig(block_M=128, block_N=256, block_K=64, num_stages=4, threads=256, swizzle=8, policy="FullRow"),  # 1024x11008x4096: 1.04x default, 1.12x cuBLAS
+    ("sm_9", "nn", 0, 11008, 4096): _S4ROW,  # 1024x11008x4096: 1.04x default, 1.12x cuBLAS
     ("sm_9", "nn", 1, 11008, 4096): _PP16S7,  # 4096x11008x4096: 691 vs 657 for _PP (1.05x; call1: _PP 1.025x the auto default), 1.08x cuBLAS
     # ("sm_9", "nn", 2, 11008, 4096): the rule default. _PPT swept 1.025x it (663 vs 647, session 32
     # call 5) but bench_gemm then gave the same ratio to cuBLAS with either (0.962-0.964, calls 5-6).
@@ -158,10 +159,11 @@ DEFAULT_OVERRIDES: dict[tuple, GemmConfig] = {
     # "nt" = linear (+ bias + gelu_tanh epilogue), ratios to cuBLASLt's _addmm_activation (fifth session:
     # session5/call1 and call4; eleventh: the pingpong rows, session11/call1)
     ("sm_9", "nt", 2, 768, 3072): _PP,  # 16384x768x3072 (GPT-2's MLP down-projection): 672 vs 622 (1.08x), 1.07x cuBLAS (session15/call2)
-    # 4096x4096x4096: 618 vs 594 for _PP16 (1.04x), 0.95x cuBLASLt; session 31 call 3, the first sweep of
-    # the "nt" defaults under unbiased turns (sessions 5-15 chose _PP16 / _PP16S7 here: 1.11x then)
-    ("sm_9", "nt", 1, 4096, 4096): _PP7,
-    ("sm_9", "nt", 2, 4096, 4096): GemmConfig(block_M=128, block_N=256, block_K=64, num_stages=4, threads=256, swizzle=8, policy="FullRow"),  # 16384x4096x4096: 1.026x default, 0.955x
+    # 4096x4096x4096: 631 vs 605 for _PP7 (1.04x), 0.99x cuBLASLt (session 34 call 1; session 33 call 6:
+    # the 128x256/s4 forms 1.05x _PP7 in bench runs). _PP7 had won session 31's sweep against
+    # ping-pong candidates only, before the tanh.approx epilogue.
+    ("sm_9", "nt", 1, 4096, 4096): _S4ROW,
+    ("sm_9", "nt", 2, 4096, 4096): _S4ROW,  # 16384x4096x4096: 1.026x default, 0.955x
     # (call 3 re-ran the call-1 winners beside 7 stages: _PP16S7 won again where listed)
     ("sm_9", "nt", 0, 14336, 4096): _PP16S7,  # 1024x14336x4096: 719 vs 659 for _PP16 (call1: _PP16 681 vs 611 for 128x224), 1.06x
     # 4096x14336x4096: 630 vs 591 for _PP16S7 (1.07x), 0.95x (session 31 call 3); bench_gemm (call 4)
@@ -175,7 +177,9 @@ DEFAULT_OVERRIDES: dict[tuple, GemmConfig] = {
     # 16384x11008x4096: 641 vs 625 for 128x256/s4/FullRow (1.03x; the other TMA-store forms 634-638), 1.01x
     # (session 32 call 4; 128x256/s4/FullRow was 1.06x the rule default in session 5)
     ("sm_9", "nt", 2, 11008, 4096): _PPT16,
-    ("sm_9", "nt", 0, 11008, 4096): _PP16S7,  # 1024x11008x4096: 648 vs 601 for _PP16 (call1: _PP16 1.05x 128x176), 0.91x
+    # 1024x11008x4096: 587 vs 566 for _PP16S7 (1.04x), 0.99x cuBLASLt (session 34 call 1); 614 vs 578
+    # (1.06x) in session 33 call 6
+    ("sm_9", "nt", 0, 11008, 4096): _S4ROW,
     ("sm_9", "nt", 1, 11008, 4096): _PP16S7,  # 4096x11008x4096: 661 vs 646 for _PP16 (call1: _PP16 1.14x 128x176), 1.05x
     ("sm_9", "nt", 0, 3072, 768): GemmConfig(block_M=128, block_N=192, block_K=64, num_stages=4, threads=256, swizzle=8, policy="Square"),  # 1024x3072x768: 1.265x default, 1.132x
     # 4096x3072x768: 525 vs 454 for _PP (1.16x), 0.99x cuBLASLt; 16384x3072x768: 530 vs 493 for _PP192
