@@ -16,6 +16,7 @@ wrong kernel shows.
     python -m benchmarks.sweep_attention --ablate [--bwd]  # the op's defaults, again (A/A) and with each feature switched
     python -m benchmarks.sweep_attention --stages --shapes 2 4  # forward: the defaults again and with one more K/V stage
     python -m benchmarks.sweep_attention --pingpong --shapes 2 4 0  # forward: the async defaults against FlashAttention-3's warpgroup ping-pong
+    python -m benchmarks.sweep_attention --block-n --shapes 2 4 --causal-only  # forward: the defaults again and with 64, 176, 192 keys a step
 
 Forward FLOPs = 4 * B * H * S^2 * D, halved when causal; backward 2.5x that (as bench_attention).
 --bwd times the backward as the op runs it (`flash_bwd_fused`: preprocess, main kernel, dQ cast).
@@ -47,6 +48,7 @@ TILES128 = False
 ABLATE = False
 PINGPONG = False
 STAGES = False
+BLOCK_N = False
 
 
 def _gpt_candidates():
@@ -178,7 +180,9 @@ def _configs(D: int, S: int, causal: bool, groups: int, bwd: bool, arch: str = "
     if bwd:
         default = K.bwd_default_config(D, causal, arch)
         return ablations(default, D, causal, groups) if ABLATE else [default] + bwd_candidates(D)
-    default = K.fwd_default_config(D, causal, arch, S if ABLATE or PINGPONG or STAGES else None)
+    default = K.fwd_default_config(D, causal, arch, S if ABLATE or PINGPONG or STAGES or BLOCK_N else None)
+    if BLOCK_N:  # the default again (A/A) and with other key-block widths (fewer steps: less per-step work, more masked waste)
+        return [default, default] + [dataclasses.replace(default, block_n=n) for n in (64, 176, 192) if n != default.block_n]
     if PINGPONG:
         return [default] + pingpong_candidates(default)
     if STAGES:  # the default again (A/A) and with one more K/V stage (cuDNN's D=64 forward: 134 KB of shared memory, ours 98)
@@ -374,6 +378,7 @@ if __name__ == "__main__":
     ap.add_argument("--ablate", action="store_true", help="the op's defaults twice and with each feature switched (forward, or --bwd)")
     ap.add_argument("--pingpong", action="store_true", help="forward: the defaults again and in FlashAttention-3's warpgroup ping-pong")
     ap.add_argument("--stages", action="store_true", help="forward: the defaults again and with one more K/V stage")
+    ap.add_argument("--block-n", action="store_true", help="forward: the defaults again and with block_n 64, 176, 192")
     ap.add_argument("--causal-only", action="store_true", help="causal shapes only")
     ap.add_argument("--shapes", type=int, nargs="+", help="only these SHAPES (indexes)")
     args = ap.parse_args()
@@ -389,6 +394,7 @@ if __name__ == "__main__":
     ABLATE = args.ablate
     PINGPONG = args.pingpong
     STAGES = args.stages
+    BLOCK_N = args.block_n
     if args.causal_only:
         CAUSAL = (True,)
     LAZY = args.lazy
