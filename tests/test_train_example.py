@@ -5,10 +5,12 @@ rounding (autocast is on in every mode), and the loss must fall within a few ste
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import math
 import pathlib
+import random
 
 import pytest
 import torch
@@ -22,10 +24,20 @@ _spec.loader.exec_module(train_gpt)
 TINY = ["--device", "cpu", "--layers", "2", "--dim", "128", "--heads", "2", "--seq", "64", "--batch", "4", "--steps", "6"]
 
 
+# The training tests' text: fixed words in a seeded order, not the repository's bytes (the
+# example's default corpus), which change with every commit and with them the batches: on the
+# repository text a 1-layer model's loss fell 0.29-0.36 in 6 steps, around the 0.3 bar, depending
+# on what the docs said that day (thirty-fourth session). Here it falls ~1.0.
+_WORDS = ("the of and to in is that for it as with was on be by this are from or an at which but not have "
+          "kernel tile warp block shared memory tensor core pipeline stage load store gemm softmax attention").split()
+
+
 @pytest.fixture(scope="module")
 def corpus():
-    # Loaded once for the module: files of the repository may change while the tests run.
-    return train_gpt.load_corpus()
+    rng = random.Random(0)
+    text = " ".join(rng.choice(_WORDS) for _ in range(50000)).encode()
+    info = {"source": "tests: seeded words", "files": 0, "bytes": len(text), "sha256": hashlib.sha256(text).hexdigest()}
+    return torch.frombuffer(bytearray(text), dtype=torch.uint8), info
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +56,8 @@ def _check_run(run, ref):
     assert diffs[0] < 5e-3 and max(diffs) < 3e-2, f"{run['mode']} vs torch: {losses} vs {ref['losses']}"
 
 
-def test_corpus_is_the_repository_text(corpus):
-    data, info = corpus
+def test_corpus_is_the_repository_text():
+    data, info = train_gpt.load_corpus()
     assert info["bytes"] == len(data) > 100_000 and info["files"] > 10 and len(info["sha256"]) == 64
 
 
