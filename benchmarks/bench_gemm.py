@@ -6,6 +6,9 @@ torch._addmm_activation and F.gelu(F.linear), MLP block forward+backward vs eage
     python -m benchmarks.bench_gemm --compile  # also time torch.compile'd eager baselines (slow: compiles)
     python -m benchmarks.bench_gemm --mlp-profile  # the MLP block's GPU time kernel by kernel, ours vs eager
     python -m benchmarks.bench_gemm --only linear  # one part of the table (gemm | linear | mlp)
+    python -m benchmarks.bench_gemm --only linear --activation silu --m 1024  # the silu epilogue, M=1024 rows:
+        # its peers are torch.addmm (cuBLASLt's bias epilogue, no activation: the bar) and F.silu(F.linear)
+        # (in the `*_vs_gelu_linear` columns)
 
 bf16 throughout. TFLOP/s = 2·M·N·K / time; `ratio` = torch time / ours (> 1 means we are faster).
 Two timings per row, both sides the same way: per call (CUDA events around each call: the host
@@ -70,24 +73,30 @@ def gemm_rows(rep):
     return rows
 
 
-def linear_rows(rep, with_compile):
+def linear_rows(rep, with_compile, act="gelu_tanh", ms=None):
     rows = []
     for m, k, n in LINEAR_SHAPES:
+        if ms and m not in ms:
+            continue
         x = torch.randn(m, k, device="cuda", dtype=DT)
         w = torch.randn(n, k, device="cuda", dtype=DT) * k**-0.5
         b = torch.randn(n, device="cuda", dtype=DT)
-        ours = lambda: torch.ops.tileops.linear(x, w, b, "gelu_tanh")  # noqa: E731
-        addmm = lambda: torch._addmm_activation(b, x, w.t(), use_gelu=True)  # noqa: E731
-        eager = lambda: F.gelu(F.linear(x, w, b), approximate="tanh")  # noqa: E731
+        ours = lambda: torch.ops.tileops.linear(x, w, b, act)  # noqa: E731
+        if act == "gelu_tanh":
+            addmm = lambda: torch._addmm_activation(b, x, w.t(), use_gelu=True)  # noqa: E731
+            eager = lambda: F.gelu(F.linear(x, w, b), approximate="tanh")  # noqa: E731
+        else:  # cuBLASLt has no silu epilogue: its GEMM + bias alone, and the unfused pair
+            addmm = lambda: torch.addmm(b, x, w.t())  # noqa: E731
+            eager = lambda: F.silu(F.linear(x, w, b))  # noqa: E731
         err = _rel_err(ours(), eager())
         f = 2.0 * m * n * k
         t_ours, t_addmm, t_eager = interleaved(lambda f: bench(f, rep=rep), (ours, addmm, eager))
         g_ours, g_addmm, g_eager = interleaved(graph_ms, (ours, addmm, eager))
-        row = dict(what="linear+bias+gelu_tanh", shape=f"{m}x{n}x{k}", ours_TFLOPs=_tflops(f, t_ours), torch_TFLOPs=_tflops(f, t_addmm),
+        row = dict(what=f"linear+bias+{act}", shape=f"{m}x{n}x{k}", ours_TFLOPs=_tflops(f, t_ours), torch_TFLOPs=_tflops(f, t_addmm),
                    ratio=t_addmm / t_ours, ratio_vs_gelu_linear=t_eager / t_ours, gpu_ours_TFLOPs=_tflops(f, g_ours), gpu_torch_TFLOPs=_tflops(f, g_addmm),
                    gpu_ratio=g_addmm / g_ours, gpu_ratio_vs_gelu_linear=g_eager / g_ours, rel_err=err)
         if with_compile:
-            comp = torch.compile(lambda: F.gelu(F.linear(x, w, b), approximate="tanh"))
+            comp = torch.compile(eager)
             comp()
             row["ratio_vs_compile"] = bench(comp, rep=rep) / t_ours
         rows.append(row)
@@ -205,7 +214,11 @@ def main(argv=None) -> None:
     p.add_argument("--rep", type=int, default=30)
     p.add_argument("--mlp-profile", action="store_true", help="only the MLP block's kernel-by-kernel GPU time, ours vs eager")
     p.add_argument("--only", choices=("gemm", "linear", "mlp"), help="one part of the table, and the summary lines it feeds")
+    p.add_argument("--activation", choices=("gelu_tanh", "silu"), default="gelu_tanh", help="the Linear rows' activation (with --only linear)")
+    p.add_argument("--m", type=int, nargs="+", help="the Linear rows at these token counts only (with --only linear)")
     args = p.parse_args(argv)
+    if (args.activation != "gelu_tanh" or args.m) and args.only != "linear":
+        p.error("--activation and --m go with --only linear (the full table's summary is gelu_tanh at every M)")
     t0 = time.time()
     if args.mlp_profile:
         rows = mlp_profile()
@@ -218,7 +231,7 @@ def main(argv=None) -> None:
         print(table(rows, ["what", "shape", "config", "ours_TFLOPs", "torch_TFLOPs", "ratio", "rel_err", "load_s"]))
         return
     rows = []
-    for part, fn in (("gemm", lambda: gemm_rows(args.rep)), ("linear", lambda: linear_rows(args.rep, args.compile)),
+    for part, fn in (("gemm", lambda: gemm_rows(args.rep)), ("linear", lambda: linear_rows(args.rep, args.compile, args.activation, args.m)),
                      ("mlp", lambda: mlp_rows(args.rep, args.compile))):
         if args.only in (None, part):
             rows += fn()
