@@ -280,11 +280,11 @@ def _act(x, activation: str):
     if activation == "gelu_tanh":
         return _gelu_tanh(x)
     if activation == "silu":
-        # __fdividef: rcp.approx and a multiply. A plain `/` is IEEE division here (nvcc keeps
-        # -prec-div): a Newton step, an FCHK range check and a branch to a slow path per element.
-        # (0.5·x·(1 + tanh(x/2)) would take one MUFU op, but tanh.approx's absolute error near
-        # ±1 swamps the small outputs of x < -4, where this form stays within a few ulp.)
-        return T.call_extern("float32", "__fdividef", x, T.float32(1) + T.exp(-x))
+        # rcp.approx and a multiply. A plain `/` is IEEE division here (nvcc keeps -prec-div): a
+        # Newton step, an FCHK range check and a branch to a slow path per element. (0.5·x·(1 +
+        # tanh(x/2)) would take one MUFU op, but tanh.approx's absolute error near ±1 swamps the
+        # small outputs of x < -4, where this form stays within a few ulp.)
+        return x * T.fast_rcp(T.float32(1) + T.exp(-x))
     raise ValueError(f"unknown activation {activation!r}")
 
 
