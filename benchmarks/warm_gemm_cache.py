@@ -132,7 +132,7 @@ def bench_kernels():
     bf = "bfloat16"
     out = [("nn", B.CUBE, B.CUBE, 0, bf, False, False, "none", False)]
     out += [("nn", n, k, 0, bf, False, False, "none", False) for n, k in B.GEMM_NK]
-    out += [("nt", n, k, 0, bf, False, True, "gelu_tanh", False) for _, k, n in B.LINEAR_SHAPES]
+    out += [("nt", n, k, 0, bf, False, True, act, False) for act in ("gelu_tanh", "silu") for _, k, n in B.LINEAR_SHAPES]  # silu: --activation silu
     d, h = B.MLP["d"], B.MLP["hidden"]
     out += [
         ("nt", h, d, 0, bf, False, True, "gelu_tanh", True),  # fc1 forward, z saved

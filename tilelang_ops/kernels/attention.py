@@ -177,10 +177,10 @@ FWD_SEARCH_SPACE = [
     FwdConfig(128, 176, 2, 256, "async", lazy_rescale=8.0),
     # the persistent walk (eighteenth session)
     FwdConfig(128, 128, 2, 256, "async", post_mask=True, persistent=True),
-    # FlashAttention-3's D=64 tile (three consumer warpgroups at 160 registers; spills at D=128): at
-    # D=64 0.96-1.08x the defaults non-causal (1.08-1.11x at 1024 tokens), 0.97-1.03x causal at 2048
-    # tokens but 0.78-0.83x at 1024 (sweep_attention --wide, session 22)
-    FwdConfig(192, 128, 2, 384, "async", post_mask=True, persistent=True),
+    # Not here: FlashAttention-3's D=64 tile in the persistent walk, FwdConfig(192, 128, 2, 384,
+    # "async", post_mask=True, persistent=True) (0.96-1.08x the defaults, session 22): in session 35
+    # its GPU test gave a wrong output once (2 x 17 x 33 x 4/2, causal) and the next one hung; 36 of
+    # 36 passed in the next call. Not explained, so the tuner must not pick it (it stays in the tests).
 ]
 
 
