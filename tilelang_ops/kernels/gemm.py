@@ -269,6 +269,14 @@ def _gelu_tanh(x):
     return half + half * T.call_extern("float32", "__tanhf", u)
 
 
+def _sigmoid(x):
+    """1 / (1 + e^-x) by rcp.approx. A plain `/` is IEEE division here (nvcc keeps -prec-div): a
+    Newton step, an FCHK range check and a branch to a slow path per element. (0.5·(1 + tanh(x/2))
+    would take one MUFU op, but tanh.approx's absolute error near ±1 swamps silu's small outputs
+    at x < -4, where this form stays within a few ulp.)"""
+    return T.fast_rcp(T.float32(1) + T.exp(-x))
+
+
 def _act(x, activation: str):
     """Activation of a float32 value, as TIR."""
     if activation == "none":
@@ -280,11 +288,7 @@ def _act(x, activation: str):
     if activation == "gelu_tanh":
         return _gelu_tanh(x)
     if activation == "silu":
-        # rcp.approx and a multiply. A plain `/` is IEEE division here (nvcc keeps -prec-div): a
-        # Newton step, an FCHK range check and a branch to a slow path per element. (0.5·x·(1 +
-        # tanh(x/2)) would take one MUFU op, but tanh.approx's absolute error near ±1 swamps the
-        # small outputs of x < -4, where this form stays within a few ulp.)
-        return x * T.fast_rcp(T.float32(1) + T.exp(-x))
+        return x * _sigmoid(x)
     raise ValueError(f"unknown activation {activation!r}")
 
 
@@ -305,7 +309,7 @@ def _act_grad(z, activation: str):
             T.float32(1) + T.float32(3) * k1 * z * z
         )
     if activation == "silu":
-        s = T.float32(1) / (T.float32(1) + T.exp(-z))
+        s = _sigmoid(z)
         return s * (T.float32(1) + z * (T.float32(1) - s))
     raise ValueError(f"unknown activation {activation!r}")
 
