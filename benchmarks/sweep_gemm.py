@@ -69,6 +69,7 @@ def candidates():
         **_pingpong_groups(gemm, lin),
         **_gpt_groups(gemm, lin, nt_plain),
         **_split_groups(gemm),
+        **_uniform_groups(gemm, lin),
         "async_nn_8192_8192": (dict(gemm, n=8192, k=8192), [C0] + asy, [("gemm", 8192)]),
         # 8192^3 in 128x256 tiles: 2048 tiles = 15.5 waves of 132 SMs (the last half empty); 128x224:
         # 2368 = 17.9 waves, 128x192: 2752 = 20.8 (their ragged last column wastes 1.2% / 0.8%)
@@ -207,6 +208,24 @@ def _pp_groups(prefix, gemm, lin, pp):
     spec[f"{prefix}_tn_4096x14336"] = (dict(gemm, layout="tn", rows=4096, n=14336, k=0), [("wgrad", 8192)])
     spec[f"{prefix}_tn_14336x4096"] = (dict(gemm, layout="tn", rows=14336, n=4096, k=0), [("wgrad", 8192)])
     return _beside_defaults(spec, pp)
+
+
+def _uniform_groups(gemm, lin):
+    """Each shape's default, then the same config with its warp-role branches on a warp-uniform
+    index (GemmConfig.uniform_ws, runtime.uniform_warpgroups: the k-step's wgmma descriptors on
+    the uniform datapath, no R2UR before each wgmma). Groups "uniform_*"."""
+    from tilelang_ops.ops import gemm as G
+
+    spec = {"uniform_nn_8192_8192": (dict(gemm, n=8192, k=8192), [("gemm", 8192)]),
+            "uniform_nn_4096_4096": (dict(gemm, n=4096, k=4096), [("gemm", 1024), ("gemm", 4096)]),
+            "uniform_nn_4096_14336": (dict(gemm, n=4096, k=14336), [("gemm", 8192)]),
+            "uniform_lin_14336_4096": (dict(lin, n=14336, k=4096), [("linear", 8192)]),
+            "uniform_lin_3072_768": (dict(lin, n=3072, k=768), [("linear", 4096)])}
+    out = {}
+    for name, (static, shapes) in spec.items():
+        defaults = [G.config_for(static["layout"], static["n"], static["k"], DT, ARCH, rows=static["rows"], m=m) for _, m in shapes]
+        out[name] = (static, list(dict.fromkeys(defaults + [dataclasses.replace(c, uniform_ws=True) for c in defaults])), shapes)
+    return out
 
 
 def _beside_defaults(spec, cands):

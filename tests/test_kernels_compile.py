@@ -35,3 +35,60 @@ def test_dsmem_receive_buffer_is_never_aliased(schedule, n, backward):
     assert "map_shared_rank" in src  # the partials really go through DSMEM
     assert "__shared__ __align__(16) float peers[" in src, "peers must be static shared memory"
     assert "peers = ((void*)((char*)buf_dyn_shmem" not in src
+
+
+def test_uniform_warpgroups_rewrites_only_warp_aligned_role_branches():
+    """runtime.uniform_warpgroups (the uniform_ws configs): each warp-role branch tests the
+    broadcast warp index with the same threshold in warps, `threadIdx.x >> 5 / >> 7` become it,
+    and a branch whose threshold splits a warp, or any code before the first role branch, is left
+    as it was."""
+    from tilelang_ops.runtime import uniform_warpgroups
+
+    src = "\n".join([
+        "  int a = ((int)threadIdx.x) >> 7;",
+        "  __syncthreads();",
+        "  if (256 <= ((int)threadIdx.x)) {",
+        "    x = (((int)threadIdx.x) >> 7) * 8192 + (((int)threadIdx.x) >> 5);",
+        "  }",
+        "  if (((int)threadIdx.x) < 256) {",
+        "  }",
+        "  if ((128 <= ((int)threadIdx.x)) && (((int)threadIdx.x) < 384)) {",
+        "  }",
+        "  if (((int)threadIdx.x) < 200) {",
+        "  }",
+        "    if (((int)threadIdx.x) < 128) {",  # nested (not a role branch): untouched
+    ])
+    out = uniform_warpgroups(src).splitlines()
+    assert out[0] == "  int a = ((int)threadIdx.x) >> 7;"
+    assert out[2] == "  const int tl_warp = __shfl_sync(0xffffffffu, ((int)threadIdx.x) >> 5, 0);"
+    assert out[3] == "  if (8 <= tl_warp) {"
+    assert out[4] == "    x = (tl_warp >> 2) * 8192 + tl_warp;"
+    assert out[6] == "  if (tl_warp < 8) {"
+    assert out[8] == "  if ((4 <= tl_warp) && (tl_warp < 12)) {"
+    assert out[10] == "  if (((int)threadIdx.x) < 200) {"
+    assert out[12] == "    if (((int)threadIdx.x) < 128) {"
+    assert uniform_warpgroups("  if (x) {\n") == "  if (x) {\n"
+
+
+def test_uniform_rewrite_chains_a_users_cuda_hook_and_restores_it():
+    """The uniform_ws rewrite goes through TileLang's process-wide CUDA post-processing hook only
+    for the compile that needs it: after any hook the user registered, which is back in place
+    afterwards."""
+    import tilelang
+    import tvm_ffi
+
+    from tilelang_ops import runtime
+
+    class FakeTileLang:  # compile() runs the hook as TileLang's codegen does
+        register_cuda_postproc = staticmethod(tilelang.register_cuda_postproc)
+
+        @staticmethod
+        def compile(**kwargs):
+            return tvm_ffi.get_global_func(runtime._POSTPROC)("src", None)
+
+    tilelang.register_cuda_postproc(lambda code, target: code + "/*user*/")
+    try:
+        assert runtime._compile_rewritten(FakeTileLang, lambda code: code + "/*ours*/") == "src/*user*//*ours*/"
+        assert tvm_ffi.get_global_func(runtime._POSTPROC)("x", None) == "x/*user*/"
+    finally:
+        tilelang.register_cuda_postproc(lambda code, target: code)

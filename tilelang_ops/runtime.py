@@ -8,6 +8,7 @@ a second process loads the cubin and host wrapper instead of running nvcc again.
 from __future__ import annotations
 
 import dataclasses
+import re
 import threading
 from typing import Any, Callable
 
@@ -22,6 +23,63 @@ def _tilelang():
     import tilelang
 
     return tilelang
+
+
+_POSTPROC = "tilelang_callback_cuda_postproc"  # TileLang's process-wide hook on generated CUDA
+
+
+def _compile_rewritten(tl, rewrite: Callable[[str], str], **kwargs):
+    """tl.compile with `rewrite` applied to the generated CUDA source (after any hook the user
+    installed), the previous hook restored afterwards (a pass-through if there was none)."""
+    import tvm_ffi
+
+    prev = tvm_ffi.get_global_func(_POSTPROC, allow_missing=True)
+    tl.register_cuda_postproc(lambda code, target: rewrite(prev(code, target) if prev is not None else code))
+    try:
+        return tl.compile(**kwargs)
+    finally:
+        tl.register_cuda_postproc(prev if prev is not None else (lambda code, target: code))
+
+
+_TID_GE = r"(\d+) <= \(\(int\)threadIdx\.x\)"
+_TID_LT = r"\(\(int\)threadIdx\.x\) < (\d+)"
+_WS_TEST = re.compile(f"{_TID_GE}|{_TID_LT}")
+_WS_IF = re.compile(f"^  if \\((?:{_TID_GE}|{_TID_LT}|\\({_TID_GE}\\) && \\({_TID_LT}\\))\\) \\{{$", re.M)
+UNIFORM_WS_FLAG = "-DTILEOPS_UNIFORM_WS"  # in the compile flags: a cache key of its own
+
+
+def uniform_warpgroups(code: str) -> str:
+    """Warp-specialized CUDA source with its role branches on a warp-uniform index.
+
+    TileLang branches warpgroup roles on threadIdx.x (`if (256 <= ((int)threadIdx.x))`), which
+    ptxas cannot prove uniform within a warp: everything under the branch (wgmma descriptors,
+    stage indices, loop counters) is computed per thread in vector registers and each descriptor
+    moved to uniform registers by R2UR before every wgmma. With the warp index broadcast from
+    lane 0 (`__shfl_sync`, as CUTLASS's canonical_warp_idx_sync), the branches are uniform and
+    ptxas keeps that arithmetic on the uniform datapath. Only thresholds that are multiples of 32
+    (warp boundaries) are rewritten, so each test keeps its value; `threadIdx.x >> 5` and `>> 7`
+    (the warp and the warpgroup) become the broadcast index too."""
+    # one source may hold several kernels (a backward's preprocess, main kernel and cast): each
+    # its own index, declared before its first role branch
+    parts = re.split(r'(?m)^(?=extern "C" __global__)', code)
+    return "".join(_uniform_kernel(p) for p in parts)
+
+
+def _uniform_kernel(code: str) -> str:
+    first = _WS_IF.search(code)
+    if first is None:
+        return code
+    head, body = code[: first.start()], code[first.start():]
+    ok = lambda m: int(m.group(1) or m.group(2)) % 32 == 0  # noqa: E731
+
+    def branch(m):
+        line = m.group(0)
+        if not all(ok(t) for t in _WS_TEST.finditer(line)):
+            return line
+        return _WS_TEST.sub(lambda t: f"{int(t.group(1)) // 32} <= tl_warp" if t.group(1) else f"tl_warp < {int(t.group(2)) // 32}", line)
+
+    body = _WS_IF.sub(branch, body).replace("(((int)threadIdx.x) >> 7)", "(tl_warp >> 2)").replace("(((int)threadIdx.x) >> 5)", "tl_warp")
+    return head + "  const int tl_warp = __shfl_sync(0xffffffffu, ((int)threadIdx.x) >> 5, 0);\n" + body
 
 
 def arch_for_capability(major: int, minor: int) -> str:
@@ -121,11 +179,13 @@ class KernelDef:
         with _LOCK:  # one compile per key even when threads race
             kernel = _COMPILED.get(key)
             if kernel is None:
-                kernel = _tilelang().compile(
-                    self.build(config, **static),
-                    target={"kind": "cuda", "arch": arch},
-                    pass_configs=self.pass_configs_for(config) or None,
-                )
+                args = dict(func=self.build(config, **static), target={"kind": "cuda", "arch": arch},
+                            pass_configs=self.pass_configs_for(config) or None)
+                if getattr(config, "uniform_ws", False):
+                    # the flag gives the rewritten kernel a disk-cache key of its own
+                    kernel = _compile_rewritten(_tilelang(), uniform_warpgroups, compile_flags=[UNIFORM_WS_FLAG], **args)
+                else:
+                    kernel = _tilelang().compile(**args)
                 _COMPILED[key] = kernel
         return kernel
 

@@ -92,6 +92,8 @@ class FwdConfig:
     # loads the next tile's Q and first K/V blocks while the consumers finish this one (the
     # grid is the `ctas` static the op passes: the device's SM count).
     persistent: bool = dataclasses.field(default=False, metadata={"omit_default": True})
+    # role branches on a warp-uniform index (runtime.uniform_warpgroups)
+    uniform_ws: bool = dataclasses.field(default=False, metadata={"omit_default": True})
 
     def for_arch(self, arch: str) -> "FwdConfig":
         # TileLang 0.1.15's cp.async pipeline (pre-Hopper) fails in codegen on a symbolic trip count.
@@ -753,6 +755,8 @@ class BwdConfig:
     # same dQ tiles at the same time, as the non-causal walk does (whose CTAs all start at block
     # 0: starting each at its own block lost 10%, session 21). MHA: 0.95-0.99x, not offered.
     reverse: bool = dataclasses.field(default=False, metadata={"omit_default": True})
+    # role branches on a warp-uniform index (runtime.uniform_warpgroups)
+    uniform_ws: bool = dataclasses.field(default=False, metadata={"omit_default": True})
 
     def __post_init__(self):
         if self.stats_early not in (0, 1, 2):
@@ -790,10 +794,12 @@ def bwd_default_config(headdim: int, causal: bool, arch: str = "sm_90a") -> BwdC
     # reverse (causal GQA: the query blocks from the last down, heads in turn): 1.02-1.04x at
     # 8 x 32/8 x 4096 x 128 in three sweeps, 1.03x at 16 x 32/8 x 2048 x 64 in two (session 21,
     # the default timed twice in each: up to 1.1% apart). MHA kernels are the same either way.
+    # uniform_ws (the role branches on a warp-uniform index, runtime.uniform_warpgroups; the
+    # wgmma descriptors and stage indices on the uniform datapath): 1.00-1.04x, session 36.
     if headdim <= 64:
-        return BwdConfig(128, 128, 2, 256, pipeline="async", dq_producer=True, dq_first=True, reverse=causal)
+        return BwdConfig(128, 128, 2, 256, pipeline="async", dq_producer=True, dq_first=True, reverse=causal, uniform_ws=True)
     if headdim <= 128:
-        return BwdConfig(128, 64, 2, 256, pipeline="async", dq_producer=True, stats_early=1, dq_first=True, reverse=causal)
+        return BwdConfig(128, 64, 2, 256, pipeline="async", dq_producer=True, stats_early=1, dq_first=True, reverse=causal, uniform_ws=True)
     # D=256: two stages of Q/dO plus an fp32 dQ tile would not fit in shared memory, and 64x256
     # fp32 dK plus dV need 8 warps to stay in registers.
     return BwdConfig(64, 64, 1, 256, hopper, False) if hopper else BwdConfig(64, 32, 1, 256, False, False)

@@ -73,6 +73,9 @@ class GemmConfig:
     # shared memory, i.e. stages.
     tma_store: bool = dataclasses.field(default=False, metadata={"omit_default": True})
 
+    # warp-role branches on a warp-uniform index (runtime.uniform_warpgroups)
+    uniform_ws: bool = dataclasses.field(default=False, metadata={"omit_default": True})
+
     @property
     def min_sm(self) -> int:
         # wgmma + TMA + setmaxnreg: no sm_80 form. Split-K neither: on sm_80 TileLang 0.1.15's
