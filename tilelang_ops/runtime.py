@@ -70,12 +70,11 @@ def _uniform_kernel(code: str) -> str:
     if first is None:
         return code
     head, body = code[: first.start()], code[first.start():]
-    ok = lambda m: int(m.group(1) or m.group(2)) % 32 == 0  # noqa: E731
 
     def branch(m):
         line = m.group(0)
-        if not all(ok(t) for t in _WS_TEST.finditer(line)):
-            return line
+        if any(int(t.group(1) or t.group(2)) % 32 for t in _WS_TEST.finditer(line)):
+            return line  # a threshold inside a warp: the test is not warp-uniform
         return _WS_TEST.sub(lambda t: f"{int(t.group(1)) // 32} <= tl_warp" if t.group(1) else f"tl_warp < {int(t.group(2)) // 32}", line)
 
     body = _WS_IF.sub(branch, body).replace("(((int)threadIdx.x) >> 7)", "(tl_warp >> 2)").replace("(((int)threadIdx.x) >> 5)", "tl_warp")
