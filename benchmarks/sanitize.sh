@@ -12,7 +12,7 @@ if [[ -f .tl-carry/tlcache.tar.xz && -z ${TILELANG_CACHE_DIR:-} ]]; then
   mkdir -p /tmp/tlcache && tar -C /tmp/tlcache -xJf .tl-carry/tlcache.tar.xz && export TILELANG_CACHE_DIR=/tmp/tlcache
 fi
 tools=("$@"); ((${#tools[@]})) || tools=(memcheck synccheck racecheck initcheck)
-python3 -m benchmarks.sanitize > "$OUT/plain.log" 2>&1; echo "plain rc=$? $(tail -1 "$OUT/plain.log")"
+python3 -m benchmarks.sanitize ${SAN_ARGS:-} > "$OUT/plain.log" 2>&1; echo "plain rc=$? $(tail -1 "$OUT/plain.log")"
 for t in "${tools[@]}"; do
   # the caching allocator hides an access past a tensor's end inside its pool block: off for the
   # memory checkers

@@ -415,8 +415,10 @@ def _check_fwd_kernel(kern, q, k, v, causal):
     assert (lse[seen] - ref_lse[seen].float()).abs().max().item() <= 1e-2, shape
 
 
-# (B, Sq, Sk, H, HK, D, ctas): many tiles per CTA, a ragged last round, Sq != Sk, GQA
-PERSISTENT_WALKS = [(3, 1000, 1000, 4, 2, 64, 5), (2, 300, 1000, 3, 3, 64, 7), (1, 1000, 300, 4, 1, 128, 3), (2, 129, 4097, 2, 2, 128, 4)]
+# (B, Sq, Sk, H, HK, D, ctas): many tiles per CTA, a ragged last round, Sq != Sk, GQA; many query
+# tiles per head (24)
+PERSISTENT_WALKS = [(3, 1000, 1000, 4, 2, 64, 5), (2, 300, 1000, 3, 3, 64, 7), (1, 1000, 300, 4, 1, 128, 3), (2, 129, 4097, 2, 2, 128, 4),
+                    (1, 3000, 3000, 2, 1, 64, 5)]
 
 
 def persistent_fwd_kernels():
@@ -432,7 +434,8 @@ def persistent_fwd_kernels():
 @pytest.mark.parametrize("walk", PERSISTENT_WALKS, ids=lambda w: "x".join(map(str, w)))
 def test_flash_fwd_persistent_walks_many_tiles(walk):
     """A persistent forward with a grid of a few CTAs, so each walks many tiles (the stage ring,
-    Q buffer and barrier phases carried from tile to tile, the rotation's ragged last round):
+    Q buffer, barrier phases and the coordinates the producer hands over carried from tile to
+    tile, the rotation's ragged last round):
     every output row written and right, causal and not."""
     from tilelang_ops import runtime
     from tilelang_ops.kernels import attention as K

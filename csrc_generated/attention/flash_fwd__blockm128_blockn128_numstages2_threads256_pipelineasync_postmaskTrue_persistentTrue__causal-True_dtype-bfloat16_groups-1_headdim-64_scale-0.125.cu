@@ -31,7 +31,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_fwd_kernel(__grid_con
   void* k_s = ((void*)((char*)buf_dyn_shmem + 0));
   void* v_s = ((void*)((char*)buf_dyn_shmem + 32768));
   void* q_s = ((void*)((char*)buf_dyn_shmem + 65536));
-  void* o_s = ((void*)((char*)buf_dyn_shmem + 81920));
+  void* coords_s = ((void*)((char*)buf_dyn_shmem + 81920));
+  void* o_s = ((void*)((char*)buf_dyn_shmem + 82944));
   __shared__ __align__(16) uint64_t q_full_mem[1];
   auto q_full = reinterpret_cast<Barrier*>(q_full_mem);
   __shared__ __align__(16) uint64_t q_empty_mem[1];
@@ -96,12 +97,17 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_fwd_kernel(__grid_con
         int kvh = coords[1];
         int b = coords[2];
         q_empty[0].wait(((n & 1) ^ 1));
+        for (int j = 0; j < 3; ++j) {
+          ((int*)coords_s)[j] = coords[j];
+        }
         if (tl::tl_shuffle_elect<128>()) {
           q_full[0].expect_transaction(16384);
+          tl::fence_proxy_async();
           tl::tma_load(Q_desc, q_full[0], (&(((bfloat16_t*)q_s)[0])), 0, (qt * 128), kvh, b);
         }
         q_full[0].arrive();
         int g_2 = g;
+        tl::fence_proxy_async();
         for (int kb = 0; kb < max(min(((Sk + 127) >> 7), ((((Sk + 255) - Sq) >> 7) + qt)), 1); ++kb) {
           k_empty[((g_2 + kb) & 1)].wait(((((g_2 + kb) >> 1) & 1) ^ 1));
           if (tl::tl_shuffle_elect<128>()) {
@@ -129,9 +135,10 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_fwd_kernel(__grid_con
     int rdiv_1 = ((((((Sq + 127) >> 7) * H) * B) - 1) / min(((((Sq + 127) >> 7) * H) * B), 132));
     for (int t_1 = 0; t_1 < (((((0 <= ((((Sq + 127) >> 7) * H) * B)) && (0 <= rmod_1)) || ((((((Sq + 127) >> 7) * H) * B) < 0) && (rmod_1 <= 0))) ? rdiv_1 : (rdiv_1 - 1)) + 1); ++t_1) {
       if (((t_1 * min(((((Sq + 127) >> 7) * H) * B), 132)) + ((((int)blockIdx.x) + t_1) % min(((((Sq + 127) >> 7) * H) * B), 132))) < ((((Sq + 127) >> 7) * H) * B)) {
-        coords[0] = ((((Sq + 127) >> 7) - (((t_1 * min(((((Sq + 127) >> 7) * H) * B), 132)) + ((((int)blockIdx.x) + t_1) % min(((((Sq + 127) >> 7) * H) * B), 132))) % ((Sq + 127) >> 7))) - 1);
-        coords[1] = ((((t_1 * min(((((Sq + 127) >> 7) * H) * B), 132)) + ((((int)blockIdx.x) + t_1) % min(((((Sq + 127) >> 7) * H) * B), 132))) / ((Sq + 127) >> 7)) % H);
-        coords[2] = ((((t_1 * min(((((Sq + 127) >> 7) * H) * B), 132)) + ((((int)blockIdx.x) + t_1) % min(((((Sq + 127) >> 7) * H) * B), 132))) / ((Sq + 127) >> 7)) / H);
+        q_full[0].wait((n_1 & 1));
+        for (int j_1 = 0; j_1 < 3; ++j_1) {
+          coords[j_1] = ((int*)coords_s)[j_1];
+        }
         int qt_1 = coords[0];
         int h = coords[1];
         int b_1 = coords[2];
@@ -144,7 +151,6 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_fwd_kernel(__grid_con
         *(float2*)(l + 0) = make_float2(broadcast_var_1, broadcast_var_1);
         float broadcast_var_2 = -CUDART_INF_F;
         *(float2*)(m + 0) = make_float2(broadcast_var_2, broadcast_var_2);
-        q_full[0].wait((n_1 & 1));
         int g_3 = g_1;
         k_full[(g_3 & 1)].wait(((g_3 >> 1) & 1));
         {
