@@ -18,6 +18,7 @@ Prints one line per case and `sanitize: N cases, M failed`; exit status 1 if any
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 import torch
@@ -117,6 +118,9 @@ def cases():
         yield "fwd_cfg", f"D=64 192x128 3-WG persistent {c} 2x1000x1000x8/2", _fwd_cfg_case(flaky, (2, 1000, 1000, 8, 2, 64), causal)
         yield "fwd_cfg", f"D=64 192x128 3-WG persistent {c} 3x1000x1000x4/2 ctas=5", _fwd_cfg_case(flaky, (3, 1000, 1000, 4, 2, 64), causal, ctas=5)
         yield "fwd_cfg", f"D=64 128x128 persistent (causal default) {c} 3x1000x1000x4/2 ctas=5", _fwd_cfg_case(d64, (3, 1000, 1000, 4, 2, 64), causal, ctas=5)
+    # the O store's wait deferred to the next tile (FwdConfig.late_store_wait)
+    late = dataclasses.replace(d64, late_store_wait=True)
+    yield "fwd_cfg", "D=64 128x128 persistent late store wait causal 3x1000x1000x4/2 ctas=5", _fwd_cfg_case(late, (3, 1000, 1000, 4, 2, 64), True, ctas=5)
 
 
 def warm() -> int:

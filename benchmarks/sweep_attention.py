@@ -18,6 +18,7 @@ wrong kernel shows.
     python -m benchmarks.sweep_attention --pingpong --shapes 2 4 0  # forward: the async defaults against FlashAttention-3's warpgroup ping-pong
     python -m benchmarks.sweep_attention --block-n --shapes 2 4 --causal-only  # forward: the defaults again and with 64, 176, 192 keys a step
     python -m benchmarks.sweep_attention --uniform [--bwd]  # the defaults again and with the other uniform_ws (warp-uniform role branches)
+    python -m benchmarks.sweep_attention --late-store --causal-only  # the defaults again; persistent ones with FwdConfig.late_store_wait
 
 Forward FLOPs = 4 * B * H * S^2 * D, halved when causal; backward 2.5x that (as bench_attention).
 --bwd times the backward as the op runs it (`flash_bwd_fused`: preprocess, main kernel, dQ cast).
@@ -51,6 +52,7 @@ PINGPONG = False
 STAGES = False
 BLOCK_N = False
 UNIFORM = False
+LATE_STORE = False
 
 
 def _gpt_candidates():
@@ -184,9 +186,11 @@ def _configs(D: int, S: int, causal: bool, groups: int, bwd: bool, arch: str = "
         if UNIFORM:
             return [default, default, dataclasses.replace(default, uniform_ws=not default.uniform_ws)]
         return ablations(default, D, causal, groups) if ABLATE else [default] + bwd_candidates(D)
-    default = K.fwd_default_config(D, causal, arch, S if ABLATE or PINGPONG or STAGES or BLOCK_N or UNIFORM else None)
+    default = K.fwd_default_config(D, causal, arch, S if ABLATE or PINGPONG or STAGES or BLOCK_N or UNIFORM or LATE_STORE else None)
     if UNIFORM:  # the default again (A/A) and with the other uniform_ws (role branches on a warp-uniform index)
         return [default, default, dataclasses.replace(default, uniform_ws=not default.uniform_ws)]
+    if LATE_STORE:  # the default again (A/A); a persistent default with the O store's wait deferred
+        return [default, default] + ([dataclasses.replace(default, late_store_wait=True)] if default.persistent else [])
     if BLOCK_N:  # the default again (A/A) and with other key-block widths (fewer steps: less per-step work, more masked waste)
         return [default, default] + [dataclasses.replace(default, block_n=n) for n in (64, 176, 192) if n != default.block_n]
     if PINGPONG:
@@ -249,6 +253,7 @@ def _name(cfg) -> str:
     post += "/dqfirst" if getattr(cfg, "dq_first", False) else ""
     post += "/reverse" if getattr(cfg, "reverse", False) else ""
     post += "/uniform" if getattr(cfg, "uniform_ws", False) else ""
+    post += "/latestore" if getattr(cfg, "late_store_wait", False) else ""
     return f"{cfg.block_m}x{cfg.block_n}/{cfg.num_stages}/{cfg.threads}/{cfg.pipeline}{lazy}{post}"
 
 
@@ -387,6 +392,7 @@ if __name__ == "__main__":
     ap.add_argument("--stages", action="store_true", help="forward: the defaults again and with one more K/V stage")
     ap.add_argument("--block-n", action="store_true", help="forward: the defaults again and with block_n 64, 176, 192")
     ap.add_argument("--uniform", action="store_true", help="the defaults again and with the other uniform_ws (warp-uniform role branches; forward, or --bwd)")
+    ap.add_argument("--late-store", action="store_true", help="forward: the defaults again; persistent ones with FwdConfig.late_store_wait")
     ap.add_argument("--causal-only", action="store_true", help="causal shapes only")
     ap.add_argument("--shapes", type=int, nargs="+", help="only these SHAPES (indexes)")
     args = ap.parse_args()
@@ -404,6 +410,7 @@ if __name__ == "__main__":
     STAGES = args.stages
     BLOCK_N = args.block_n
     UNIFORM = args.uniform
+    LATE_STORE = args.late_store
     if args.causal_only:
         CAUSAL = (True,)
     LAZY = args.lazy

@@ -287,8 +287,11 @@ POST_MASK_FWD_CONFIGS = {64: [(192, 176, 2, 384, "auto", 0.0, True), (128, 128, 
 # test_flash_fwd_persistent_walks_many_tiles.
 # Session 22: FlashAttention-3's D=64 tile (three consumer warpgroups of 64 rows each) and the
 # 128 x 128 tile at D=128, persistent; WIDE_FWD_CONFIGS: the D=64 tile not persistent.
-PERSISTENT_FWD_CONFIGS = {64: [(128, 128, 2, 256, "async", 0.0, True, True), (192, 128, 2, 384, "async", 0.0, True, True)],
-                          128: [(128, 176, 2, 256, "async", 8.0, False, True), (128, 128, 2, 256, "async", 8.0, False, True)]}
+# Session 37: both 128 x 128 tiles with FwdConfig.late_store_wait (the O store's wait deferred).
+PERSISTENT_FWD_CONFIGS = {64: [(128, 128, 2, 256, "async", 0.0, True, True), (192, 128, 2, 384, "async", 0.0, True, True),
+                               (128, 128, 2, 256, "async", 0.0, True, True, False, True)],
+                          128: [(128, 176, 2, 256, "async", 8.0, False, True), (128, 128, 2, 256, "async", 8.0, False, True),
+                                (128, 128, 2, 256, "async", 8.0, False, True, False, True)]}
 WIDE_FWD_CONFIGS = {64: [(192, 128, 2, 384, "async", 0.0, True)], 128: []}
 for _d in ASYNC_FWD_CONFIGS:
     ASYNC_FWD_CONFIGS[_d] += LAZY_FWD_CONFIGS[_d] + POST_MASK_FWD_CONFIGS[_d] + PERSISTENT_FWD_CONFIGS[_d] + WIDE_FWD_CONFIGS[_d]
@@ -382,6 +385,33 @@ def test_flash_fwd_async_pipeline_source():
     loop = pp[pp.index("for (int kb_1 = 1"):]
     assert loop.index("__sync_thread_partial((w") < loop.index("wgmma_ss") < loop.index("wgmma_rs") < loop.index("__named_barrier_arrive") < loop.index("wait_wgmma<1>")
     assert pp.count("__named_barrier_arrive(2, 256)") == 1  # the ring's primer, by the last warpgroup
+
+
+def test_flash_fwd_persistent_source():
+    """The persistent forward's generated code: only the producer decodes the walk (the
+    consumers' branch has no division by H) and publishes each tile's coordinates after the
+    consumers freed Q's buffer and before its q_full arrive; the consumers read them after their
+    q_full wait. late_store_wait: the O store's issuing thread waits for it only before the next
+    tile's first barrier, and once more after the walk."""
+    import dataclasses
+
+    from tilelang_ops.kernels import attention as K
+
+    cfg = K.fwd_default_config(64, True)
+    assert cfg.persistent
+    static = dict(headdim=64, dtype="bfloat16", causal=True, groups=2, scale=K.default_scale(64))
+    src = K.flash_fwd_kernel.source(cfg, "sm_90a", **static)
+    producer, consumers = src.split("if (((int)threadIdx.x) < 256)")
+    assert ") / H)" in producer and ") / H)" not in consumers
+    assert producer.index("q_empty[0].wait") < producer.index("coords_s)[") < producer.index("q_full[0].arrive")
+    assert consumers.index("q_full[0].wait") < consumers.index("coords_s)[") < consumers.index("wgmma")
+    # the O store: issue, commit, wait for its reads right away (the issuing thread)
+    assert consumers.count("tma_store_wait") == 1 and consumers.index("tma_store_arrive") < consumers.index("tma_store_wait")
+    late = K.flash_fwd_kernel.source(dataclasses.replace(cfg, late_store_wait=True), "sm_90a", **static)
+    consumers = late.split("if (((int)threadIdx.x) < 256)")[1]
+    assert consumers.count("tma_store_wait") == 2
+    first, last = consumers.index("tma_store_wait"), consumers.rindex("tma_store_wait")
+    assert first < consumers.index("__sync_thread_partial(1") < consumers.index("tma_store(") < consumers.index("tma_store_arrive") < consumers.index("LSE[") < last
 
 
 @pytest.mark.gpu
