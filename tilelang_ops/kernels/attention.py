@@ -555,7 +555,7 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
             o_s = T.alloc_shared((bm, D), dtype) if own_o else q_s
             s, p, o, m, m_prev, m_scaled, alpha, row_sum, l, lse, moved = tile_state()
             coords = T.alloc_local((3,), "int32")  # this tile's query tile, head, batch
-            coords_s = T.alloc_shared((4,), "int32")  # ...from the producer to the consumers
+            coords_s = T.alloc_shared((4,), "int32")  # ...from the producer to the consumers (3 used)
             q_full = T.alloc_barrier([128])
             q_empty = T.alloc_barrier([consumers])
             k_full = T.alloc_barrier([128] * S)
@@ -776,10 +776,6 @@ class BwdConfig:
     reverse: bool = dataclasses.field(default=False, metadata={"omit_default": True})
     # role branches on a warp-uniform index (runtime.uniform_warpgroups)
     uniform_ws: bool = dataclasses.field(default=False, metadata={"omit_default": True})
-    # persistent with its own O buffer: the thread that issues a tile's O store waits for the
-    # store to have read that buffer only before the next tile writes it, not right after issuing
-    # it (its warpgroup's next wgmmas need it). Not yet timed (session 37 had no device left).
-    late_store_wait: bool = dataclasses.field(default=False, metadata={"omit_default": True})
 
     def __post_init__(self):
         if self.stats_early not in (0, 1, 2):
