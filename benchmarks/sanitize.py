@@ -121,6 +121,10 @@ def cases():
     # the O store's wait deferred to the next tile (FwdConfig.late_store_wait)
     late = dataclasses.replace(d64, late_store_wait=True)
     yield "fwd_cfg", "D=64 128x128 persistent late store wait causal 3x1000x1000x4/2 ctas=5", _fwd_cfg_case(late, (3, 1000, 1000, 4, 2, 64), True, ctas=5)
+    # the full wgmma wait pinned after the softmax (a per-thread shared store: FwdConfig.pin_waits),
+    # with the row reductions as chains (FwdConfig.tree_reduce)
+    pinned = dataclasses.replace(d64, pin_waits=True, tree_reduce=4)
+    yield "fwd_cfg", "D=64 128x128 persistent pinned tree4 causal 3x1000x1000x4/2 ctas=5", _fwd_cfg_case(pinned, (3, 1000, 1000, 4, 2, 64), True, ctas=5)
 
 
 def warm() -> int:

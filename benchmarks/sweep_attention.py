@@ -19,6 +19,7 @@ wrong kernel shows.
     python -m benchmarks.sweep_attention --block-n --shapes 2 4 --causal-only  # forward: the defaults again and with 64, 176, 192 keys a step
     python -m benchmarks.sweep_attention --uniform [--bwd]  # the defaults again and with the other uniform_ws (warp-uniform role branches)
     python -m benchmarks.sweep_attention --late-store --causal-only  # the defaults again; persistent ones with FwdConfig.late_store_wait
+    python -m benchmarks.sweep_attention --pin [--tree] [--late-store]  # the defaults again; with FwdConfig.pin_waits, tree_reduce=4, late_store_wait (each also pinned)
 
 Forward FLOPs = 4 * B * H * S^2 * D, halved when causal; backward 2.5x that (as bench_attention).
 --bwd times the backward as the op runs it (`flash_bwd_fused`: preprocess, main kernel, dQ cast).
@@ -53,6 +54,8 @@ STAGES = False
 BLOCK_N = False
 UNIFORM = False
 LATE_STORE = False
+TREE = False
+PIN = False
 
 
 def _gpt_candidates():
@@ -186,11 +189,24 @@ def _configs(D: int, S: int, causal: bool, groups: int, bwd: bool, arch: str = "
         if UNIFORM:
             return [default, default, dataclasses.replace(default, uniform_ws=not default.uniform_ws)]
         return ablations(default, D, causal, groups) if ABLATE else [default] + bwd_candidates(D)
-    default = K.fwd_default_config(D, causal, arch, S if ABLATE or PINGPONG or STAGES or BLOCK_N or UNIFORM or LATE_STORE else None)
+    default = K.fwd_default_config(D, causal, arch, S if ABLATE or PINGPONG or STAGES or BLOCK_N or UNIFORM or LATE_STORE or TREE or PIN else None)
     if UNIFORM:  # the default again (A/A) and with the other uniform_ws (role branches on a warp-uniform index)
         return [default, default, dataclasses.replace(default, uniform_ws=not default.uniform_ws)]
-    if LATE_STORE:  # the default again (A/A); a persistent default with the O store's wait deferred
-        return [default, default] + ([dataclasses.replace(default, late_store_wait=True)] if default.persistent else [])
+    if LATE_STORE or TREE or PIN:  # the default again (A/A); then each candidate asked for, with --pin also pinned
+        out = [default, default]
+        base = [default, dataclasses.replace(default, pin_waits=True)] if PIN else [default]
+        if PIN and default.pipeline != "auto":  # the full wgmma wait kept after the softmax (async pipelines only)
+            out.append(base[1])
+            if D == 64:  # and FlashAttention-3's warpgroup ping-pong with it (not persistent: async-only)
+                out.append(dataclasses.replace(base[1], persistent=False, pipeline="pingpong"))
+        for b in base:
+            if b.pin_waits and default.pipeline == "auto":
+                continue
+            if TREE:  # the softmax's row reductions as 4 chains per thread
+                out.append(dataclasses.replace(b, tree_reduce=4))
+            if LATE_STORE and default.persistent:  # the O store's wait deferred
+                out.append(dataclasses.replace(b, late_store_wait=True))
+        return out
     if BLOCK_N:  # the default again (A/A) and with other key-block widths (fewer steps: less per-step work, more masked waste)
         return [default, default] + [dataclasses.replace(default, block_n=n) for n in (64, 176, 192) if n != default.block_n]
     if PINGPONG:
@@ -254,6 +270,8 @@ def _name(cfg) -> str:
     post += "/reverse" if getattr(cfg, "reverse", False) else ""
     post += "/uniform" if getattr(cfg, "uniform_ws", False) else ""
     post += "/latestore" if getattr(cfg, "late_store_wait", False) else ""
+    post += f"/tree{cfg.tree_reduce}" if getattr(cfg, "tree_reduce", 0) else ""
+    post += "/pin" if getattr(cfg, "pin_waits", False) else ""
     return f"{cfg.block_m}x{cfg.block_n}/{cfg.num_stages}/{cfg.threads}/{cfg.pipeline}{lazy}{post}"
 
 
@@ -393,6 +411,8 @@ if __name__ == "__main__":
     ap.add_argument("--block-n", action="store_true", help="forward: the defaults again and with block_n 64, 176, 192")
     ap.add_argument("--uniform", action="store_true", help="the defaults again and with the other uniform_ws (warp-uniform role branches; forward, or --bwd)")
     ap.add_argument("--late-store", action="store_true", help="forward: the defaults again; persistent ones with FwdConfig.late_store_wait")
+    ap.add_argument("--tree", action="store_true", help="forward: the defaults again and with FwdConfig.tree_reduce=4")
+    ap.add_argument("--pin", action="store_true", help="forward: the defaults again and with FwdConfig.pin_waits (async pipelines; with --tree / --late-store: each also pinned)")
     ap.add_argument("--causal-only", action="store_true", help="causal shapes only")
     ap.add_argument("--shapes", type=int, nargs="+", help="only these SHAPES (indexes)")
     args = ap.parse_args()
@@ -411,6 +431,8 @@ if __name__ == "__main__":
     BLOCK_N = args.block_n
     UNIFORM = args.uniform
     LATE_STORE = args.late_store
+    TREE = args.tree
+    PIN = args.pin
     if args.causal_only:
         CAUSAL = (True,)
     LAZY = args.lazy

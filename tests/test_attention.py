@@ -293,8 +293,21 @@ PERSISTENT_FWD_CONFIGS = {64: [(128, 128, 2, 256, "async", 0.0, True, True), (19
                           128: [(128, 176, 2, 256, "async", 8.0, False, True), (128, 128, 2, 256, "async", 8.0, False, True),
                                 (128, 128, 2, 256, "async", 8.0, False, True, False, True)]}
 WIDE_FWD_CONFIGS = {64: [(192, 128, 2, 384, "async", 0.0, True)], 128: []}
+# Session 38: FwdConfig.tree_reduce (the softmax's row max and sum as 4 or 8 chains per thread) on
+# the defaults' kernels: D=64 causal (persistent; both widths) and not (176 keys: 44 values a row
+# per thread, chains of unequal length); D=128 not causal (T.Pipelined) and causal up to 8192 keys.
+TREE_FWD_CONFIGS = {64: [(128, 128, 2, 256, "async", 0.0, True, True, False, False, 4), (128, 128, 2, 256, "async", 0.0, True, True, False, False, 8),
+                         (192, 176, 2, 384, "auto", 0.0, True, False, False, False, 4)],
+                    128: [(192, 128, 2, 384, "auto", 8.0, True, False, False, False, 4), (128, 128, 2, 256, "async", 8.0, False, False, False, False, 4)]}
+# Session 38: FwdConfig.pin_waits (the full wgmma wait kept after the softmax by a shared store) on
+# the async defaults' kernels: D=64 causal (alone, with tree_reduce, with late_store_wait; and the
+# ping-pong pipeline), D=128 causal 128 x 176 / 128 x 128.
+PIN_FWD_CONFIGS = {64: [(128, 128, 2, 256, "async", 0.0, True, True, False, False, 0, True), (128, 128, 2, 256, "async", 0.0, True, True, False, False, 4, True),
+                        (128, 128, 2, 256, "async", 0.0, True, True, False, True, 0, True), (128, 128, 2, 256, "pingpong", 0.0, True, False, False, False, 0, True)],
+                   128: [(128, 176, 2, 256, "async", 8.0, False, False, False, False, 0, True), (128, 128, 2, 256, "async", 8.0, False, False, False, False, 0, True)]}
 for _d in ASYNC_FWD_CONFIGS:
-    ASYNC_FWD_CONFIGS[_d] += LAZY_FWD_CONFIGS[_d] + POST_MASK_FWD_CONFIGS[_d] + PERSISTENT_FWD_CONFIGS[_d] + WIDE_FWD_CONFIGS[_d]
+    ASYNC_FWD_CONFIGS[_d] += (LAZY_FWD_CONFIGS[_d] + POST_MASK_FWD_CONFIGS[_d] + PERSISTENT_FWD_CONFIGS[_d] + WIDE_FWD_CONFIGS[_d]
+                              + TREE_FWD_CONFIGS[_d] + PIN_FWD_CONFIGS[_d])
 ASYNC_FWD_SHAPES = [
     (1, 1, 1, 2, 2, 0),  # one query, one key
     (2, 17, 33, 4, 2, 0),  # one ragged tile, GQA
@@ -412,6 +425,24 @@ def test_flash_fwd_persistent_source():
     assert consumers.count("tma_store_wait") == 2
     first, last = consumers.index("tma_store_wait"), consumers.rindex("tma_store_wait")
     assert first < consumers.index("__sync_thread_partial(1") < consumers.index("tma_store(") < consumers.index("tma_store_arrive") < consumers.index("LSE[") < last
+
+
+def test_flash_fwd_tree_reduce_source():
+    """FwdConfig.tree_reduce: every per-thread row reduction of the softmax (max and sum, in the
+    first step and the loop) is split into chains, none is left serial, and the rewritten kernel
+    has a cache key of its own (a compile flag)."""
+    import dataclasses
+    import re
+
+    from tilelang_ops import runtime
+    from tilelang_ops.kernels import attention as K
+
+    cfg = dataclasses.replace(K.fwd_default_config(64, True), tree_reduce=8)
+    static = dict(headdim=64, dtype="bfloat16", causal=True, groups=1, scale=K.default_scale(64))
+    src = K.flash_fwd_kernel.source(cfg, "sm_90a", **static)
+    assert src.count("tileops: 8 chains") == 4 and not re.search(r"for \(int rv\w* = 0", src)
+    assert [flag for _, flag in runtime.source_rewrites(cfg)] == ["-DTILEOPS_TREE_REDUCE=8"]
+    assert runtime.source_rewrites(dataclasses.replace(cfg, tree_reduce=0)) == []
 
 
 @pytest.mark.gpu
@@ -632,6 +663,65 @@ def _ptxas_report(src: str, tmp_path) -> str:
     run = subprocess.run(cmd, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]
     return run.stderr
+
+
+def _sass_events(src: str, tmp_path) -> list:
+    """The SASS of a generated CUDA source (nvcc -O3 --use_fast_math, as TileLang compiles it) as
+    events: "H" a wgmma group's last HGMMA, "W0"/"W1" a wgmma wait (<= 0 / 1 groups pending),
+    "E<n>" n MUFU.EX2 in a row of the other events. Needs cuobjdump (PATH or $TILEOPS_CUOBJDUMP)."""
+    import os
+    import shutil
+    import subprocess
+
+    import tilelang
+
+    nvcc = shutil.which("nvcc")
+    cuobjdump = os.environ.get("TILEOPS_CUOBJDUMP") or shutil.which("cuobjdump")
+    if nvcc is None or cuobjdump is None:
+        pytest.skip("nvcc and cuobjdump (PATH or $TILEOPS_CUOBJDUMP) are needed to read the SASS")
+    tl = os.path.dirname(tilelang.__file__)
+    cu = tmp_path / f"k{abs(hash(src))}.cu"
+    cu.write_text(src)
+    inc = [f"-I{tl}/{d}" for d in ("src", "3rdparty/cutlass/include")]
+    cubin = cu.with_suffix(".cubin")
+    run = subprocess.run([nvcc, "-cubin", "-O3", "--use_fast_math", "-arch", "sm_90a", "-w", "-std=c++20", *inc, str(cu), "-o", str(cubin)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    events, exps = [], 0
+    for m in re.finditer(r"/\*[0-9a-f]{4}\*/\s+([^;]*);", sass):
+        ins = m.group(1)
+        if "MUFU.EX2" in ins:
+            exps += 1
+            continue
+        ev = "H" if "HGMMA" in ins and "gsb0" in ins else ("W" + ins.strip()[-1]) if "WARPGROUP.DEPBAR" in ins else None
+        if ev:
+            events += [f"E{exps}"] if exps else []
+            events.append(ev)
+            exps = 0
+    return events
+
+
+def test_flash_fwd_pin_waits_keeps_the_softmax_under_p_v(tmp_path):
+    """FwdConfig.pin_waits: in the D=64 causal default's key loop (S_j and P_{j-1} V_{j-1} issued
+    together, "H H"), the full wgmma wait comes after the step's 64 exponentials, so the softmax
+    overlaps P V as the source intends. Without the pin ptxas hoists that wait above the softmax
+    (session 38: "H H W1 W0 E66"); that is printed, not asserted (a later ptxas may not)."""
+    import dataclasses
+
+    from tilelang_ops.kernels import attention as K
+
+    static = dict(headdim=64, dtype="bfloat16", causal=True, groups=1, scale=K.default_scale(64))
+    plain = K.fwd_default_config(64, True)
+    for cfg in (plain, dataclasses.replace(plain, pin_waits=True)):
+        src = K.flash_fwd_kernel.source(cfg, "sm_90a", **static)
+        ev = " ".join(_sass_events(src, tmp_path))
+        loop = ev[ev.index("H H W1"):]
+        loop = loop[: loop.index("W0") + 2]
+        print(f"pin_waits={cfg.pin_waits}: {loop}")
+        if cfg.pin_waits:
+            exps = sum(int(e[1:]) for e in loop.split() if e.startswith("E"))
+            assert exps >= 64, f"the loop's full wgmma wait comes before its softmax: {loop}"
+            assert "tileops: keeps the wait here" in src
 
 
 @pytest.mark.slow

@@ -70,6 +70,92 @@ def test_uniform_warpgroups_rewrites_only_warp_aligned_role_branches():
     assert uniform_warpgroups("  if (x) {\n") == "  if (x) {\n"
 
 
+# TileLang's per-thread row reductions, as it writes them (T.reduce_max / T.reduce_sum)
+_SERIAL_MAX = """          m_clear[i_2] = -CUDART_INF_F;
+          #pragma unroll
+          for (int rv = 0; rv < N; ++rv) {
+            m_clear[i_2] = max(m_clear[i_2], s[((((rv & 15) * 4) + (i_2 * 2)) + (rv >> 4))]);
+          }
+"""
+_SERIAL_SUM = """          row_sum[i_5] = 0x0p+0f/*0.000000e+00*/;
+          #pragma unroll
+          for (int rv_1 = 0; rv_1 < N; ++rv_1) {
+            row_sum[i_5] = (row_sum[i_5] + s[((((rv_1 & 15) * 4) + (i_5 * 2)) + (rv_1 >> 4))]);
+          }
+"""
+
+
+@pytest.mark.parametrize("n", [3, 8, 32, 44])
+@pytest.mark.parametrize("ways", [2, 4, 8])
+def test_tree_reductions_compute_the_same_row_max_and_sum(n, ways, tmp_path):
+    """runtime.tree_reductions (FwdConfig.tree_reduce): the rewritten loops, compiled as C++ and run
+    on random rows, give the serial loop's max exactly and its sum to fp32 rounding, also from an
+    accumulator that starts above every element (max) or far from 0 (sum); loops shorter than
+    2 * ways are left alone."""
+    import shutil
+    import subprocess
+
+    from tilelang_ops.runtime import tree_reductions
+
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler to run the rewritten loops")
+    serial = (_SERIAL_MAX + _SERIAL_SUM).replace("< N;", f"< {n};")
+    # accumulators that start from a value, not the identity: the rewrite must keep it too
+    serial = serial.replace("= -CUDART_INF_F;", "= -0.5f;").replace("= 0x0p+0f/*0.000000e+00*/;", "= 1000.0f;")
+    tree = tree_reductions(serial, ways)
+    if n < 2 * ways:
+        assert tree == serial
+        return
+    assert tree.count(f"{ways} chains") == 2 and "#pragma unroll\n          {" not in tree
+
+    def fn(name, body):
+        return (f"void {name}(const float* s, int i_2, float* out) {{\n  int i_5 = i_2;\n  float m_clear[2], row_sum[2];\n"
+                f"{body}  out[0] = m_clear[i_2]; out[1] = row_sum[i_5];\n}}\n")
+
+    prog = tmp_path / "reduce.cpp"
+    prog.write_text(
+        "#include <cmath>\n#include <cstdio>\n#include <cstdlib>\n#include <algorithm>\n"
+        "#define CUDART_INF_F INFINITY\nusing std::max;\n"
+        + fn("serial", serial) + fn("tree", tree)
+        + "int main() {\n  float s[128]; srand(7);\n"
+        "  for (int t = 0; t < 200; ++t) {\n"
+        "    for (int k = 0; k < 128; ++k) s[k] = 50.0f - 100.0f * rand() / RAND_MAX;\n"
+        "    for (int row = 0; row < 2; ++row) {\n"
+        "      float a[2], b[2]; serial(s, row, a); tree(s, row, b);\n"
+        "      if (a[0] != b[0] || std::fabs(a[1] - b[1]) > 1e-5f * std::fabs(a[1])) { printf(\"%d %g %g %g %g\\n\", t, a[0], b[0], a[1], b[1]); return 1; }\n"
+        "    }\n  }\n  return 0;\n}\n"
+    )
+    exe = tmp_path / "reduce"
+    subprocess.run([cxx, "-O1", "-o", str(exe), str(prog)], check=True, capture_output=True)
+    run = subprocess.run([str(exe)], capture_output=True, text=True)
+    assert run.returncode == 0, f"tree and serial reductions differ: {run.stdout}"
+
+
+def test_pin_wgmma_waits_stores_before_the_wait_after_a_softmax():
+    """runtime.pin_wgmma_waits (FwdConfig.pin_waits): a volatile store of the row sums, one word a
+    thread of a static scratch array sized by the launch bounds, right before a full wgmma wait
+    that follows a row sum; a wait with no row sum since the previous wait, and a kernel with none,
+    are left as they were."""
+    from tilelang_ops.runtime import pin_wgmma_waits
+
+    head = 'extern "C" __global__ void __launch_bounds__(384, 1) k() {\n  extern __shared__ __align__(1024) uchar buf_dyn_shmem[];\n  float row_sum[2];\n'
+    body = "\n".join([
+        "    tl::wait_wgmma<0>();",  # the first step's: no softmax before it
+        "    row_sum[i_5] = tl::AllReduce<tl::SumOp, 4, 1, 0, tl::NamedBarrier<256>>::run(row_sum[i_5]);",
+        "    tl::wait_wgmma<0>();",
+        "    tl::wait_wgmma<1>();",
+        "    tl::wait_wgmma<0>();",  # nothing since the wait before
+        "}",
+    ])
+    out = pin_wgmma_waits(head + body).splitlines()
+    assert out[2] == "  __shared__ float tl_pin[384];"
+    pins = [i for i, line in enumerate(out) if "tl_pin)[threadIdx.x]" in line]
+    assert len(pins) == 1 and out[pins[0]].strip().startswith("((volatile float*)tl_pin)[threadIdx.x] = row_sum[0] + row_sum[1];")
+    assert out[pins[0] - 1].strip().startswith("row_sum[i_5] =") and out[pins[0] + 1].strip() == "tl::wait_wgmma<0>();"
+    assert pin_wgmma_waits(head + "    tl::wait_wgmma<0>();\n}") == head + "    tl::wait_wgmma<0>();\n}"
+
+
 def test_uniform_rewrite_chains_a_users_cuda_hook_and_restores_it():
     """The uniform_ws rewrite goes through TileLang's process-wide CUDA post-processing hook only
     for the compile that needs it: after any hook the user registered, which is back in place

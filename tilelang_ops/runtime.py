@@ -81,6 +81,99 @@ def _uniform_kernel(code: str) -> str:
     return head + "  const int tl_warp = __shfl_sync(0xffffffffu, ((int)threadIdx.x) >> 5, 0);\n" + body
 
 
+# TileLang's reduce (T.reduce_max / T.reduce_sum over a fragment's rows) folds each thread's
+# values of a row in one serial, unrolled loop: `acc = max(acc, x[f(rv)])` / `acc = (acc + x[f(rv)])`.
+_SERIAL_REDUCE = re.compile(
+    r"(?P<ind>[ ]*)#pragma unroll\n(?P=ind)for \(int (?P<rv>rv\w*) = 0; (?P=rv) < (?P<n>\d+); \+\+(?P=rv)\) \{\n"
+    r"[ ]*(?P<acc>\w+\[\w+\]) = (?:max\((?P=acc), (?P<max>.+)\)|\((?P=acc) \+ (?P<sum>.+)\));\n"
+    r"(?P=ind)\}\n"
+)
+
+
+def tree_reductions(code: str, ways: int) -> str:
+    """CUDA source whose per-thread row reductions run as `ways` interleaved chains.
+
+    The serial loop is one dependence chain (in the attention forward at 128 keys, 32 FMNMX or
+    FADD per row and step, each waiting for the last); split over `ways` accumulators (element
+    rv into chain rv % ways) and combined pairwise at the end, it has the same instruction count
+    and a chain ~ways times shorter. A sum's rounding order changes (fp32; a max is exact).
+    Loops of fewer than 2 * ways elements stay as they are."""
+    assert ways >= 2 and ways & (ways - 1) == 0, "ways: a power of two >= 2"
+
+    def split(m):
+        n, rv, acc, ind = int(m.group("n")), m.group("rv"), m.group("acc"), m.group("ind")
+        if n < 2 * ways:
+            return m.group(0)
+        is_max = m.group("max") is not None
+        expr = m.group("max") if is_max else m.group("sum")
+        op = (lambda a, b: f"max({a}, {b})") if is_max else (lambda a, b: f"({a} + {b})")
+        # chain k starts from element k (chain 0 from acc as well): no identity to fold in
+        first = [re.sub(rf"\b{rv}\b", str(k), expr) for k in range(ways)]
+        init = ", ".join([op(acc, first[0])] + first[1:])
+        parts = [f"tl_acc[{k}]" for k in range(ways)]
+        while len(parts) > 1:  # pairwise: chain k with chain k + half
+            half = len(parts) // 2
+            parts = [op(parts[k], parts[k + half]) for k in range(half)]
+        return (
+            f"{ind}{{  // tileops: {ways} chains (runtime.tree_reductions)\n"
+            f"{ind}  float tl_acc[{ways}] = {{{init}}};\n"
+            f"{ind}  #pragma unroll\n"
+            f"{ind}  for (int {rv} = {ways}; {rv} < {n}; ++{rv}) {{\n"
+            f"{ind}    tl_acc[{rv} % {ways}] = {op(f'tl_acc[{rv} % {ways}]', expr)};\n"
+            f"{ind}  }}\n"
+            f"{ind}  {acc} = {parts[0]};\n"
+            f"{ind}}}\n"
+        )
+
+    return _SERIAL_REDUCE.sub(split, code)
+
+
+_SUM_ALLREDUCE = re.compile(r"^\s*(\w+)\[\w+\] = tl::AllReduce<tl::SumOp\b")
+_DYN_SHMEM = "extern __shared__ __align__(1024) uchar buf_dyn_shmem[];"
+
+
+def pin_wgmma_waits(code: str) -> str:
+    """CUDA source in which a `wgmma.wait_group 0` that follows a softmax stays after it.
+
+    The async attention forward issues S_j = Q K_j^T and O += P_{j-1} V_{j-1}, waits for S_j
+    only, computes step j's softmax while P V runs, and then waits for everything. ptxas's
+    scheduler may hoist that last wait (and the mbarrier arrive after it) from after the softmax
+    to the top of its basic block, where the warpgroup then idles until P V is done and the
+    overlap is gone: the D=64 causal default's SASS has `WARPGROUP.DEPBAR.LE gsb0, 0x0` before its
+    66 exps (the D=128 causal 128 x 176 one too; the 128 x 128 one not). Nothing in the softmax
+    depends on the wait, so nothing stops the move. A shared-memory store of the row sums just
+    before the wait does: memory operations keep their order with the wait, and the store needs
+    every exponential. Each thread stores to its own word of a scratch array (`tl_pin`, 4 bytes a
+    thread; never read), so no two threads touch one address."""
+    parts = re.split(r'(?m)^(?=extern "C" __global__)', code)
+    return "".join(_pin_kernel(p) for p in parts)
+
+
+def _pin_kernel(code: str) -> str:
+    if _DYN_SHMEM not in code:
+        return code
+    lines = code.split("\n")
+    out, pinned, sums = [], False, None
+    for line in lines:
+        m = _SUM_ALLREDUCE.match(line)
+        if m:
+            sums = m.group(1)
+        if line.strip() == "tl::wait_wgmma<0>();" and sums is not None:
+            size = re.search(rf"\bfloat {sums}\[(\d+)\];", code)
+            n = int(size.group(1)) if size else 1
+            indent = line[: len(line) - len(line.lstrip())]
+            out.append(f"{indent}((volatile float*)tl_pin)[threadIdx.x] = {' + '.join(f'{sums}[{k}]' for k in range(n))};  // tileops: keeps the wait here (runtime.pin_wgmma_waits)")
+            pinned = True
+        if "tl::wait_wgmma<" in line:
+            sums = None
+        out.append(line)
+    if not pinned:
+        return code
+    threads = re.search(r"__launch_bounds__\((\d+)", code)
+    decl = f"  __shared__ float tl_pin[{threads.group(1) if threads else 1024}];"
+    return "\n".join(out).replace(_DYN_SHMEM, _DYN_SHMEM + "\n" + decl, 1)
+
+
 def arch_for_capability(major: int, minor: int) -> str:
     """CUDA arch string TileLang should target. Hopper needs the `a` suffix for wgmma/setmaxnreg."""
     return f"sm_{major}{minor}" + ("a" if major == 9 else "")
@@ -159,6 +252,21 @@ def config_str(config) -> str:
     )
 
 
+def source_rewrites(config) -> list:
+    """(rewrite of the generated CUDA, compile flag naming it) pairs a config asks for:
+    `uniform_ws` (uniform_warpgroups), `pin_waits` (pin_wgmma_waits), `tree_reduce` = ways
+    (tree_reductions), applied in that order."""
+    out = []
+    if getattr(config, "uniform_ws", False):
+        out.append((uniform_warpgroups, UNIFORM_WS_FLAG))
+    if getattr(config, "pin_waits", False):
+        out.append((pin_wgmma_waits, "-DTILEOPS_PIN_WAITS"))
+    ways = getattr(config, "tree_reduce", 0)
+    if ways:
+        out.append((lambda code: tree_reductions(code, ways), f"-DTILEOPS_TREE_REDUCE={ways}"))
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelDef:
     """A TileLang kernel family member: `build(config, **static) -> PrimFunc`."""
@@ -180,9 +288,15 @@ class KernelDef:
             if kernel is None:
                 args = dict(func=self.build(config, **static), target={"kind": "cuda", "arch": arch},
                             pass_configs=self.pass_configs_for(config) or None)
-                if getattr(config, "uniform_ws", False):
-                    # the flag gives the rewritten kernel a disk-cache key of its own
-                    kernel = _compile_rewritten(_tilelang(), uniform_warpgroups, compile_flags=[UNIFORM_WS_FLAG], **args)
+                rewrites = source_rewrites(config)
+                if rewrites:
+                    # the flags give the rewritten kernel a disk-cache key of its own
+                    def rewrite(code):
+                        for fn, _ in rewrites:
+                            code = fn(code)
+                        return code
+
+                    kernel = _compile_rewritten(_tilelang(), rewrite, compile_flags=[flag for _, flag in rewrites], **args)
                 else:
                     kernel = _tilelang().compile(**args)
                 _COMPILED[key] = kernel

@@ -98,6 +98,13 @@ class FwdConfig:
     # store to have read that buffer only before the next tile writes it, not right after issuing
     # it (its warpgroup's next wgmmas need it). Not yet timed (session 37 had no device left).
     late_store_wait: bool = dataclasses.field(default=False, metadata={"omit_default": True})
+    # The softmax's row max and row sum as `tree_reduce` interleaved chains per thread instead of
+    # TileLang's one serial chain (runtime.tree_reductions; 0: as generated). Not yet timed.
+    tree_reduce: int = dataclasses.field(default=0, metadata={"omit_default": True})
+    # Async pipelines: keep the full wgmma wait after the softmax, where the source puts it
+    # (runtime.pin_wgmma_waits: ptxas hoists it above the softmax in some kernels, which undoes
+    # the intra-warpgroup overlap). Not yet timed.
+    pin_waits: bool = dataclasses.field(default=False, metadata={"omit_default": True})
 
     def for_arch(self, arch: str) -> "FwdConfig":
         # TileLang 0.1.15's cp.async pipeline (pre-Hopper) fails in codegen on a symbolic trip count.
