@@ -19,7 +19,7 @@ wrong kernel shows.
     python -m benchmarks.sweep_attention --block-n --shapes 2 4 --causal-only  # forward: the defaults again and with 64, 176, 192 keys a step
     python -m benchmarks.sweep_attention --uniform [--bwd]  # the defaults again and with the other uniform_ws (warp-uniform role branches)
     python -m benchmarks.sweep_attention --late-store --causal-only  # the defaults again; persistent ones with FwdConfig.late_store_wait
-    python -m benchmarks.sweep_attention --pin [--tree] [--late-store]  # the defaults again; with FwdConfig.pin_waits, tree_reduce=4, late_store_wait (each also pinned)
+    python -m benchmarks.sweep_attention --pin [--tree] [--late-store]  # the defaults again; with FwdConfig.pin_waits, tree_reduce=4, late_store_wait (each also pinned); T.Pipelined defaults: against pinned async tiles
 
 Forward FLOPs = 4 * B * H * S^2 * D, halved when causal; backward 2.5x that (as bench_attention).
 --bwd times the backward as the op runs it (`flash_bwd_fused`: preprocess, main kernel, dQ cast).
@@ -199,6 +199,13 @@ def _configs(D: int, S: int, causal: bool, groups: int, bwd: bool, arch: str = "
             out.append(base[1])
             if D == 64:  # and FlashAttention-3's warpgroup ping-pong with it (not persistent: async-only)
                 out.append(dataclasses.replace(base[1], persistent=False, pipeline="pingpong"))
+        elif PIN:  # a T.Pipelined default (non-causal): the async tiles that lost to it, now pinned
+            from tilelang_ops.kernels.attention import FwdConfig
+
+            if D == 64:
+                out.append(FwdConfig(128, 128, 2, 256, "async", post_mask=True, persistent=True, pin_waits=True))
+            else:
+                out += [FwdConfig(128, bn, 2, 256, "async", lazy_rescale=8.0, pin_waits=True) for bn in (176, 128)]
         for b in base:
             if b.pin_waits and default.pipeline == "auto":
                 continue

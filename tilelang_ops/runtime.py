@@ -143,8 +143,8 @@ def pin_wgmma_waits(code: str) -> str:
     66 exps (the D=128 causal 128 x 176 one too; the 128 x 128 one not). Nothing in the softmax
     depends on the wait, so nothing stops the move. A shared-memory store of the row sums just
     before the wait does: memory operations keep their order with the wait, and the store needs
-    every exponential. Each thread stores to its own word of a scratch array (`tl_pin`, 4 bytes a
-    thread; never read), so no two threads touch one address."""
+    every exponential. Volatile, or nvcc deletes it (the scratch array `tl_pin` is never read);
+    each thread stores to its own word (4 bytes a thread), so no two threads touch one address."""
     parts = re.split(r'(?m)^(?=extern "C" __global__)', code)
     return "".join(_pin_kernel(p) for p in parts)
 
