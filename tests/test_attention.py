@@ -668,17 +668,21 @@ def _ptxas_report(src: str, tmp_path) -> str:
 def _sass_events(src: str, tmp_path) -> list:
     """The SASS of a generated CUDA source (nvcc -O3 --use_fast_math, as TileLang compiles it) as
     events: "H" a wgmma group's last HGMMA, "W0"/"W1" a wgmma wait (<= 0 / 1 groups pending),
-    "E<n>" n MUFU.EX2 in a row of the other events. Needs cuobjdump (PATH or $TILEOPS_CUOBJDUMP)."""
+    "E<n>" n MUFU.EX2 in a row of the other events."""
+    import glob
     import os
     import shutil
     import subprocess
+    import sysconfig
 
     import tilelang
 
     nvcc = shutil.which("nvcc")
-    cuobjdump = os.environ.get("TILEOPS_CUOBJDUMP") or shutil.which("cuobjdump")
+    # the toolkit's, or pip's nvidia-cuda-cuobjdump wheel (with nvidia-cuda-nvdisasm; .ci/run installs both)
+    wheel = glob.glob(os.path.join(sysconfig.get_paths()["purelib"], "nvidia", "cu*", "bin", "cuobjdump"))
+    cuobjdump = os.environ.get("TILEOPS_CUOBJDUMP") or shutil.which("cuobjdump") or (wheel[0] if wheel else None)
     if nvcc is None or cuobjdump is None:
-        pytest.skip("nvcc and cuobjdump (PATH or $TILEOPS_CUOBJDUMP) are needed to read the SASS")
+        pytest.skip("nvcc and cuobjdump (PATH, $TILEOPS_CUOBJDUMP or pip's nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm) are needed to read the SASS")
     tl = os.path.dirname(tilelang.__file__)
     cu = tmp_path / f"k{abs(hash(src))}.cu"
     cu.write_text(src)
@@ -686,7 +690,8 @@ def _sass_events(src: str, tmp_path) -> list:
     cubin = cu.with_suffix(".cubin")
     run = subprocess.run([nvcc, "-cubin", "-O3", "--use_fast_math", "-arch", "sm_90a", "-w", "-std=c++20", *inc, str(cu), "-o", str(cubin)], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]
-    sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    env = dict(os.environ, PATH=os.path.dirname(cuobjdump) + os.pathsep + os.environ.get("PATH", ""))  # its nvdisasm
+    sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True, env=env).stdout
     events, exps = [], 0
     for m in re.finditer(r"/\*[0-9a-f]{4}\*/\s+([^;]*);", sass):
         ins = m.group(1)
