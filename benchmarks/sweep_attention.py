@@ -126,6 +126,31 @@ def pingpong_candidates(default) -> list:
     return [default] + [FwdConfig(128, bn, 2, 256, "pingpong", default.lazy_rescale, post_mask=True) for bn in (128, 176)]
 
 
+def variants(cfg) -> list:
+    """--tree / --late-store: cfg with the row reductions as 4 chains, with the O store's wait deferred (persistent)."""
+    out = [dataclasses.replace(cfg, tree_reduce=4)] if TREE else []
+    return out + ([dataclasses.replace(cfg, late_store_wait=True)] if LATE_STORE and cfg.persistent else [])
+
+
+def pin_candidates(default, headdim: int) -> list:
+    """--pin (FwdConfig.pin_waits, session 38: ptxas had hoisted the full wgmma wait above the
+    softmax in the async forwards). An async default: pinned; at D=64 also pinned with lazy
+    rescaling (O's rescale now sits between the wait and the next step's issue) and in the
+    ping-pong pipeline; then --tree / --late-store on the pinned one. A T.Pipelined default
+    (non-causal): the async tiles that lost to it, pinned."""
+    from tilelang_ops.kernels.attention import FwdConfig
+
+    if default.pipeline == "auto":
+        if headdim == 64:
+            return [FwdConfig(128, 128, 2, 256, "async", post_mask=True, persistent=True, pin_waits=True)] + variants(default)
+        return [FwdConfig(128, bn, 2, 256, "async", lazy_rescale=8.0, pin_waits=True) for bn in (176, 128)] + variants(default)
+    pinned = dataclasses.replace(default, pin_waits=True)
+    out = [pinned]
+    if headdim == 64:
+        out += [dataclasses.replace(pinned, lazy_rescale=8.0), dataclasses.replace(pinned, persistent=False, pipeline="pingpong")]
+    return out + variants(pinned)
+
+
 def bwd_candidates(headdim: int):
     """BwdConfigs to time beside the default backward (the async pipeline at D=64/128): TileLang's
     T.Pipelined kernel at its former defaults, and the async pipeline's other tiles. With
@@ -192,28 +217,8 @@ def _configs(D: int, S: int, causal: bool, groups: int, bwd: bool, arch: str = "
     default = K.fwd_default_config(D, causal, arch, S if ABLATE or PINGPONG or STAGES or BLOCK_N or UNIFORM or LATE_STORE or TREE or PIN else None)
     if UNIFORM:  # the default again (A/A) and with the other uniform_ws (role branches on a warp-uniform index)
         return [default, default, dataclasses.replace(default, uniform_ws=not default.uniform_ws)]
-    if LATE_STORE or TREE or PIN:  # the default again (A/A); then each candidate asked for, with --pin also pinned
-        out = [default, default]
-        base = [default, dataclasses.replace(default, pin_waits=True)] if PIN else [default]
-        if PIN and default.pipeline != "auto":  # the full wgmma wait kept after the softmax (async pipelines only)
-            out.append(base[1])
-            if D == 64:  # and FlashAttention-3's warpgroup ping-pong with it (not persistent: async-only)
-                out.append(dataclasses.replace(base[1], persistent=False, pipeline="pingpong"))
-        elif PIN:  # a T.Pipelined default (non-causal): the async tiles that lost to it, now pinned
-            from tilelang_ops.kernels.attention import FwdConfig
-
-            if D == 64:
-                out.append(FwdConfig(128, 128, 2, 256, "async", post_mask=True, persistent=True, pin_waits=True))
-            else:
-                out += [FwdConfig(128, bn, 2, 256, "async", lazy_rescale=8.0, pin_waits=True) for bn in (176, 128)]
-        for b in base:
-            if b.pin_waits and default.pipeline == "auto":
-                continue
-            if TREE:  # the softmax's row reductions as 4 chains per thread
-                out.append(dataclasses.replace(b, tree_reduce=4))
-            if LATE_STORE and default.persistent:  # the O store's wait deferred
-                out.append(dataclasses.replace(b, late_store_wait=True))
-        return out
+    if LATE_STORE or TREE or PIN:  # the default again (A/A); then each candidate asked for
+        return [default, default] + pin_candidates(default, D) if PIN else [default, default] + variants(default)
     if BLOCK_N:  # the default again (A/A) and with other key-block widths (fewer steps: less per-step work, more masked waste)
         return [default, default] + [dataclasses.replace(default, block_n=n) for n in (64, 176, 192) if n != default.block_n]
     if PINGPONG:

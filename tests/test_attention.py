@@ -300,10 +300,11 @@ TREE_FWD_CONFIGS = {64: [(128, 128, 2, 256, "async", 0.0, True, True, False, Fal
                          (192, 176, 2, 384, "auto", 0.0, True, False, False, False, 4)],
                     128: [(192, 128, 2, 384, "auto", 8.0, True, False, False, False, 4), (128, 128, 2, 256, "async", 8.0, False, False, False, False, 4)]}
 # Session 38: FwdConfig.pin_waits (the full wgmma wait kept after the softmax by a shared store) on
-# the async defaults' kernels: D=64 causal (alone, with tree_reduce, with late_store_wait; and the
-# ping-pong pipeline), D=128 causal 128 x 176 / 128 x 128.
+# the async defaults' kernels: D=64 causal (alone, with tree_reduce, with late_store_wait, with lazy
+# rescaling; and the ping-pong pipeline), D=128 causal 128 x 176 / 128 x 128.
 PIN_FWD_CONFIGS = {64: [(128, 128, 2, 256, "async", 0.0, True, True, False, False, 0, True), (128, 128, 2, 256, "async", 0.0, True, True, False, False, 4, True),
-                        (128, 128, 2, 256, "async", 0.0, True, True, False, True, 0, True), (128, 128, 2, 256, "pingpong", 0.0, True, False, False, False, 0, True)],
+                        (128, 128, 2, 256, "async", 0.0, True, True, False, True, 0, True), (128, 128, 2, 256, "pingpong", 0.0, True, False, False, False, 0, True),
+                        (128, 128, 2, 256, "async", 8.0, True, True, False, False, 0, True)],
                    128: [(128, 176, 2, 256, "async", 8.0, False, False, False, False, 0, True), (128, 128, 2, 256, "async", 8.0, False, False, False, False, 0, True)]}
 for _d in ASYNC_FWD_CONFIGS:
     ASYNC_FWD_CONFIGS[_d] += (LAZY_FWD_CONFIGS[_d] + POST_MASK_FWD_CONFIGS[_d] + PERSISTENT_FWD_CONFIGS[_d] + WIDE_FWD_CONFIGS[_d]
