@@ -707,27 +707,58 @@ def _sass_events(src: str, tmp_path) -> list:
     return events
 
 
-def test_flash_fwd_pin_waits_keeps_the_softmax_under_p_v(tmp_path):
-    """FwdConfig.pin_waits: in the D=64 causal default's key loop (S_j and P_{j-1} V_{j-1} issued
-    together, "H H"), the full wgmma wait comes after the step's 64 exponentials, so the softmax
-    overlaps P V as the source intends. Without the pin ptxas hoists that wait above the softmax
-    (session 38: "H H W1 W0 E66"); that is printed, not asserted (a later ptxas may not)."""
+def _wait_exp_order(events) -> str:
+    """Only the waits and whether exponentials come between them: "W0 E W1 E W0 W0"."""
+    out = []
+    for e in events:
+        if e.startswith("W"):
+            out.append(e)
+        elif e.startswith("E") and out and out[-1] != "E":
+            out.append("E")
+    return " ".join(out)
+
+
+def _source_wait_exp_order(src: str) -> str:
+    """_wait_exp_order of the generated source (its wgmma waits and exp2f calls, in text order)."""
+    events = []
+    for m in re.finditer(r"tl::wait_wgmma<(\d)>|exp2f\(", src):
+        events.append(f"W{m.group(1)}" if m.group(1) else "E1")
+    return _wait_exp_order(events)
+
+
+# The async attention defaults whose SASS keeps the waits and the exponentials in source order.
+# The two hoisted ones (ptxas moves the step's full wait above the softmax, session 38) are
+# expected to fail until FwdConfig.pin_waits is part of their default: strict, so the day a
+# default changes (or a ptxas stops hoisting) the test says so.
+_HOISTED = pytest.mark.xfail(strict=True, reason="ptxas hoists the full wgmma wait above the softmax (session 38; FwdConfig.pin_waits fixes it, off until timed)")
+WAIT_ORDER_CASES = [
+    pytest.param("fwd", 64, True, None, False, id="fwd-d64-causal", marks=_HOISTED),
+    pytest.param("fwd", 64, True, None, True, id="fwd-d64-causal-pinned"),
+    pytest.param("fwd", 128, True, 4096, False, id="fwd-d128-causal-short"),
+    pytest.param("fwd", 128, True, 16384, False, id="fwd-d128-causal-long", marks=_HOISTED),
+    pytest.param("fwd", 128, True, 16384, True, id="fwd-d128-causal-long-pinned"),
+    pytest.param("bwd", 64, True, None, False, id="bwd-d64-causal"),
+    pytest.param("bwd", 128, False, None, False, id="bwd-d128"),
+]
+
+
+@pytest.mark.parametrize("kind, headdim, causal, seqlen_k, pin", WAIT_ORDER_CASES)
+def test_async_attention_defaults_keep_waits_where_the_source_puts_them(kind, headdim, causal, seqlen_k, pin, tmp_path):
+    """In the SASS of the async attention defaults (and of the hoisted ones with pin_waits), the
+    wgmma waits and the exponentials come in the order of the generated source (waits only, and
+    whether exps lie between them): a wait that ptxas moves above the softmax silently serializes
+    what the pipeline overlaps."""
     import dataclasses
 
     from tilelang_ops.kernels import attention as K
 
-    static = dict(headdim=64, dtype="bfloat16", causal=True, groups=1, scale=K.default_scale(64))
-    plain = K.fwd_default_config(64, True)
-    for cfg in (plain, dataclasses.replace(plain, pin_waits=True)):
-        src = K.flash_fwd_kernel.source(cfg, "sm_90a", **static)
-        ev = " ".join(_sass_events(src, tmp_path))
-        loop = ev[ev.index("H H W1"):]
-        loop = loop[: loop.index("W0") + 2]
-        print(f"pin_waits={cfg.pin_waits}: {loop}")
-        if cfg.pin_waits:
-            exps = sum(int(e[1:]) for e in loop.split() if e.startswith("E"))
-            assert exps >= 64, f"the loop's full wgmma wait comes before its softmax: {loop}"
-            assert "tileops: keeps the wait here" in src
+    static = dict(headdim=headdim, dtype="bfloat16", causal=causal, groups=1, scale=K.default_scale(headdim))
+    if kind == "fwd":
+        cfg = K.fwd_default_config(headdim, causal, "sm_90a", seqlen_k)
+        src = K.flash_fwd_kernel.source(dataclasses.replace(cfg, pin_waits=pin), "sm_90a", **static)
+    else:
+        src = K.flash_bwd_fused_kernel.source(K.bwd_default_config(headdim, causal), "sm_90a", **static)
+    assert _wait_exp_order(_sass_events(src, tmp_path)) == _source_wait_exp_order(src)
 
 
 @pytest.mark.slow

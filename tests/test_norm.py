@@ -4,7 +4,8 @@ NaN-poisoned outputs, ragged rows, large batches, determinism and CUDA-graph cap
 
 Tolerances vs a float64 reference (max |err| <= atol + rtol * |ref|, reference.LAYER_NORM_*):
 fp32 1e-5 / 1e-5, fp16 4e-3 / 2e-3, bf16 3e-2 / 1.6e-2 on the output (one rounding to the output
-dtype dominates: y is O(1) after normalization). Gradients by relative Frobenius error: 1e-4 when
+dtype dominates: y is O(1) after normalization); the fuzz's rows of 2-3 elements may nearly
+coincide, and there atol also allows x - mean's fp32 rounding amplified by rstd (`_close`). Gradients by relative Frobenius error: 1e-4 when
 x, dy and the parameters are fp32, 5e-3 with fp16 and 2e-2 with bf16 among them (dy is rounded to
 the output dtype, as autograd hands it over).
 """
@@ -39,8 +40,20 @@ def _ref(x, w, b, eps=1e-5):
     return F.layer_norm(x.double(), x.shape[-1:], None if w is None else w.double(), None if b is None else b.double(), eps)
 
 
-def _close(out, ref, dtype):
-    torch.testing.assert_close(out.double(), ref, atol=LAYER_NORM_ATOL[dtype], rtol=LAYER_NORM_RTOL[dtype])
+def _close(out, ref, dtype, x=None, w=None, eps=1e-5):
+    """max |out - ref| <= atol + rtol * |ref|; given x (and w), atol per row also allows the rounding
+    of x - mean in fp32 (|x| * 2^-24 an element) amplified by rstd: in a row whose elements nearly
+    coincide (the fuzz's rows of 2-3) that, not the kernel or reference path, bounds the error."""
+    atol, rtol = LAYER_NORM_ATOL[dtype], LAYER_NORM_RTOL[dtype]
+    if x is None:
+        torch.testing.assert_close(out.double(), ref, atol=atol, rtol=rtol)
+        return
+    xd = x.double()
+    rstd = torch.rsqrt(xd.var(-1, unbiased=False, keepdim=True) + eps)
+    slack = 4 * 2.0**-24 * xd.abs().amax(-1, keepdim=True) * rstd * (w.double().abs() if w is not None else 1.0)
+    err = (out.double() - ref).abs()
+    bound = atol + slack + rtol * ref.abs()
+    assert out.shape == ref.shape and bool((err <= bound).all()), f"max excess {(err - bound).max().item():.3g} (max |err| {err.max().item():.3g})"
 
 
 def _worst(*dtypes):
@@ -133,7 +146,7 @@ def test_fuzz_shapes_forward_backward(lead, n, dtype, affine, device):
     x, w, b = _inputs((*lead, n), dtype, device, affine=affine)
     leaves = [t.detach().clone().requires_grad_() if t is not None else None for t in (x, w, b)]
     y = tilelang_ops.layer_norm(leaves[0], n, leaves[1], leaves[2])
-    _close(y.detach(), _ref(x, w, b), dtype)
+    _close(y.detach(), _ref(x, w, b), dtype, x, w)
     dy = torch.randn_like(y)
     y.backward(dy)
     ref = [t.detach().double().requires_grad_() if t is not None else None for t in (x, w, b)]
