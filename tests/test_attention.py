@@ -645,8 +645,9 @@ def test_flash_bwd_stats_early_source():
     assert "lse_s" not in loop[first_wait : loop.index("wgmma_rs")]
 
 
-def _ptxas_report(src: str, tmp_path) -> str:
-    """ptxas's -v report for a generated CUDA source (nvcc -cubin, sm_90a, TileLang's headers)."""
+def _nvcc_cubin(src: str, tmp_path, *flags: str):
+    """(cubin path, nvcc's stderr) of a generated CUDA source: nvcc -cubin for sm_90a with
+    TileLang's headers and `flags`; skips where nvcc is not on PATH."""
     import os
     import shutil
     import subprocess
@@ -655,15 +656,20 @@ def _ptxas_report(src: str, tmp_path) -> str:
 
     nvcc = shutil.which("nvcc")
     if nvcc is None:
-        pytest.skip("nvcc not on PATH: ptxas's register report needs the CUDA toolkit")
+        pytest.skip("nvcc not on PATH: compiling a generated kernel here needs the CUDA toolkit")
     tl = os.path.dirname(tilelang.__file__)
     cu = tmp_path / f"k{abs(hash(src))}.cu"
     cu.write_text(src)
     inc = [f"-I{tl}/{d}" for d in ("src", "3rdparty/cutlass/include", "src/tl_templates")]
-    cmd = [nvcc, "-cubin", "-arch", "sm_90a", "-w", "-std=c++17", *inc, "-Xptxas", "-v", str(cu), "-o", str(cu.with_suffix(".cubin"))]
-    run = subprocess.run(cmd, capture_output=True, text=True)
+    cubin = cu.with_suffix(".cubin")
+    run = subprocess.run([nvcc, "-cubin", "-arch", "sm_90a", "-w", *flags, *inc, str(cu), "-o", str(cubin)], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]
-    return run.stderr
+    return cubin, run.stderr
+
+
+def _ptxas_report(src: str, tmp_path) -> str:
+    """ptxas's -v report for a generated CUDA source (nvcc -cubin, sm_90a, TileLang's headers)."""
+    return _nvcc_cubin(src, tmp_path, "-std=c++17", "-Xptxas", "-v")[1]
 
 
 def _sass_events(src: str, tmp_path) -> list:
@@ -676,21 +682,12 @@ def _sass_events(src: str, tmp_path) -> list:
     import subprocess
     import sysconfig
 
-    import tilelang
-
-    nvcc = shutil.which("nvcc")
     # the toolkit's, or pip's nvidia-cuda-cuobjdump wheel (with nvidia-cuda-nvdisasm; .ci/run installs both)
     wheel = glob.glob(os.path.join(sysconfig.get_paths()["purelib"], "nvidia", "cu*", "bin", "cuobjdump"))
     cuobjdump = os.environ.get("TILEOPS_CUOBJDUMP") or shutil.which("cuobjdump") or (wheel[0] if wheel else None)
-    if nvcc is None or cuobjdump is None:
-        pytest.skip("nvcc and cuobjdump (PATH, $TILEOPS_CUOBJDUMP or pip's nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm) are needed to read the SASS")
-    tl = os.path.dirname(tilelang.__file__)
-    cu = tmp_path / f"k{abs(hash(src))}.cu"
-    cu.write_text(src)
-    inc = [f"-I{tl}/{d}" for d in ("src", "3rdparty/cutlass/include")]
-    cubin = cu.with_suffix(".cubin")
-    run = subprocess.run([nvcc, "-cubin", "-O3", "--use_fast_math", "-arch", "sm_90a", "-w", "-std=c++20", *inc, str(cu), "-o", str(cubin)], capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr[-2000:]
+    if cuobjdump is None:
+        pytest.skip("cuobjdump (PATH, $TILEOPS_CUOBJDUMP or pip's nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm) is needed to read the SASS")
+    cubin, _ = _nvcc_cubin(src, tmp_path, "-O3", "--use_fast_math", "-std=c++20")
     env = dict(os.environ, PATH=os.path.dirname(cuobjdump) + os.pathsep + os.environ.get("PATH", ""))  # its nvdisasm
     sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True, env=env).stdout
     events, exps = [], 0

@@ -59,10 +59,14 @@ def uniform_warpgroups(code: str) -> str:
     ptxas keeps that arithmetic on the uniform datapath. Only thresholds that are multiples of 32
     (warp boundaries) are rewritten, so each test keeps its value; `threadIdx.x >> 5` and `>> 7`
     (the warp and the warpgroup) become the broadcast index too."""
-    # one source may hold several kernels (a backward's preprocess, main kernel and cast): each
-    # its own index, declared before its first role branch
-    parts = re.split(r'(?m)^(?=extern "C" __global__)', code)
-    return "".join(_uniform_kernel(p) for p in parts)
+    # a source may hold several kernels: each its own index, declared before its first role branch
+    return _each_kernel(code, _uniform_kernel)
+
+
+def _each_kernel(code: str, rewrite: Callable[[str], str]) -> str:
+    """`rewrite` applied to each `__global__` function of a source on its own (one source may hold
+    several kernels: a backward's preprocess, main kernel and cast)."""
+    return "".join(rewrite(p) for p in re.split(r'(?m)^(?=extern "C" __global__)', code))
 
 
 def _uniform_kernel(code: str) -> str:
@@ -145,8 +149,7 @@ def pin_wgmma_waits(code: str) -> str:
     before the wait does: memory operations keep their order with the wait, and the store needs
     every exponential. Volatile, or nvcc deletes it (the scratch array `tl_pin` is never read);
     each thread stores to its own word (4 bytes a thread), so no two threads touch one address."""
-    parts = re.split(r'(?m)^(?=extern "C" __global__)', code)
-    return "".join(_pin_kernel(p) for p in parts)
+    return _each_kernel(code, _pin_kernel)
 
 
 def _pin_kernel(code: str) -> str:
