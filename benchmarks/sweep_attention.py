@@ -19,6 +19,7 @@ wrong kernel shows.
     python -m benchmarks.sweep_attention --block-n --shapes 2 4 --causal-only  # forward: the defaults again and with 64, 176, 192 keys a step
     python -m benchmarks.sweep_attention --uniform [--bwd]  # the defaults again and with the other uniform_ws (warp-uniform role branches)
     python -m benchmarks.sweep_attention --late-store --causal-only  # the defaults again; persistent ones with FwdConfig.late_store_wait
+    python -m benchmarks.sweep_attention --confirm --shapes 2 4 5 1 0  # forward: A/A, tree4 (pinned or not), pinned tree8, D=64 192x128 pinned
     python -m benchmarks.sweep_attention --pin [--tree] [--late-store]  # the defaults again; with FwdConfig.pin_waits, tree_reduce=4, late_store_wait (each also pinned); T.Pipelined defaults: against pinned async tiles
 
 Forward FLOPs = 4 * B * H * S^2 * D, halved when causal; backward 2.5x that (as bench_attention).
@@ -56,6 +57,7 @@ UNIFORM = False
 LATE_STORE = False
 TREE = False
 PIN = False
+CONFIRM = False
 
 
 def _gpt_candidates():
@@ -151,6 +153,28 @@ def pin_candidates(default, headdim: int) -> list:
     return out + variants(pinned)
 
 
+def confirm_candidates(default, headdim: int) -> list:
+    """--confirm (session 39, after --pin --tree: pinned alone 0.96-1.01x, pinned with tree4
+    1.00-1.04x): the default again (A/A); tree4 without the pin and with it, and pinned with 8
+    chains. D=64: also FlashAttention-3's D=64 tile (192 x 128, three consumer warpgroups) in the
+    async pipeline, persistent and pinned, whose earlier timings (twenty-second session) ran with
+    the hoisted wait. T.Pipelined defaults: tree4 on them and on the pinned async tile."""
+    from tilelang_ops.kernels.attention import FwdConfig
+
+    out = [default, dataclasses.replace(default, tree_reduce=4)]
+    if default.pipeline == "auto":
+        tile = (FwdConfig(128, 128, 2, 256, "async", post_mask=True, persistent=True, pin_waits=True) if headdim == 64
+                else FwdConfig(128, 176, 2, 256, "async", lazy_rescale=8.0, pin_waits=True))
+    else:
+        tile = dataclasses.replace(default, pin_waits=True)
+        out.append(dataclasses.replace(tile, tree_reduce=8))
+    out.append(dataclasses.replace(tile, tree_reduce=4))
+    if headdim == 64:
+        wide = FwdConfig(192, 128, 2, 384, "async", post_mask=True, persistent=True, pin_waits=True)
+        out += [wide, dataclasses.replace(wide, tree_reduce=4)]
+    return out
+
+
 def bwd_candidates(headdim: int):
     """BwdConfigs to time beside the default backward (the async pipeline at D=64/128): TileLang's
     T.Pipelined kernel at its former defaults, and the async pipeline's other tiles. With
@@ -214,9 +238,11 @@ def _configs(D: int, S: int, causal: bool, groups: int, bwd: bool, arch: str = "
         if UNIFORM:
             return [default, default, dataclasses.replace(default, uniform_ws=not default.uniform_ws)]
         return ablations(default, D, causal, groups) if ABLATE else [default] + bwd_candidates(D)
-    default = K.fwd_default_config(D, causal, arch, S if ABLATE or PINGPONG or STAGES or BLOCK_N or UNIFORM or LATE_STORE or TREE or PIN else None)
+    default = K.fwd_default_config(D, causal, arch, S if ABLATE or PINGPONG or STAGES or BLOCK_N or UNIFORM or LATE_STORE or TREE or PIN or CONFIRM else None)
     if UNIFORM:  # the default again (A/A) and with the other uniform_ws (role branches on a warp-uniform index)
         return [default, default, dataclasses.replace(default, uniform_ws=not default.uniform_ws)]
+    if CONFIRM:
+        return [default] + confirm_candidates(default, D)
     if LATE_STORE or TREE or PIN:  # the default again (A/A); then each candidate asked for
         return [default, default] + pin_candidates(default, D) if PIN else [default, default] + variants(default)
     if BLOCK_N:  # the default again (A/A) and with other key-block widths (fewer steps: less per-step work, more masked waste)
@@ -425,6 +451,7 @@ if __name__ == "__main__":
     ap.add_argument("--late-store", action="store_true", help="forward: the defaults again; persistent ones with FwdConfig.late_store_wait")
     ap.add_argument("--tree", action="store_true", help="forward: the defaults again and with FwdConfig.tree_reduce=4")
     ap.add_argument("--pin", action="store_true", help="forward: the defaults again and with FwdConfig.pin_waits (async pipelines; with --tree / --late-store: each also pinned)")
+    ap.add_argument("--confirm", action="store_true", help="forward: the defaults again, with tree4 (pinned or not), pinned tree8; D=64: 192 x 128 async persistent pinned")
     ap.add_argument("--causal-only", action="store_true", help="causal shapes only")
     ap.add_argument("--shapes", type=int, nargs="+", help="only these SHAPES (indexes)")
     args = ap.parse_args()
@@ -445,6 +472,7 @@ if __name__ == "__main__":
     LATE_STORE = args.late_store
     TREE = args.tree
     PIN = args.pin
+    CONFIRM = args.confirm
     if args.causal_only:
         CAUSAL = (True,)
     LAZY = args.lazy
