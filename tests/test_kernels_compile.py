@@ -132,6 +132,74 @@ def test_tree_reductions_compute_the_same_row_max_and_sum(n, ways, tmp_path):
     assert run.returncode == 0, f"tree and serial reductions differ: {run.stdout}"
 
 
+# The softmax's exponentials as TileLang writes them (a thread's scores two at a time) and a
+# rescale factor's, in a kernel
+_EXP_LOOP = """extern "C" __global__ void softmax_exp(float* s, float* alpha, const float* m) {
+        for (int i_3 = 0; i_3 < 2; ++i_3) {
+          alpha[i_3] = exp2f(m[i_3]);
+        }
+        #pragma unroll
+        for (int i_4 = 0; i_4 < 32; ++i_4) {
+          float2 __1;
+          float2 __2 = *(float2*)(s + (i_4 * 2));
+          __1.x = exp2f(__2.x);
+          __1.y = exp2f(__2.y);
+          *(float2*)(s + (i_4 * 2)) = __1;
+        }
+}
+"""
+
+
+@pytest.mark.parametrize("every", [2, 4, 8])
+def test_poly_exp2_emulates_one_exponential_in_every(every, tmp_path):
+    """runtime.poly_exp2 (FwdConfig.poly_exp): compiled as C++ and run on random scores, the
+    rewritten loop gives 2^x within 1.1e-4 relative where score index % every == every - 1 and
+    exp2f's own value elsewhere; 2^0 = 1 and 2^-inf = 0 exactly (the row's max, a masked score)
+    and 2^-126 .. 2^-127 underflows to below 2^-125; the rescale factors' exp2f stay."""
+    import shutil
+    import subprocess
+
+    from tilelang_ops.runtime import poly_exp2
+
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler to run the rewritten loop")
+    code = poly_exp2(_EXP_LOOP, every)
+    assert code.count("tileops_exp2_fma(") == 3 and "alpha[i_3] = exp2f(m[i_3]);" in code
+    prog = tmp_path / "exp.cpp"
+    prog.write_text(
+        "#include <cmath>\n#include <cstdio>\n#include <cstdlib>\n#include <cstring>\n"
+        "#define __global__\n#define __device__\n#define __forceinline__ inline\n"
+        "struct float2 { float x, y; };\n"
+        "static float __fadd_rn(float a, float b) { volatile float r = a + b; return r; }\n"
+        "static float __fsub_rn(float a, float b) { volatile float r = a - b; return r; }\n"
+        "static float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }\n"
+        "static int __float_as_int(float f) { int i; memcpy(&i, &f, 4); return i; }\n"
+        + code
+        + "int main() {\n  float s[64], x[64], a[2], m[2] = {-3.5f, 0.25f}; srand(11);\n"
+        f"  const int every = {every};\n"
+        "  for (int t = 0; t < 2000; ++t) {\n"
+        "    for (int k = 0; k < 64; ++k) x[k] = s[k] = -130.0f * rand() / RAND_MAX;\n"
+        "    x[t % 64] = s[t % 64] = 0.0f; x[(t + 1) % 64] = s[(t + 1) % 64] = -INFINITY;\n"
+        "    x[(t + 2) % 64] = s[(t + 2) % 64] = -126.0f - (float)rand() / RAND_MAX;\n"
+        "    softmax_exp(s, a, m);\n"
+        "    if (a[0] != exp2f(m[0]) || a[1] != exp2f(m[1])) { printf(\"alpha\\n\"); return 1; }\n"
+        "    for (int k = 0; k < 64; ++k) {\n"
+        "      float want = exp2f(x[k]);\n"
+        "      bool emulated = k % every == every - 1;\n"
+        "      bool ok = !emulated ? s[k] == want\n"
+        "        : x[k] == 0.0f ? s[k] == 1.0f : x[k] == -INFINITY ? s[k] == 0.0f\n"
+        "        : x[k] < -126.0f ? s[k] >= 0.0f && s[k] < 0x1p-125f : std::fabs(s[k] - want) <= 1.1e-4f * want;\n"
+        "      if (!ok) { printf(\"%d %d %g %g %g\\n\", t, k, x[k], s[k], want); return 1; }\n"
+        "    }\n  }\n  return 0;\n}\n"
+    )
+    exe = tmp_path / "exp"
+    subprocess.run([cxx, "-O1", "-std=c++20", "-o", str(exe), str(prog)], check=True, capture_output=True)
+    run = subprocess.run([str(exe)], capture_output=True, text=True)
+    assert run.returncode == 0, f"emulated exponential off: {run.stdout}"
+    assert poly_exp2("  y = exp2f(x);\n", 4) == "  y = exp2f(x);\n"
+
+
 def test_pin_wgmma_waits_stores_before_the_wait_after_a_softmax():
     """runtime.pin_wgmma_waits (FwdConfig.pin_waits): a volatile store of the row sums, one word a
     thread of a static scratch array sized by the launch bounds, right before a full wgmma wait
