@@ -19,7 +19,7 @@ wrong kernel shows.
     python -m benchmarks.sweep_attention --block-n --shapes 2 4 --causal-only  # forward: the defaults again and with 64, 176, 192 keys a step
     python -m benchmarks.sweep_attention --uniform [--bwd]  # the defaults again and with the other uniform_ws (warp-uniform role branches)
     python -m benchmarks.sweep_attention --late-store --causal-only  # the defaults again; persistent ones with FwdConfig.late_store_wait
-    python -m benchmarks.sweep_attention --confirm [--poly] --shapes 2 4 5 1 0  # forward: A/A, tree4 (pinned or not), pinned tree8, D=64 192x128 pinned; --poly: FwdConfig.poly_exp 8 / 4
+    python -m benchmarks.sweep_attention --confirm --shapes 2 4 5 1 0  # forward: A/A, tree4 (pinned or not), pinned tree8, D=64 192x128 pinned
     python -m benchmarks.sweep_attention --pin [--tree] [--late-store]  # the defaults again; with FwdConfig.pin_waits, tree_reduce=4, late_store_wait (each also pinned); T.Pipelined defaults: against pinned async tiles
 
 Forward FLOPs = 4 * B * H * S^2 * D, halved when causal; backward 2.5x that (as bench_attention).
@@ -58,7 +58,6 @@ LATE_STORE = False
 TREE = False
 PIN = False
 CONFIRM = False
-POLY = False
 
 
 def _gpt_candidates():
@@ -173,8 +172,6 @@ def confirm_candidates(default, headdim: int) -> list:
     if headdim == 64:
         wide = FwdConfig(192, 128, 2, 384, "async", post_mask=True, persistent=True, pin_waits=True)
         out += [wide, dataclasses.replace(wide, tree_reduce=4)]
-    if POLY:  # FwdConfig.poly_exp: one exponential in 8 or 4 on the FMA pipe (runtime.poly_exp2)
-        out += [dataclasses.replace(c, poly_exp=n) for c in (default, dataclasses.replace(tile, tree_reduce=4)) for n in (8, 4)]
     return out
 
 
@@ -313,7 +310,6 @@ def _name(cfg) -> str:
     post += "/latestore" if getattr(cfg, "late_store_wait", False) else ""
     post += f"/tree{cfg.tree_reduce}" if getattr(cfg, "tree_reduce", 0) else ""
     post += "/pin" if getattr(cfg, "pin_waits", False) else ""
-    post += f"/poly{cfg.poly_exp}" if getattr(cfg, "poly_exp", 0) else ""
     return f"{cfg.block_m}x{cfg.block_n}/{cfg.num_stages}/{cfg.threads}/{cfg.pipeline}{lazy}{post}"
 
 
@@ -456,7 +452,6 @@ if __name__ == "__main__":
     ap.add_argument("--tree", action="store_true", help="forward: the defaults again and with FwdConfig.tree_reduce=4")
     ap.add_argument("--pin", action="store_true", help="forward: the defaults again and with FwdConfig.pin_waits (async pipelines; with --tree / --late-store: each also pinned)")
     ap.add_argument("--confirm", action="store_true", help="forward: the defaults again, with tree4 (pinned or not), pinned tree8; D=64: 192 x 128 async persistent pinned")
-    ap.add_argument("--poly", action="store_true", help="with --confirm: also the default and the pinned tree4 tile with FwdConfig.poly_exp 8 and 4")
     ap.add_argument("--causal-only", action="store_true", help="causal shapes only")
     ap.add_argument("--shapes", type=int, nargs="+", help="only these SHAPES (indexes)")
     args = ap.parse_args()
@@ -478,7 +473,6 @@ if __name__ == "__main__":
     TREE = args.tree
     PIN = args.pin
     CONFIRM = args.confirm
-    POLY = args.poly
     if args.causal_only:
         CAUSAL = (True,)
     LAZY = args.lazy

@@ -306,14 +306,9 @@ PIN_FWD_CONFIGS = {64: [(128, 128, 2, 256, "async", 0.0, True, True, False, Fals
                         (128, 128, 2, 256, "async", 0.0, True, True, False, True, 0, True), (128, 128, 2, 256, "pingpong", 0.0, True, False, False, False, 0, True),
                         (128, 128, 2, 256, "async", 8.0, True, True, False, False, 0, True)],
                    128: [(128, 176, 2, 256, "async", 8.0, False, False, False, False, 0, True), (128, 128, 2, 256, "async", 8.0, False, False, False, False, 0, True)]}
-# Session 39: FwdConfig.poly_exp (one exponential in 8 or 4 on the FMA pipe) on the pinned tree4
-# async tiles (D=64 128 x 128 and 192 x 128, D=128 128 x 176) and the T.Pipelined defaults.
-POLY_FWD_CONFIGS = {64: [(128, 128, 2, 256, "async", 0.0, True, True, False, False, 4, True, 8), (128, 128, 2, 256, "async", 0.0, True, True, False, False, 4, True, 4),
-                         (192, 128, 2, 384, "async", 0.0, True, True, False, False, 4, True, 8), (192, 176, 2, 384, "auto", 0.0, True, False, False, False, 0, False, 8)],
-                    128: [(128, 176, 2, 256, "async", 8.0, False, False, False, False, 4, True, 8), (192, 128, 2, 384, "auto", 8.0, True, False, False, False, 0, False, 8)]}
 for _d in ASYNC_FWD_CONFIGS:
     ASYNC_FWD_CONFIGS[_d] += (LAZY_FWD_CONFIGS[_d] + POST_MASK_FWD_CONFIGS[_d] + PERSISTENT_FWD_CONFIGS[_d] + WIDE_FWD_CONFIGS[_d]
-                              + TREE_FWD_CONFIGS[_d] + PIN_FWD_CONFIGS[_d] + POLY_FWD_CONFIGS[_d])
+                              + TREE_FWD_CONFIGS[_d] + PIN_FWD_CONFIGS[_d])
 ASYNC_FWD_SHAPES = [
     (1, 1, 1, 2, 2, 0),  # one query, one key
     (2, 17, 33, 4, 2, 0),  # one ragged tile, GQA

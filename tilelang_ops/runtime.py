@@ -132,53 +132,6 @@ def tree_reductions(code: str, ways: int) -> str:
     return _SERIAL_REDUCE.sub(split, code)
 
 
-# 2^x on the FMA pipe (FlashAttention-4's answer to the exponential unit's 16 results per clock
-# and SM): x = n + f with n = rint(x) (adding 1.5 * 2^23 leaves n in r's low bits) and f in
-# [-0.5, 0.5]; 2^f by a cubic (relative error 1.0e-4, fitted minimax; bf16 and fp16 P round at
-# 3.9e-3 / 4.9e-4) with p(0) = 1 exactly, and n added into p's exponent bits. x is clamped at
-# -127 (a masked -inf score): there n = -127, f = 0 and the result is +0, as exp2f(-inf).
-_EXP2_FMA = """
-__device__ __forceinline__ float tileops_exp2_fma(float x) {  // tileops: runtime.poly_exp2
-  x = fmaxf(x, -127.0f);
-  const float r = __fadd_rn(x, 12582912.0f);
-  const float f = __fsub_rn(x, __fsub_rn(r, 12582912.0f));
-  const float p = fmaf(fmaf(fmaf(0x1.c2a216p-5f, f, 0x1.f00c4ep-3f), f, 0x1.62f5fap-1f), f, 1.0f);
-  return __int_as_float(__float_as_int(p) + (__float_as_int(r) << 23));
-}
-"""
-_EXP2_PAIR = re.compile(r"^(?P<ind>\s*)(?P<dst>\w+)\.(?P<c>[xy]) = exp2f\((?P<src>\w+)\.(?P=c)\);$")
-_FOR = re.compile(r"^(?P<ind>\s*)for \(int (?P<v>\w+) = 0; (?P=v) < (?P<n>\d+); \+\+(?P=v)\) \{$")
-
-
-def poly_exp2(code: str, every: int) -> str:
-    """CUDA source in which one in `every` of the softmax's exponentials (the unrolled loop over
-    a thread's scores, two a step: `d.x = exp2f(s.x); d.y = exp2f(s.y);`) runs on the FMA pipe
-    (`tileops_exp2_fma`, 9 instructions instead of one MUFU.EX2 that holds the unit 8 clocks a
-    warp). At D=64 a step's exponentials take the MUFU as long as its two GEMMs take the tensor
-    cores. The choice (score index % every == every - 1) folds at compile time in the unrolled loop,
-    spreading the emulated ones evenly. The rescale factors' exp2f stay on the MUFU."""
-    assert every >= 2, "every: >= 2 (one exponential in `every` emulated)"
-    out, loops, done = [], [], False
-    for line in code.split("\n"):
-        m = _FOR.match(line)
-        if m:
-            loops = [lp for lp in loops if len(lp[0]) < len(m.group("ind"))] + [(m.group("ind"), m.group("v"), int(m.group("n")))]
-        e = _EXP2_PAIR.match(line)
-        if e and loops and loops[-1][2] >= every:
-            ind, v = len(e.group("ind")), loops[-1][1]
-            if len(loops[-1][0]) < ind:
-                k = f"({v} * 2 + {'xy'.index(e.group('c'))})"
-                x = f"{e.group('src')}.{e.group('c')}"
-                line = f"{e.group('ind')}{e.group('dst')}.{e.group('c')} = ({k} % {every} == {every - 1}) ? tileops_exp2_fma({x}) : exp2f({x});"
-                done = True
-        out.append(line)
-    if not done:
-        return code
-    first = max(code.find('extern "C" __global__'), 0)
-    new = "\n".join(out)
-    return new[:first] + _EXP2_FMA.lstrip("\n") + "\n" + new[first:]
-
-
 _SUM_ALLREDUCE = re.compile(r"^\s*(\w+)\[\w+\] = tl::AllReduce<tl::SumOp\b")
 _DYN_SHMEM = "extern __shared__ __align__(1024) uchar buf_dyn_shmem[];"
 
@@ -305,7 +258,7 @@ def config_str(config) -> str:
 def source_rewrites(config) -> list:
     """(rewrite of the generated CUDA, compile flag naming it) pairs a config asks for:
     `uniform_ws` (uniform_warpgroups), `pin_waits` (pin_wgmma_waits), `tree_reduce` = ways
-    (tree_reductions), `poly_exp` = every (poly_exp2), applied in that order."""
+    (tree_reductions), applied in that order."""
     out = []
     if getattr(config, "uniform_ws", False):
         out.append((uniform_warpgroups, UNIFORM_WS_FLAG))
@@ -314,9 +267,6 @@ def source_rewrites(config) -> list:
     ways = getattr(config, "tree_reduce", 0)
     if ways:
         out.append((lambda code: tree_reductions(code, ways), f"-DTILEOPS_TREE_REDUCE={ways}"))
-    every = getattr(config, "poly_exp", 0)
-    if every:
-        out.append((lambda code: poly_exp2(code, every), f"-DTILEOPS_POLY_EXP={every}"))
     return out
 
 

@@ -105,9 +105,6 @@ class FwdConfig:
     # (runtime.pin_wgmma_waits: ptxas hoists it above the softmax in some kernels, which undoes
     # the intra-warpgroup overlap). Not yet timed.
     pin_waits: bool = dataclasses.field(default=False, metadata={"omit_default": True})
-    # One in `poly_exp` of the softmax's exponentials on the FMA pipe instead of the MUFU
-    # (runtime.poly_exp2, FlashAttention-4's trick; 0: all on the MUFU). Not yet timed.
-    poly_exp: int = dataclasses.field(default=0, metadata={"omit_default": True})
 
     def for_arch(self, arch: str) -> "FwdConfig":
         # TileLang 0.1.15's cp.async pipeline (pre-Hopper) fails in codegen on a symbolic trip count.
