@@ -99,11 +99,13 @@ class FwdConfig:
     # it (its warpgroup's next wgmmas need it). Not yet timed (session 37 had no device left).
     late_store_wait: bool = dataclasses.field(default=False, metadata={"omit_default": True})
     # The softmax's row max and row sum as `tree_reduce` interleaved chains per thread instead of
-    # TileLang's one serial chain (runtime.tree_reductions; 0: as generated). Not yet timed.
+    # TileLang's one serial chain (runtime.tree_reductions; 0: as generated). H200, session 39,
+    # causal, with pin_waits: 1.01-1.04x at D=64, 1.00x at D=128 (A/A 0.995-1.03x): off until repeated.
     tree_reduce: int = dataclasses.field(default=0, metadata={"omit_default": True})
     # Async pipelines: keep the full wgmma wait after the softmax, where the source puts it
     # (runtime.pin_wgmma_waits: ptxas hoists it above the softmax in some kernels, which undoes
-    # the intra-warpgroup overlap). Not yet timed.
+    # the intra-warpgroup overlap). H200, session 39: 0.96-1.01x alone (the other consumer
+    # warpgroup's GEMMs had kept the tensor cores busy during the hoisted wait).
     pin_waits: bool = dataclasses.field(default=False, metadata={"omit_default": True})
 
     def for_arch(self, arch: str) -> "FwdConfig":
