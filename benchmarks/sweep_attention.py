@@ -20,6 +20,7 @@ wrong kernel shows.
     python -m benchmarks.sweep_attention --uniform [--bwd]  # the defaults again and with the other uniform_ws (warp-uniform role branches)
     python -m benchmarks.sweep_attention --late-store --causal-only  # the defaults again; persistent ones with FwdConfig.late_store_wait
     python -m benchmarks.sweep_attention --confirm --shapes 2 4 5 1 0  # forward: A/A, tree4 (pinned or not), pinned tree8, D=64 192x128 pinned
+    python -m benchmarks.sweep_attention --ab-tree --causal-only --shapes 2 4 5  # forward: default and tree4 in turns (tree4 defaults: against 0, 8 chains, uniform_ws)
     python -m benchmarks.sweep_attention --pin [--tree] [--late-store]  # the defaults again; with FwdConfig.pin_waits, tree_reduce=4, late_store_wait (each also pinned); T.Pipelined defaults: against pinned async tiles
 
 Forward FLOPs = 4 * B * H * S^2 * D, halved when causal; backward 2.5x that (as bench_attention).
@@ -58,6 +59,7 @@ LATE_STORE = False
 TREE = False
 PIN = False
 CONFIRM = False
+AB_TREE = False
 
 
 def _gpt_candidates():
@@ -238,11 +240,16 @@ def _configs(D: int, S: int, causal: bool, groups: int, bwd: bool, arch: str = "
         if UNIFORM:
             return [default, default, dataclasses.replace(default, uniform_ws=not default.uniform_ws)]
         return ablations(default, D, causal, groups) if ABLATE else [default] + bwd_candidates(D)
-    default = K.fwd_default_config(D, causal, arch, S if ABLATE or PINGPONG or STAGES or BLOCK_N or UNIFORM or LATE_STORE or TREE or PIN or CONFIRM else None)
+    default = K.fwd_default_config(D, causal, arch, S if ABLATE or PINGPONG or STAGES or BLOCK_N or UNIFORM or LATE_STORE or TREE or PIN or CONFIRM or AB_TREE else None)
     if UNIFORM:  # the default again (A/A) and with the other uniform_ws (role branches on a warp-uniform index)
         return [default, default, dataclasses.replace(default, uniform_ws=not default.uniform_ws)]
     if CONFIRM:
         return [default] + confirm_candidates(default, D)
+    if AB_TREE:  # session 40: tree4 1.00-1.05x at D=64 causal in two --confirm sweeps; A/B/A/B/A/B settled it
+        if default.tree_reduce:  # since then the D=64 causal default: against no tree, 8 chains, warp-uniform branches
+            return [default, dataclasses.replace(default, tree_reduce=0), dataclasses.replace(default, tree_reduce=8),
+                    dataclasses.replace(default, uniform_ws=True)] * 2
+        return [default, dataclasses.replace(default, tree_reduce=4)] * 3
     if LATE_STORE or TREE or PIN:  # the default again (A/A); then each candidate asked for
         return [default, default] + pin_candidates(default, D) if PIN else [default, default] + variants(default)
     if BLOCK_N:  # the default again (A/A) and with other key-block widths (fewer steps: less per-step work, more masked waste)
@@ -452,6 +459,7 @@ if __name__ == "__main__":
     ap.add_argument("--tree", action="store_true", help="forward: the defaults again and with FwdConfig.tree_reduce=4")
     ap.add_argument("--pin", action="store_true", help="forward: the defaults again and with FwdConfig.pin_waits (async pipelines; with --tree / --late-store: each also pinned)")
     ap.add_argument("--confirm", action="store_true", help="forward: the defaults again, with tree4 (pinned or not), pinned tree8; D=64: 192 x 128 async persistent pinned")
+    ap.add_argument("--ab-tree", action="store_true", help="forward: the default and itself with tree_reduce=4, three times each, in turns; a tree4 default against no tree, 8 chains and uniform_ws, twice")
     ap.add_argument("--causal-only", action="store_true", help="causal shapes only")
     ap.add_argument("--shapes", type=int, nargs="+", help="only these SHAPES (indexes)")
     args = ap.parse_args()
@@ -473,6 +481,7 @@ if __name__ == "__main__":
     TREE = args.tree
     PIN = args.pin
     CONFIRM = args.confirm
+    AB_TREE = args.ab_tree
     if args.causal_only:
         CAUSAL = (True,)
     LAZY = args.lazy

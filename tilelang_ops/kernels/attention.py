@@ -158,8 +158,11 @@ def fwd_default_config(headdim: int, causal: bool, arch: str = "sm_90a", seqlen_
             # one's last steps and epilogue), causal: 1.06x (session18/call4); not causal, the
             # async tile gains 1.08x with it but stays behind the 192x176 T.Pipelined one (0.94x);
             # at D=128, where O has to go out through Q's buffer, it loses (0.82-0.97x).
+            # tree_reduce=4 (the row max and sum as 4 chains), causal: 1.00-1.05x in four sweeps on
+            # H200 and H100 (sessions 39-40; A/B/A/B/A/B: +2.2% GQA, +1.4% GPT-2's 1024, +0.1% MHA);
+            # it lost at D=128 causal (0.88-0.98x) and D=64 non-causal (0.95-0.98x).
             if causal:
-                return FwdConfig(128, 128, 2, 256, "async", post_mask=True, persistent=True)
+                return FwdConfig(128, 128, 2, 256, "async", post_mask=True, persistent=True, tree_reduce=4)
             return FwdConfig(192, 176, 2, 384, post_mask=True)
         # D=256: Q, O and two K/V stages of 128 keys would exceed 227 KB of shared memory.
         return FwdConfig(128, 64, 2, 256)
@@ -192,6 +195,8 @@ FWD_SEARCH_SPACE = [
     FwdConfig(128, 176, 2, 256, "async", lazy_rescale=8.0),
     # the persistent walk (eighteenth session)
     FwdConfig(128, 128, 2, 256, "async", post_mask=True, persistent=True),
+    # its row reductions as 4 chains (the D=64 causal default since session 40)
+    FwdConfig(128, 128, 2, 256, "async", post_mask=True, persistent=True, tree_reduce=4),
     # Not here: FlashAttention-3's D=64 tile in the persistent walk, FwdConfig(192, 128, 2, 384,
     # "async", post_mask=True, persistent=True) (0.96-1.08x the defaults, session 22): in session 35
     # its GPU test gave a wrong output once (2 x 17 x 33 x 4/2, causal) and the next one hung; 36 of
