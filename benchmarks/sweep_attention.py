@@ -21,6 +21,7 @@ wrong kernel shows.
     python -m benchmarks.sweep_attention --late-store --causal-only  # the defaults again; persistent ones with FwdConfig.late_store_wait
     python -m benchmarks.sweep_attention --confirm --shapes 2 4 5 1 0  # forward: A/A, tree4 (pinned or not), pinned tree8, D=64 192x128 pinned
     python -m benchmarks.sweep_attention --ab-tree --causal-only --shapes 2 4 5  # forward: default and tree4 in turns (tree4 defaults: against 0, 8 chains, uniform_ws)
+    python -m benchmarks.sweep_attention --short  # D=64 non-causal, 197-4096 tokens: the 192 x 176 default against 128 x 128 async tiles
     python -m benchmarks.sweep_attention --pin [--tree] [--late-store]  # the defaults again; with FwdConfig.pin_waits, tree_reduce=4, late_store_wait (each also pinned); T.Pipelined defaults: against pinned async tiles
 
 Forward FLOPs = 4 * B * H * S^2 * D, halved when causal; backward 2.5x that (as bench_attention).
@@ -39,6 +40,10 @@ EXTRA_SHAPES = [(16, 32, 8, 2048, 64), (32, 12, 12, 1024, 64)]
 # --gpt: examples/train_gpt.py's attention (GPT-2 small, 32 x 1024 tokens, causal). 1024 rows are
 # 5.33 tiles of 192 (the last two-thirds empty) and 8 of 128.
 GPT_SHAPES = [(32, 12, 12, 1024, 64), (16, 32, 32, 2048, 64)]  # and the benchmark set's D=64 shape
+# --short: D=64 non-causal at encoder / ViT lengths (~32K tokens a call): the 192-row default
+# tile pads 197 rows to 384, 1024 to 1152 (12.5%); a 128-row tile pads less
+SHORT_SHAPES = [(160, 16, 16, 197, 64), (64, 16, 16, 512, 64), (56, 16, 16, 577, 64), (42, 16, 16, 768, 64),
+                (32, 16, 16, 1024, 64), (21, 16, 16, 1536, 64), (16, 16, 16, 2048, 64), (8, 16, 16, 4096, 64)]
 CAUSAL = (False, True)
 GPT = False
 LAZY = False
@@ -60,6 +65,7 @@ TREE = False
 PIN = False
 CONFIRM = False
 AB_TREE = False
+SHORT = False
 
 
 def _gpt_candidates():
@@ -240,11 +246,14 @@ def _configs(D: int, S: int, causal: bool, groups: int, bwd: bool, arch: str = "
         if UNIFORM:
             return [default, default, dataclasses.replace(default, uniform_ws=not default.uniform_ws)]
         return ablations(default, D, causal, groups) if ABLATE else [default] + bwd_candidates(D)
-    default = K.fwd_default_config(D, causal, arch, S if ABLATE or PINGPONG or STAGES or BLOCK_N or UNIFORM or LATE_STORE or TREE or PIN or CONFIRM or AB_TREE else None)
+    default = K.fwd_default_config(D, causal, arch, S if ABLATE or PINGPONG or STAGES or BLOCK_N or UNIFORM or LATE_STORE or TREE or PIN or CONFIRM or AB_TREE or SHORT else None)
     if UNIFORM:  # the default again (A/A) and with the other uniform_ws (role branches on a warp-uniform index)
         return [default, default, dataclasses.replace(default, uniform_ws=not default.uniform_ws)]
     if CONFIRM:
         return [default] + confirm_candidates(default, D)
+    if SHORT:  # the default (192 x 176, T.Pipelined) twice, then 128 x 128 async tiles
+        tile = K.FwdConfig(128, 128, 2, 256, "async", post_mask=True)
+        return [default, default, tile, dataclasses.replace(tile, persistent=True), dataclasses.replace(tile, persistent=True, tree_reduce=4)]
     if AB_TREE:  # session 40: tree4 1.00-1.05x at D=64 causal in two --confirm sweeps; A/B/A/B/A/B settled it
         if default.tree_reduce:  # since then the D=64 causal default: against no tree, 8 chains, warp-uniform branches
             return [default, dataclasses.replace(default, tree_reduce=0), dataclasses.replace(default, tree_reduce=8),
@@ -460,6 +469,7 @@ if __name__ == "__main__":
     ap.add_argument("--pin", action="store_true", help="forward: the defaults again and with FwdConfig.pin_waits (async pipelines; with --tree / --late-store: each also pinned)")
     ap.add_argument("--confirm", action="store_true", help="forward: the defaults again, with tree4 (pinned or not), pinned tree8; D=64: 192 x 128 async persistent pinned")
     ap.add_argument("--ab-tree", action="store_true", help="forward: the default and itself with tree_reduce=4, three times each, in turns; a tree4 default against no tree, 8 chains and uniform_ws, twice")
+    ap.add_argument("--short", action="store_true", help="D=64 non-causal at 197-4096 tokens: the default twice, 128 x 128 async tiles (persistent, tree4)")
     ap.add_argument("--causal-only", action="store_true", help="causal shapes only")
     ap.add_argument("--shapes", type=int, nargs="+", help="only these SHAPES (indexes)")
     args = ap.parse_args()
@@ -482,6 +492,8 @@ if __name__ == "__main__":
     PIN = args.pin
     CONFIRM = args.confirm
     AB_TREE = args.ab_tree
+    if args.short:
+        SHAPES, CAUSAL, SHORT = SHORT_SHAPES, (False,), True
     if args.causal_only:
         CAUSAL = (True,)
     LAZY = args.lazy
