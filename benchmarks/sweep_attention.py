@@ -251,9 +251,9 @@ def _configs(D: int, S: int, causal: bool, groups: int, bwd: bool, arch: str = "
         return [default, default, dataclasses.replace(default, uniform_ws=not default.uniform_ws)]
     if CONFIRM:
         return [default] + confirm_candidates(default, D)
-    if SHORT:  # the default (192 x 176, T.Pipelined) twice, then 128 x 128 async tiles
-        tile = K.FwdConfig(128, 128, 2, 256, "async", post_mask=True)
-        return [default, default, tile, dataclasses.replace(tile, persistent=True), dataclasses.replace(tile, persistent=True, tree_reduce=4)]
+    if SHORT:  # the long default (192 x 176, T.Pipelined) twice, then 128 x 128 async tiles (up to SHORT_ROWS the default)
+        tile, long = K.FwdConfig(128, 128, 2, 256, "async", post_mask=True), K.fwd_default_config(D, causal, arch)
+        return [long, long, tile, dataclasses.replace(tile, persistent=True), dataclasses.replace(tile, persistent=True, tree_reduce=4)]
     if AB_TREE:  # session 40: tree4 1.00-1.05x at D=64 causal in two --confirm sweeps; A/B/A/B/A/B settled it
         if default.tree_reduce:  # since then the D=64 causal default: against no tree, 8 chains, warp-uniform branches
             return [default, dataclasses.replace(default, tree_reduce=0), dataclasses.replace(default, tree_reduce=8),

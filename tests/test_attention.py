@@ -351,29 +351,40 @@ def async_fwd_kernels():
     return out
 
 
-def test_causal_forward_default_by_sequence_length(monkeypatch):
-    """The causal head-dim-128 forward takes 128 x 128 tiles up to SHORT_CAUSAL_KEYS keys and
-    FlashAttention-3's 128 x 176 above (session 22: 1.02-1.03x at 4096 keys, 0.985x at 16384):
-    the op picks the bucket by the call's key count, the default table answers by it, and no other
-    default depends on the length."""
+def test_forward_defaults_by_sequence_length(monkeypatch):
+    """Two forward defaults depend on the length. The causal head-dim-128 forward takes 128 x 128
+    tiles up to SHORT_CAUSAL_KEYS keys and FlashAttention-3's 128 x 176 above (session 22:
+    1.02-1.03x at 4096 keys, 0.985x at 16384); the non-causal head-dim-64 forward takes the causal
+    one's 128 x 128 persistent kernel up to SHORT_ROWS query rows and 192 x 176 above (session 40:
+    1.07-2.1x at 197-1024 rows, 0.95x at 1536-2048). The op picks the bucket by the call's keys
+    (causal) or rows (D=64, not causal), the default table answers by it, the tuner's shape lands
+    in the same bucket, and no other default depends on the length."""
     from tilelang_ops.kernels import attention as K
     from tilelang_ops.ops import attention as A
 
-    assert A.SHORT_CAUSAL_KEYS == K.SHORT_CAUSAL_KEYS
-    short = K.fwd_default_config(128, True, seqlen_k=K.SHORT_CAUSAL_KEYS)
-    long = K.fwd_default_config(128, True, seqlen_k=K.SHORT_CAUSAL_KEYS + 1)
+    assert A.SHORT_CAUSAL_KEYS == K.SHORT_CAUSAL_KEYS and A.SHORT_ROWS == K.SHORT_ROWS
+    short = K.fwd_default_config(128, True, seqlen=K.SHORT_CAUSAL_KEYS)
+    long = K.fwd_default_config(128, True, seqlen=K.SHORT_CAUSAL_KEYS + 1)
     assert (short.block_m, short.block_n, short.pipeline) == (128, 128, "async") and (long.block_m, long.block_n) == (128, 176)
     assert K.fwd_default_config(128, True) == long and A.untuned_config("fwd", 128, True, "sm_90a", 4096) == short
-    for d, c in ((64, True), (64, False), (128, False), (256, True)):
-        assert K.fwd_default_config(d, c, seqlen_k=1) == K.fwd_default_config(d, c)
-    assert A._tune_shape(dict(groups=1, headdim=128, causal=True), False)[1] > K.SHORT_CAUSAL_KEYS
+    rows = K.fwd_default_config(64, False, seqlen=K.SHORT_ROWS)
+    assert rows == K.fwd_default_config(64, True) and rows.persistent and rows.block_m == 128
+    assert K.fwd_default_config(64, False, seqlen=K.SHORT_ROWS + 1) == K.fwd_default_config(64, False) != rows
+    assert K.fwd_default_config(64, False).block_m == 192
+    for d, c in ((64, True), (128, False), (256, True), (256, False)):
+        assert K.fwd_default_config(d, c, seqlen=1) == K.fwd_default_config(d, c)
+    buckets = {(128, True): (long, short), (64, False): (K.fwd_default_config(64, False), rows)}
+    for (d, c), configs in buckets.items():
+        for s in (False, True):
+            assert A.untuned_config("fwd", d, c, "sm_90a", A._tune_shape(dict(groups=1, headdim=d, causal=c), s)[1]) == configs[s]
     seen = []
     monkeypatch.setattr(A, "_kernel", lambda name, *args: seen.append(args[-1]) or (lambda *a: None))
-    for sk, causal, want in ((17, True, True), (8192, True, True), (8193, True, False), (100, False, None)):
-        q = torch.randn(1, 5, 2, 128, dtype=torch.bfloat16)
-        kv = torch.randn(1, sk, 2, 128, dtype=torch.bfloat16)
+    for d, sq, sk, causal, want in ((128, 5, 17, True, True), (128, 5, 8192, True, True), (128, 5, 8193, True, False), (128, 5, 100, False, None),
+                                    (64, 1024, 5000, False, True), (64, 1025, 7, False, False), (64, 1, 9000, True, False), (256, 7, 7, False, None)):
+        q = torch.randn(1, sq, 2, d, dtype=torch.bfloat16)
+        kv = torch.randn(1, sk, 2, d, dtype=torch.bfloat16)
         A._fwd_launch(q, kv, kv, causal, None, True)
-        assert seen[-1] is want, (sk, causal, seen[-1])
+        assert seen[-1] is want, (d, sq, sk, causal, seen[-1])
 
 
 @pytest.mark.slow
@@ -751,7 +762,7 @@ def test_async_attention_defaults_keep_waits_where_the_source_puts_them(kind, he
 
     static = dict(headdim=headdim, dtype="bfloat16", causal=causal, groups=1, scale=K.default_scale(headdim))
     if kind == "fwd":
-        cfg = K.fwd_default_config(headdim, causal, "sm_90a", seqlen_k)
+        cfg = K.fwd_default_config(headdim, causal, "sm_90a", seqlen_k)  # by keys: causal only here
         src = K.flash_fwd_kernel.source(dataclasses.replace(cfg, pin_waits=pin), "sm_90a", **static)
     else:
         src = K.flash_bwd_fused_kernel.source(K.bwd_default_config(headdim, causal), "sm_90a", **static)

@@ -126,11 +126,15 @@ class FwdConfig:
 # 1.8% — where 176-key steps' better efficiency wins (sweep_attention --tiles128, H200, session 22:
 # 1.02-1.03x at 4096 keys in three runs, MHA and GQA; 0.985x at 16384 in two).
 SHORT_CAUSAL_KEYS = 8192
+# The non-causal head-dim-64 forward takes the causal one's 128 x 128 persistent kernel up to this
+# many query rows (fwd_default_config).
+SHORT_ROWS = 1024
 
 
-def fwd_default_config(headdim: int, causal: bool, arch: str = "sm_90a", seqlen_k: Optional[int] = None) -> FwdConfig:
-    """seqlen_k: the key count a call has, for the one default that depends on it (causal, head dim
-    128: SHORT_CAUSAL_KEYS); None gives the long-sequence default."""
+def fwd_default_config(headdim: int, causal: bool, arch: str = "sm_90a", seqlen: Optional[int] = None) -> FwdConfig:
+    """seqlen: the call's sequence length, for the two defaults that depend on it: its keys for the
+    causal head-dim-128 one (SHORT_CAUSAL_KEYS), its query rows for the non-causal head-dim-64 one
+    (SHORT_ROWS). None gives the long-sequence defaults."""
     if _is_hopper(arch):
         # `tileops tune --op flash_attn` on an H200 (B8 H32 S4096 D128 / B16 H32 S2048 D64, bf16),
         # two runs, 2026-11-30: 1.03-1.16x the former 128x128/2/256. 192 query rows = 3 consumer
@@ -144,7 +148,7 @@ def fwd_default_config(headdim: int, causal: bool, arch: str = "sm_90a", seqlen_
             # post_mask (the S GEMM from zero, masks after it; sweep_attention --post-mask,
             # session17/call7): 1.01-1.02x non-causal, 0.94-0.97x in the causal async kernel.
             if causal:
-                if seqlen_k is not None and seqlen_k <= SHORT_CAUSAL_KEYS:
+                if seqlen is not None and seqlen <= SHORT_CAUSAL_KEYS:
                     return FwdConfig(128, 128, 2, 256, "async", lazy_rescale=8.0)
                 return FwdConfig(128, 176, 2, 256, "async", lazy_rescale=8.0)
             return FwdConfig(192, 128, 2, 384, lazy_rescale=8.0, post_mask=True)
@@ -160,8 +164,11 @@ def fwd_default_config(headdim: int, causal: bool, arch: str = "sm_90a", seqlen_
             # at D=128, where O has to go out through Q's buffer, it loses (0.82-0.97x).
             # tree_reduce=4 (the row max and sum as 4 chains), causal: 1.00-1.05x in four sweeps on
             # H200 and H100 (sessions 39-40; A/B/A/B/A/B: +2.2% GQA, +1.4% GPT-2's 1024, +0.1% MHA);
-            # it lost at D=128 causal (0.88-0.98x) and D=64 non-causal (0.95-0.98x).
-            if causal:
+            # it lost at D=128 causal (0.88-0.98x) and in the 192x176 kernel (0.95-0.98x).
+            # Non-causal up to SHORT_ROWS query rows the same kernel: the 192-row tile pads 197 rows
+            # to 384 and 1024 to 1152, and its grid ends in a partial wave; 1.07-2.1x the 192x176
+            # tile at 197-1024 rows, 0.95-0.96x at 1536-2048 (H100, session 40, sweep_attention --short).
+            if causal or (seqlen is not None and seqlen <= SHORT_ROWS):
                 return FwdConfig(128, 128, 2, 256, "async", post_mask=True, persistent=True, tree_reduce=4)
             return FwdConfig(192, 176, 2, 384, post_mask=True)
         # D=256: Q, O and two K/V stages of 128 keys would exceed 227 KB of shared memory.
@@ -1531,11 +1538,11 @@ flash_bwd_dq_kernel = _arch_aware(flash_bwd_dq_kernel)
 cast_f32_kernel = _arch_aware(cast_f32_kernel)
 
 
-def default_config(headdim: int, causal: bool, arch: str = "sm_90a", kind: str = "fwd", seqlen_k: Optional[int] = None):
+def default_config(headdim: int, causal: bool, arch: str = "sm_90a", kind: str = "fwd", seqlen: Optional[int] = None):
     """Default config of the forward ("fwd"), backward main ("bwd") or deterministic dQ ("dq") kernel
-    (seqlen_k: the forward's, see fwd_default_config)."""
+    (seqlen: the forward's, see fwd_default_config)."""
     if kind == "fwd":
-        return fwd_default_config(headdim, causal, arch, seqlen_k)
+        return fwd_default_config(headdim, causal, arch, seqlen)
     return {"bwd": bwd_default_config, "dq": dq_default_config}[kind](headdim, causal, arch)
 
 
@@ -1551,9 +1558,11 @@ REPRESENTATIVE = [
     (flash_fwd_kernel, fwd_default_config(128, False), dict(headdim=128, dtype="bfloat16", causal=False, groups=1, scale=default_scale(128))),
     (flash_fwd_kernel, fwd_default_config(128, True), dict(headdim=128, dtype="bfloat16", causal=True, groups=1, scale=default_scale(128))),
     # the causal D=128 default for at most SHORT_CAUSAL_KEYS keys
-    (flash_fwd_kernel, fwd_default_config(128, True, seqlen_k=SHORT_CAUSAL_KEYS), dict(headdim=128, dtype="bfloat16", causal=True, groups=1, scale=default_scale(128))),
+    (flash_fwd_kernel, fwd_default_config(128, True, seqlen=SHORT_CAUSAL_KEYS), dict(headdim=128, dtype="bfloat16", causal=True, groups=1, scale=default_scale(128))),
     (flash_fwd_kernel, fwd_default_config(64, False), dict(headdim=64, dtype="bfloat16", causal=False, groups=1, scale=default_scale(64))),
     (flash_fwd_kernel, fwd_default_config(64, True), dict(headdim=64, dtype="bfloat16", causal=True, groups=1, scale=default_scale(64))),
+    # the non-causal D=64 default for at most SHORT_ROWS query rows
+    (flash_fwd_kernel, fwd_default_config(64, False, seqlen=SHORT_ROWS), dict(headdim=64, dtype="bfloat16", causal=False, groups=1, scale=default_scale(64))),
     # the hand-synchronized pipelines the tuner may pick (FWD_SEARCH_SPACE)
     (flash_fwd_kernel, FwdConfig(128, 128, 2, 256, "async"), dict(headdim=128, dtype="bfloat16", causal=True, groups=1, scale=default_scale(128))),
     (flash_fwd_kernel, FwdConfig(128, 128, 2, 256, "pingpong"), dict(headdim=128, dtype="bfloat16", causal=True, groups=1, scale=default_scale(128))),

@@ -70,17 +70,21 @@ def _scale(q: torch.Tensor, softmax_scale: Optional[float]) -> float:
 # ----------------------------------------------------------------------------- kernel resolution
 # (kernel name, dtype, device index, static, short) -> compiled kernel. Resolved once per key, so a
 # call is a dict lookup and a launch. Forward and backward-main configs: tuned cache ▸ default
-# table, one per (headdim, causal, GQA ratio) since one kernel serves every length — but for the
-# causal forward, whose default table has a second entry for at most SHORT_CAUSAL_KEYS keys
-# (`short`: kernels.attention.fwd_default_config).
+# table, one per (headdim, causal, GQA ratio) since one kernel serves every length — but for two
+# forwards whose default table has a second entry for short sequences (`short`:
+# kernels.attention.fwd_default_config): causal, at most SHORT_CAUSAL_KEYS keys (head dim 128);
+# non-causal head dim 64, at most SHORT_ROWS query rows.
 _kernels: dict[tuple, object] = {}
 SHORT_CAUSAL_KEYS = 8192  # kernels.attention.SHORT_CAUSAL_KEYS (that module imports tilelang)
+SHORT_ROWS = 1024  # kernels.attention.SHORT_ROWS
 
 
 def _tune_shape(static: dict, short: Optional[bool] = None) -> tuple:
     # (B, S, H, HK, D, causal) at which `tileops tune` / TILEOPS_AUTOTUNE time a static key; its S
-    # also picks the causal forward's default (short=False: a long sequence)
-    return (4, 16384 if short is False else 4096, 8 * static["groups"], 8, static["headdim"], int(static["causal"]))
+    # also picks the forward's default by length (short=False: a long sequence; True: within
+    # SHORT_ROWS, non-causal, or SHORT_CAUSAL_KEYS)
+    S = 16384 if short is False else SHORT_ROWS if short and not static["causal"] else 4096
+    return (4, S, 8 * static["groups"], 8, static["headdim"], int(static["causal"]))
 
 
 # kernel name -> (KernelDef in kernels/attention.py, static flags the name fixes). The *_nodq
@@ -133,14 +137,14 @@ def kernel_static(name: str, headdim: int, causal: bool, groups: int, softmax_sc
     return dict(headdim=headdim) if name != "cast" else {}
 
 
-def untuned_config(name: str, headdim: int = 0, causal: bool = False, arch: Optional[str] = None, seqlen_k: Optional[int] = None):
+def untuned_config(name: str, headdim: int = 0, causal: bool = False, arch: Optional[str] = None, seqlen: Optional[int] = None):
     """Kernel `name`'s config without a tuned entry: the default table of kernels/attention.py for
-    the main kernels (by headdim, causal, arch, and for the forward the key count: None = long),
+    the main kernels (by headdim, causal, arch, and for the forward the sequence length: None = long),
     the fixed configs of the preprocess (by head dim) and the cast."""
     from ..kernels import attention as K
 
     if name in _TUNED_AS:
-        return K.default_config(headdim, causal, arch, _TUNED_AS[name], seqlen_k)
+        return K.default_config(headdim, causal, arch, _TUNED_AS[name], seqlen)
     if name == "bwd_small":
         return K.SmallBwdConfig()
     return K.prep_config(headdim) if name != "cast" else K.CastConfig()
@@ -163,7 +167,8 @@ def _kernel(name: str, dtype: torch.dtype, device: torch.device, headdim: int = 
     """Launcher for kernel `name`: "fwd"/"fwd_nolse"/"bwd"/"bwd_nodq"/"dq" (every static arg), "prep"/"prep_nodq"
     (headdim), "cast" (none). Keyed by the call's own arguments (positional, softmax_scale as
     given): a hit costs no math. short: for a causal forward, whether it has at most
-    SHORT_CAUSAL_KEYS keys (None elsewhere)."""
+    SHORT_CAUSAL_KEYS keys, for a non-causal head-dim-64 one at most SHORT_ROWS query rows (None
+    elsewhere)."""
     key = (name, dtype, device.index, headdim, causal, groups, softmax_scale, short)
     k = _kernels.get(key)
     if k is None:
@@ -307,7 +312,7 @@ def _fwd_launch(q, k, v, causal, softmax_scale, with_lse: bool):
     lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device) if with_lse else None
     if Sk == 0 or out.numel() == 0:  # nothing to attend to
         return out.zero_(), (lse.fill_(float("-inf")) if with_lse else None)
-    short = Sk <= SHORT_CAUSAL_KEYS if causal else None  # the causal default by sequence length
+    short = Sk <= SHORT_CAUSAL_KEYS if causal else Sq <= SHORT_ROWS if D == 64 else None  # defaults by length
     kern = _kernel("fwd" if with_lse else "fwd_nolse", q.dtype, q.device, D, causal, H // HK, softmax_scale, short)
     kern(q, k, v, out, lse) if with_lse else kern(q, k, v, out)
     return out, lse
