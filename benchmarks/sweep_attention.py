@@ -20,8 +20,9 @@ wrong kernel shows.
     python -m benchmarks.sweep_attention --uniform [--bwd]  # the defaults again and with the other uniform_ws (warp-uniform role branches)
     python -m benchmarks.sweep_attention --late-store --causal-only  # the defaults again; persistent ones with FwdConfig.late_store_wait
     python -m benchmarks.sweep_attention --confirm --shapes 2 4 5 1 0  # forward: A/A, tree4 (pinned or not), pinned tree8, D=64 192x128 pinned
-    python -m benchmarks.sweep_attention --ab-tree --causal-only --shapes 2 4 5  # forward: default and tree4 in turns (tree4 defaults: against 0, 8 chains, uniform_ws)
-    python -m benchmarks.sweep_attention --short  # D=64 non-causal, 197-4096 tokens: the 192 x 176 default against 128 x 128 async tiles
+    python -m benchmarks.sweep_attention --ab-tree --causal-only --shapes 2 4 5  # forward: default and tree4 in turns (tree4 defaults: against 0, 8 chains, the other uniform_ws)
+    python -m benchmarks.sweep_attention --short  # D=64 non-causal, 197-4096 tokens: the 192 x 176 default against the 128 x 128 persistent tile, uniform_ws or not
+    python -m benchmarks.sweep_attention --short 128  # the same lengths at D=128: the 192 x 128 default against the 128 x 128 persistent tile, uniform_ws or not
     python -m benchmarks.sweep_attention --pin [--tree] [--late-store]  # the defaults again; with FwdConfig.pin_waits, tree_reduce=4, late_store_wait (each also pinned); T.Pipelined defaults: against pinned async tiles
 
 Forward FLOPs = 4 * B * H * S^2 * D, halved when causal; backward 2.5x that (as bench_attention).
@@ -251,13 +252,21 @@ def _configs(D: int, S: int, causal: bool, groups: int, bwd: bool, arch: str = "
         return [default, default, dataclasses.replace(default, uniform_ws=not default.uniform_ws)]
     if CONFIRM:
         return [default] + confirm_candidates(default, D)
-    if SHORT:  # the long default (192 x 176, T.Pipelined) twice, then 128 x 128 async tiles (up to SHORT_ROWS the default)
-        tile, long = K.FwdConfig(128, 128, 2, 256, "async", post_mask=True), K.fwd_default_config(D, causal, arch)
-        return [long, long, tile, dataclasses.replace(tile, persistent=True), dataclasses.replace(tile, persistent=True, tree_reduce=4)]
+    if SHORT:  # the long default (T.Pipelined, 192 rows) twice, then 128-row async tiles
+        long = K.fwd_default_config(D, causal, arch)
+        if D == 128:  # up to SHORT_ROWS the default since session 41 (128 x 128 persistent, lazy), in turns with uniform_ws
+            short = K.fwd_default_config(D, causal, arch, K.SHORT_ROWS)
+            uniform = dataclasses.replace(short, uniform_ws=True)
+            return [long, long, short, uniform, short, uniform]
+        # D=64: up to SHORT_ROWS the causal default (persistent, tree4, since session 41 uniform_ws),
+        # in turns with session 40's (no uniform_ws)
+        short = K.fwd_default_config(D, True, arch)
+        old = dataclasses.replace(short, uniform_ws=False)
+        return [long, long, old, short, old, short]
     if AB_TREE:  # session 40: tree4 1.00-1.05x at D=64 causal in two --confirm sweeps; A/B/A/B/A/B settled it
-        if default.tree_reduce:  # since then the D=64 causal default: against no tree, 8 chains, warp-uniform branches
+        if default.tree_reduce:  # since then the D=64 causal default: against no tree, 8 chains, the other uniform_ws
             return [default, dataclasses.replace(default, tree_reduce=0), dataclasses.replace(default, tree_reduce=8),
-                    dataclasses.replace(default, uniform_ws=True)] * 2
+                    dataclasses.replace(default, uniform_ws=not default.uniform_ws)] * 2
         return [default, dataclasses.replace(default, tree_reduce=4)] * 3
     if LATE_STORE or TREE or PIN:  # the default again (A/A); then each candidate asked for
         return [default, default] + pin_candidates(default, D) if PIN else [default, default] + variants(default)
@@ -469,7 +478,7 @@ if __name__ == "__main__":
     ap.add_argument("--pin", action="store_true", help="forward: the defaults again and with FwdConfig.pin_waits (async pipelines; with --tree / --late-store: each also pinned)")
     ap.add_argument("--confirm", action="store_true", help="forward: the defaults again, with tree4 (pinned or not), pinned tree8; D=64: 192 x 128 async persistent pinned")
     ap.add_argument("--ab-tree", action="store_true", help="forward: the default and itself with tree_reduce=4, three times each, in turns; a tree4 default against no tree, 8 chains and uniform_ws, twice")
-    ap.add_argument("--short", action="store_true", help="D=64 non-causal at 197-4096 tokens: the default twice, 128 x 128 async tiles (persistent, tree4)")
+    ap.add_argument("--short", type=int, nargs="?", const=64, choices=(64, 128), help="non-causal at 197-4096 tokens, head dim 64 (default) or 128: the long default twice, the 128 x 128 persistent tile with uniform_ws and without, in turns")
     ap.add_argument("--causal-only", action="store_true", help="causal shapes only")
     ap.add_argument("--shapes", type=int, nargs="+", help="only these SHAPES (indexes)")
     args = ap.parse_args()
@@ -493,7 +502,7 @@ if __name__ == "__main__":
     CONFIRM = args.confirm
     AB_TREE = args.ab_tree
     if args.short:
-        SHAPES, CAUSAL, SHORT = SHORT_SHAPES, (False,), True
+        SHAPES, CAUSAL, SHORT = [(B, H, HK, S, args.short) for B, H, HK, S, _ in SHORT_SHAPES], (False,), True
     if args.causal_only:
         CAUSAL = (True,)
     LAZY = args.lazy

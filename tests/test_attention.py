@@ -288,10 +288,13 @@ POST_MASK_FWD_CONFIGS = {64: [(192, 176, 2, 384, "auto", 0.0, True), (128, 128, 
 # Session 22: FlashAttention-3's D=64 tile (three consumer warpgroups of 64 rows each) and the
 # 128 x 128 tile at D=128, persistent; WIDE_FWD_CONFIGS: the D=64 tile not persistent.
 # Session 37: both 128 x 128 tiles with FwdConfig.late_store_wait (the O store's wait deferred).
+# The defaults among them: D=64 causal (and non-causal up to SHORT_ROWS rows) with uniform_ws and
+# tree4; D=128 non-causal up to SHORT_ROWS rows (lazy, post_mask).
 PERSISTENT_FWD_CONFIGS = {64: [(128, 128, 2, 256, "async", 0.0, True, True), (192, 128, 2, 384, "async", 0.0, True, True),
-                               (128, 128, 2, 256, "async", 0.0, True, True, False, True)],
+                               (128, 128, 2, 256, "async", 0.0, True, True, False, True),
+                               (128, 128, 2, 256, "async", 0.0, True, True, True, False, 4)],
                           128: [(128, 176, 2, 256, "async", 8.0, False, True), (128, 128, 2, 256, "async", 8.0, False, True),
-                                (128, 128, 2, 256, "async", 8.0, False, True, False, True)]}
+                                (128, 128, 2, 256, "async", 8.0, False, True, False, True), (128, 128, 2, 256, "async", 8.0, True, True)]}
 WIDE_FWD_CONFIGS = {64: [(192, 128, 2, 384, "async", 0.0, True)], 128: []}
 # Session 38: FwdConfig.tree_reduce (the softmax's row max and sum as 4 or 8 chains per thread) on
 # the defaults' kernels: D=64 causal (persistent; both widths) and not (176 keys: 44 values a row
@@ -356,9 +359,11 @@ def test_forward_defaults_by_sequence_length(monkeypatch):
     tiles up to SHORT_CAUSAL_KEYS keys and FlashAttention-3's 128 x 176 above (session 22:
     1.02-1.03x at 4096 keys, 0.985x at 16384); the non-causal head-dim-64 forward takes the causal
     one's 128 x 128 persistent kernel up to SHORT_ROWS query rows and 192 x 176 above (session 40:
-    1.07-2.1x at 197-1024 rows, 0.95x at 1536-2048). The op picks the bucket by the call's keys
-    (causal) or rows (D=64, not causal), the default table answers by it, the tuner's shape lands
-    in the same bucket, and no other default depends on the length."""
+    1.07-2.1x at 197-1024 rows, 0.95x at 1536-2048); the non-causal head-dim-128 forward 128 x 128
+    persistent tiles up to SHORT_ROWS rows and 192 x 128 above (session 41: 1.06-1.76x at 197-1024
+    rows, 0.96-1.00x at 1536-4096). The op picks the bucket by the call's keys (causal) or rows
+    (not causal, D <= 128), the default table answers by it, the tuner's shape lands in the same
+    bucket, and no other default depends on the length."""
     from tilelang_ops.kernels import attention as K
     from tilelang_ops.ops import attention as A
 
@@ -371,16 +376,22 @@ def test_forward_defaults_by_sequence_length(monkeypatch):
     assert rows == K.fwd_default_config(64, True) and rows.persistent and rows.block_m == 128
     assert K.fwd_default_config(64, False, seqlen=K.SHORT_ROWS + 1) == K.fwd_default_config(64, False) != rows
     assert K.fwd_default_config(64, False).block_m == 192
-    for d, c in ((64, True), (128, False), (256, True), (256, False)):
+    rows128 = K.fwd_default_config(128, False, seqlen=K.SHORT_ROWS)
+    assert (rows128.block_m, rows128.block_n, rows128.pipeline, rows128.persistent, rows128.lazy_rescale) == (128, 128, "async", True, 8.0)
+    assert K.fwd_default_config(128, False, seqlen=K.SHORT_ROWS + 1) == K.fwd_default_config(128, False) != rows128
+    assert K.fwd_default_config(128, False).block_m == 192
+    for d, c in ((64, True), (256, True), (256, False)):
         assert K.fwd_default_config(d, c, seqlen=1) == K.fwd_default_config(d, c)
-    buckets = {(128, True): (long, short), (64, False): (K.fwd_default_config(64, False), rows)}
+    buckets = {(128, True): (long, short), (64, False): (K.fwd_default_config(64, False), rows),
+               (128, False): (K.fwd_default_config(128, False), rows128)}
     for (d, c), configs in buckets.items():
         for s in (False, True):
             assert A.untuned_config("fwd", d, c, "sm_90a", A._tune_shape(dict(groups=1, headdim=d, causal=c), s)[1]) == configs[s]
     seen = []
     monkeypatch.setattr(A, "_kernel", lambda name, *args: seen.append(args[-1]) or (lambda *a: None))
-    for d, sq, sk, causal, want in ((128, 5, 17, True, True), (128, 5, 8192, True, True), (128, 5, 8193, True, False), (128, 5, 100, False, None),
-                                    (64, 1024, 5000, False, True), (64, 1025, 7, False, False), (64, 1, 9000, True, False), (256, 7, 7, False, None)):
+    for d, sq, sk, causal, want in ((128, 5, 17, True, True), (128, 5, 8192, True, True), (128, 5, 8193, True, False), (128, 5, 100, False, True),
+                                    (128, 1025, 5, False, False), (64, 1024, 5000, False, True), (64, 1025, 7, False, False),
+                                    (64, 1, 9000, True, False), (256, 7, 7, False, None)):
         q = torch.randn(1, sq, 2, d, dtype=torch.bfloat16)
         kv = torch.randn(1, sk, 2, d, dtype=torch.bfloat16)
         A._fwd_launch(q, kv, kv, causal, None, True)

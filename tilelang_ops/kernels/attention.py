@@ -126,15 +126,16 @@ class FwdConfig:
 # 1.8% — where 176-key steps' better efficiency wins (sweep_attention --tiles128, H200, session 22:
 # 1.02-1.03x at 4096 keys in three runs, MHA and GQA; 0.985x at 16384 in two).
 SHORT_CAUSAL_KEYS = 8192
-# The non-causal head-dim-64 forward takes the causal one's 128 x 128 persistent kernel up to this
-# many query rows (fwd_default_config).
+# Non-causal forwards of head dim 64 and 128 take 128 x 128 persistent tiles up to this many query
+# rows (fwd_default_config): the 192-row tile pads 197 rows to 384 and 1024 to 1152, and its grid
+# ends in a partial wave.
 SHORT_ROWS = 1024
 
 
 def fwd_default_config(headdim: int, causal: bool, arch: str = "sm_90a", seqlen: Optional[int] = None) -> FwdConfig:
-    """seqlen: the call's sequence length, for the two defaults that depend on it: its keys for the
-    causal head-dim-128 one (SHORT_CAUSAL_KEYS), its query rows for the non-causal head-dim-64 one
-    (SHORT_ROWS). None gives the long-sequence defaults."""
+    """seqlen: the call's sequence length, for the defaults that depend on it: its keys for the
+    causal head-dim-128 one (SHORT_CAUSAL_KEYS), its query rows for the non-causal head-dim-64 and
+    128 ones (SHORT_ROWS). None gives the long-sequence defaults."""
     if _is_hopper(arch):
         # `tileops tune --op flash_attn` on an H200 (B8 H32 S4096 D128 / B16 H32 S2048 D64, bf16),
         # two runs, 2026-11-30: 1.03-1.16x the former 128x128/2/256. 192 query rows = 3 consumer
@@ -151,6 +152,11 @@ def fwd_default_config(headdim: int, causal: bool, arch: str = "sm_90a", seqlen:
                 if seqlen is not None and seqlen <= SHORT_CAUSAL_KEYS:
                     return FwdConfig(128, 128, 2, 256, "async", lazy_rescale=8.0)
                 return FwdConfig(128, 176, 2, 256, "async", lazy_rescale=8.0)
+            # Up to SHORT_ROWS query rows 128 x 128 persistent async tiles (O in its own shared
+            # buffer): 1.06-1.76x the 192 x 128 tile at 197-1024 rows, 0.96-1.00x at 1536-4096
+            # (H200, session 41, sweep_attention --short 128).
+            if seqlen is not None and seqlen <= SHORT_ROWS:
+                return FwdConfig(128, 128, 2, 256, "async", lazy_rescale=8.0, post_mask=True, persistent=True)
             return FwdConfig(192, 128, 2, 384, lazy_rescale=8.0, post_mask=True)
         if headdim == 64:
             # Causal: 128 x 128 tiles in the async pipeline. B16 H12 S1024 (GPT-2 small in
@@ -165,11 +171,12 @@ def fwd_default_config(headdim: int, causal: bool, arch: str = "sm_90a", seqlen:
             # tree_reduce=4 (the row max and sum as 4 chains), causal: 1.00-1.05x in four sweeps on
             # H200 and H100 (sessions 39-40; A/B/A/B/A/B: +2.2% GQA, +1.4% GPT-2's 1024, +0.1% MHA);
             # it lost at D=128 causal (0.88-0.98x) and in the 192x176 kernel (0.95-0.98x).
-            # Non-causal up to SHORT_ROWS query rows the same kernel: the 192-row tile pads 197 rows
-            # to 384 and 1024 to 1152, and its grid ends in a partial wave; 1.07-2.1x the 192x176
-            # tile at 197-1024 rows, 0.95-0.96x at 1536-2048 (H100, session 40, sweep_attention --short).
+            # uniform_ws (warp-role branches on a warp-uniform index) on top of tree4: 1.00-1.07x in
+            # two A/B/A/B sweeps (--ab-tree: H100 session 40, H200 session 41), never behind.
+            # Non-causal up to SHORT_ROWS query rows the same kernel: 1.07-2.1x the 192x176 tile at
+            # 197-1024 rows, 0.95-0.96x at 1536-2048 (H100, session 40, sweep_attention --short).
             if causal or (seqlen is not None and seqlen <= SHORT_ROWS):
-                return FwdConfig(128, 128, 2, 256, "async", post_mask=True, persistent=True, tree_reduce=4)
+                return FwdConfig(128, 128, 2, 256, "async", post_mask=True, persistent=True, uniform_ws=True, tree_reduce=4)
             return FwdConfig(192, 176, 2, 384, post_mask=True)
         # D=256: Q, O and two K/V stages of 128 keys would exceed 227 KB of shared memory.
         return FwdConfig(128, 64, 2, 256)
@@ -1563,6 +1570,8 @@ REPRESENTATIVE = [
     (flash_fwd_kernel, fwd_default_config(64, True), dict(headdim=64, dtype="bfloat16", causal=True, groups=1, scale=default_scale(64))),
     # the non-causal D=64 default for at most SHORT_ROWS query rows
     (flash_fwd_kernel, fwd_default_config(64, False, seqlen=SHORT_ROWS), dict(headdim=64, dtype="bfloat16", causal=False, groups=1, scale=default_scale(64))),
+    # ... and the non-causal D=128 one
+    (flash_fwd_kernel, fwd_default_config(128, False, seqlen=SHORT_ROWS), dict(headdim=128, dtype="bfloat16", causal=False, groups=1, scale=default_scale(128))),
     # the hand-synchronized pipelines the tuner may pick (FWD_SEARCH_SPACE)
     (flash_fwd_kernel, FwdConfig(128, 128, 2, 256, "async"), dict(headdim=128, dtype="bfloat16", causal=True, groups=1, scale=default_scale(128))),
     (flash_fwd_kernel, FwdConfig(128, 128, 2, 256, "pingpong"), dict(headdim=128, dtype="bfloat16", causal=True, groups=1, scale=default_scale(128))),
