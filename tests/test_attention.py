@@ -433,7 +433,7 @@ def test_flash_fwd_persistent_source():
 
     from tilelang_ops.kernels import attention as K
 
-    cfg = K.fwd_default_config(64, True)
+    cfg = dataclasses.replace(K.fwd_default_config(64, True), uniform_ws=False)  # TileLang's own role branches
     assert cfg.persistent
     static = dict(headdim=64, dtype="bfloat16", causal=True, groups=2, scale=K.default_scale(64))
     src = K.flash_fwd_kernel.source(cfg, "sm_90a", **static)
@@ -460,7 +460,7 @@ def test_flash_fwd_tree_reduce_source():
     from tilelang_ops import runtime
     from tilelang_ops.kernels import attention as K
 
-    cfg = dataclasses.replace(K.fwd_default_config(64, True), tree_reduce=8)
+    cfg = dataclasses.replace(K.fwd_default_config(64, True), tree_reduce=8, uniform_ws=False)
     static = dict(headdim=64, dtype="bfloat16", causal=True, groups=1, scale=K.default_scale(64))
     src = K.flash_fwd_kernel.source(cfg, "sm_90a", **static)
     assert src.count("tileops: 8 chains") == 4 and not re.search(r"for \(int rv\w* = 0", src)
