@@ -252,17 +252,11 @@ def _configs(D: int, S: int, causal: bool, groups: int, bwd: bool, arch: str = "
         return [default, default, dataclasses.replace(default, uniform_ws=not default.uniform_ws)]
     if CONFIRM:
         return [default] + confirm_candidates(default, D)
-    if SHORT:  # the long default (T.Pipelined, 192 rows) twice, then 128-row async tiles
-        long = K.fwd_default_config(D, causal, arch)
-        if D == 128:  # up to SHORT_ROWS the default since session 41 (128 x 128 persistent, lazy), in turns with uniform_ws
-            short = K.fwd_default_config(D, causal, arch, K.SHORT_ROWS)
-            uniform = dataclasses.replace(short, uniform_ws=True)
-            return [long, long, short, uniform, short, uniform]
-        # D=64: up to SHORT_ROWS the causal default (persistent, tree4, since session 41 uniform_ws),
-        # in turns with session 40's (no uniform_ws)
-        short = K.fwd_default_config(D, True, arch)
-        old = dataclasses.replace(short, uniform_ws=False)
-        return [long, long, old, short, old, short]
+    if SHORT:  # the long default (T.Pipelined, 192 rows) twice, then the short one (128 x 128
+        # persistent) and itself with the other uniform_ws, in turns
+        long, short = K.fwd_default_config(D, causal, arch), K.fwd_default_config(D, causal, arch, K.SHORT_ROWS)
+        other = dataclasses.replace(short, uniform_ws=not short.uniform_ws)
+        return [long, long, other, short, other, short]
     if AB_TREE:  # session 40: tree4 1.00-1.05x at D=64 causal in two --confirm sweeps; A/B/A/B/A/B settled it
         if default.tree_reduce:  # since then the D=64 causal default: against no tree, 8 chains, the other uniform_ws
             return [default, dataclasses.replace(default, tree_reduce=0), dataclasses.replace(default, tree_reduce=8),
