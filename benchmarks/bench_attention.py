@@ -205,7 +205,7 @@ def main(argv=None) -> int:
     cols += [f"fwd {i}" for i in impls] + ["fwd vs cudnn"] + [f"bwd {i}" for i in ["tileops", "tileops_det", *impls[1:]]]
     cols += ["bwd vs cudnn", "bwd det cost"]
     cols = [c for c in cols if any(c in r for r in summary)]
-    print(f"\nwrote {path} ({time.time() - t0:.0f} s). TFLOP/s, bf16, H200:")
+    print(f"\nwrote {path} ({time.time() - t0:.0f} s). TFLOP/s, bf16, {torch.cuda.get_device_name()}:")
     print(table(summary, cols))
     return 0
 

@@ -118,7 +118,7 @@ def cases():
         yield "fwd_cfg", f"D=64 192x128 3-WG persistent {c} 2x1000x1000x8/2", _fwd_cfg_case(flaky, (2, 1000, 1000, 8, 2, 64), causal)
         yield "fwd_cfg", f"D=64 192x128 3-WG persistent {c} 3x1000x1000x4/2 ctas=5", _fwd_cfg_case(flaky, (3, 1000, 1000, 4, 2, 64), causal, ctas=5)
         yield "fwd_cfg", f"D=64 128x128 persistent (causal default) {c} 3x1000x1000x4/2 ctas=5", _fwd_cfg_case(d64, (3, 1000, 1000, 4, 2, 64), causal, ctas=5)
-    # the non-causal D=128 default up to SHORT_ROWS query rows: 128 x 128 persistent, lazy rescaling
+    # the non-causal D=128 default up to SHORT_ROWS[128] query rows: 128 x 128 persistent, lazy rescaling
     d128 = fwd_default_config(128, False, seqlen=1)
     yield "fwd_cfg", "D=128 128x128 persistent (short non-causal default) full 3x1000x1000x4/2 ctas=5", _fwd_cfg_case(d128, (3, 1000, 1000, 4, 2, 128), False, ctas=5)
     # the O store's wait deferred to the next tile (FwdConfig.late_store_wait)

@@ -44,7 +44,8 @@ GPT_SHAPES = [(32, 12, 12, 1024, 64), (16, 32, 32, 2048, 64)]  # and the benchma
 # --short: D=64 non-causal at encoder / ViT lengths (~32K tokens a call): the 192-row default
 # tile pads 197 rows to 384, 1024 to 1152 (12.5%); a 128-row tile pads less
 SHORT_SHAPES = [(160, 16, 16, 197, 64), (64, 16, 16, 512, 64), (56, 16, 16, 577, 64), (42, 16, 16, 768, 64),
-                (32, 16, 16, 1024, 64), (21, 16, 16, 1536, 64), (16, 16, 16, 2048, 64), (8, 16, 16, 4096, 64)]
+                (32, 16, 16, 1024, 64), (21, 16, 16, 1536, 64), (16, 16, 16, 2048, 64), (8, 16, 16, 4096, 64),
+                (16, 32, 32, 2048, 64), (10, 16, 16, 3072, 64)]  # the benchmark set's D=64 shape; between 2048 and 4096
 CAUSAL = (False, True)
 GPT = False
 LAZY = False
@@ -254,7 +255,7 @@ def _configs(D: int, S: int, causal: bool, groups: int, bwd: bool, arch: str = "
         return [default] + confirm_candidates(default, D)
     if SHORT:  # the long default (T.Pipelined, 192 rows) twice, then the short one (128 x 128
         # persistent) and itself with the other uniform_ws, in turns
-        long, short = K.fwd_default_config(D, causal, arch), K.fwd_default_config(D, causal, arch, K.SHORT_ROWS)
+        long, short = K.fwd_default_config(D, causal, arch), K.fwd_default_config(D, causal, arch, K.SHORT_ROWS[D])
         other = dataclasses.replace(short, uniform_ws=not short.uniform_ws)
         return [long, long, other, short, other, short]
     if AB_TREE:  # session 40: tree4 1.00-1.05x at D=64 causal in two --confirm sweeps; A/B/A/B/A/B settled it
@@ -474,9 +475,9 @@ if __name__ == "__main__":
     ap.add_argument("--ab-tree", action="store_true", help="forward: the default and itself with tree_reduce=4, three times each, in turns; a tree4 default against no tree, 8 chains and uniform_ws, twice")
     ap.add_argument("--short", type=int, nargs="?", const=64, choices=(64, 128), help="non-causal at 197-4096 tokens, head dim 64 (default) or 128: the long default twice, the 128 x 128 persistent tile with uniform_ws and without, in turns")
     ap.add_argument("--causal-only", action="store_true", help="causal shapes only")
-    ap.add_argument("--shapes", type=int, nargs="+", help="only these SHAPES (indexes)")
+    ap.add_argument("--shapes", type=int, nargs="+", help="only these SHAPES (indexes; with --short: of SHORT_SHAPES)")
     args = ap.parse_args()
-    if args.shapes:
+    if args.shapes and not args.short:
         SHAPES = [(SHAPES + EXTRA_SHAPES)[i] for i in args.shapes]
     WALK = args.walk
     DQ_PATHS = args.dq
@@ -497,6 +498,7 @@ if __name__ == "__main__":
     AB_TREE = args.ab_tree
     if args.short:
         SHAPES, CAUSAL, SHORT = [(B, H, HK, S, args.short) for B, H, HK, S, _ in SHORT_SHAPES], (False,), True
+        SHAPES = [SHAPES[i] for i in args.shapes] if args.shapes else SHAPES
     if args.causal_only:
         CAUSAL = (True,)
     LAZY = args.lazy

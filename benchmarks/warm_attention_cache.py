@@ -77,12 +77,12 @@ def _jobs(quick: bool) -> list[tuple]:
 
 def _with_short(jobs: list[tuple]) -> list[tuple]:
     """jobs plus the forward's default for short sequences (ops.attention.SHORT_CAUSAL_KEYS keys
-    causal, SHORT_ROWS query rows not) of each default-config forward job, where it differs from
+    causal, SHORT_ROWS[headdim] query rows not) of each default-config forward job, where it differs from
     the long one."""
     from tilelang_ops.ops import attention as A
 
     for kind, d, dt, c, g, s in [j for j in jobs if len(j) == 6 and j[0] in ("fwd", "fwd_nolse")]:
-        short = A.untuned_config(kind, d, c, ARCH, A.SHORT_CAUSAL_KEYS if c else A.SHORT_ROWS)
+        short = A.untuned_config(kind, d, c, ARCH, A.SHORT_CAUSAL_KEYS if c else A.SHORT_ROWS.get(d, 1))
         if short != A.untuned_config(kind, d, c, ARCH):
             jobs.append((kind, d, dt, c, g, s, short))
     return jobs

@@ -41,6 +41,7 @@ GPU_SHAPES = [
     (1, 1000, 300, 4, 4, 128),  # Sq > Sk: leading rows see no key
     (1, 129, 257, 4, 2, 256),  # head dim 256, tails in both lengths
     (1, 1, 4097, 2, 2, 128),  # decode-like: one query, long cache
+    (1, 2000, 1500, 4, 2, 64),  # non-causal D=64 between 1024 and SHORT_ROWS[64] rows: the 128-row kernel
     # small problems' backward is one kernel (flash_bwd_small, ops.attention._small_bwd): GQA, both offsets
     (2, 50, 100, 8, 4, 64),  # Sq < Sk, GQA 2
     (1, 60, 33, 4, 2, 128),  # Sq > Sk (causal rows that see no key), GQA 2
@@ -288,8 +289,8 @@ POST_MASK_FWD_CONFIGS = {64: [(192, 176, 2, 384, "auto", 0.0, True), (128, 128, 
 # Session 22: FlashAttention-3's D=64 tile (three consumer warpgroups of 64 rows each) and the
 # 128 x 128 tile at D=128, persistent; WIDE_FWD_CONFIGS: the D=64 tile not persistent.
 # Session 37: both 128 x 128 tiles with FwdConfig.late_store_wait (the O store's wait deferred).
-# The defaults among them: D=64 causal (and non-causal up to SHORT_ROWS rows) with uniform_ws and
-# tree4; D=128 non-causal up to SHORT_ROWS rows (lazy, post_mask).
+# The defaults among them: D=64 causal (and non-causal up to SHORT_ROWS[64] rows) with uniform_ws and
+# tree4; D=128 non-causal up to SHORT_ROWS[128] rows (lazy, post_mask).
 PERSISTENT_FWD_CONFIGS = {64: [(128, 128, 2, 256, "async", 0.0, True, True), (192, 128, 2, 384, "async", 0.0, True, True),
                                (128, 128, 2, 256, "async", 0.0, True, True, False, True),
                                (128, 128, 2, 256, "async", 0.0, True, True, True, False, 4)],
@@ -358,9 +359,9 @@ def test_forward_defaults_by_sequence_length(monkeypatch):
     """Two forward defaults depend on the length. The causal head-dim-128 forward takes 128 x 128
     tiles up to SHORT_CAUSAL_KEYS keys and FlashAttention-3's 128 x 176 above (session 22:
     1.02-1.03x at 4096 keys, 0.985x at 16384); the non-causal head-dim-64 forward takes the causal
-    one's 128 x 128 persistent kernel up to SHORT_ROWS query rows and 192 x 176 above (session 40:
-    1.07-2.1x at 197-1024 rows, 0.95x at 1536-2048); the non-causal head-dim-128 forward 128 x 128
-    persistent tiles up to SHORT_ROWS rows and 192 x 128 above (session 41: 1.06-1.76x at 197-1024
+    one's 128 x 128 persistent kernel up to SHORT_ROWS[64] = 2048 query rows and 192 x 176 above
+    (sessions 40-42: 1.07-2.1x at 197-1024 rows, 1.01-1.03x at 1536-2048, 0.97-0.99x at 3072-4096); the non-causal head-dim-128 forward 128 x 128
+    persistent tiles up to SHORT_ROWS[128] = 1024 rows and 192 x 128 above (session 41: 1.06-1.76x at 197-1024
     rows, 0.96-1.00x at 1536-4096). The op picks the bucket by the call's keys (causal) or rows
     (not causal, D <= 128), the default table answers by it, the tuner's shape lands in the same
     bucket, and no other default depends on the length."""
@@ -372,13 +373,13 @@ def test_forward_defaults_by_sequence_length(monkeypatch):
     long = K.fwd_default_config(128, True, seqlen=K.SHORT_CAUSAL_KEYS + 1)
     assert (short.block_m, short.block_n, short.pipeline) == (128, 128, "async") and (long.block_m, long.block_n) == (128, 176)
     assert K.fwd_default_config(128, True) == long and A.untuned_config("fwd", 128, True, "sm_90a", 4096) == short
-    rows = K.fwd_default_config(64, False, seqlen=K.SHORT_ROWS)
+    rows = K.fwd_default_config(64, False, seqlen=K.SHORT_ROWS[64])
     assert rows == K.fwd_default_config(64, True) and rows.persistent and rows.block_m == 128
-    assert K.fwd_default_config(64, False, seqlen=K.SHORT_ROWS + 1) == K.fwd_default_config(64, False) != rows
+    assert K.fwd_default_config(64, False, seqlen=K.SHORT_ROWS[64] + 1) == K.fwd_default_config(64, False) != rows
     assert K.fwd_default_config(64, False).block_m == 192
-    rows128 = K.fwd_default_config(128, False, seqlen=K.SHORT_ROWS)
+    rows128 = K.fwd_default_config(128, False, seqlen=K.SHORT_ROWS[128])
     assert (rows128.block_m, rows128.block_n, rows128.pipeline, rows128.persistent, rows128.lazy_rescale) == (128, 128, "async", True, 8.0)
-    assert K.fwd_default_config(128, False, seqlen=K.SHORT_ROWS + 1) == K.fwd_default_config(128, False) != rows128
+    assert K.fwd_default_config(128, False, seqlen=K.SHORT_ROWS[128] + 1) == K.fwd_default_config(128, False) != rows128
     assert K.fwd_default_config(128, False).block_m == 192
     for d, c in ((64, True), (256, True), (256, False)):
         assert K.fwd_default_config(d, c, seqlen=1) == K.fwd_default_config(d, c)
@@ -390,7 +391,7 @@ def test_forward_defaults_by_sequence_length(monkeypatch):
     seen = []
     monkeypatch.setattr(A, "_kernel", lambda name, *args: seen.append(args[-1]) or (lambda *a: None))
     for d, sq, sk, causal, want in ((128, 5, 17, True, True), (128, 5, 8192, True, True), (128, 5, 8193, True, False), (128, 5, 100, False, True),
-                                    (128, 1025, 5, False, False), (64, 1024, 5000, False, True), (64, 1025, 7, False, False),
+                                    (128, 1025, 5, False, False), (64, 1025, 5000, False, True), (64, 2048, 7, False, True), (64, 2049, 7, False, False),
                                     (64, 1, 9000, True, False), (256, 7, 7, False, None)):
         q = torch.randn(1, sq, 2, d, dtype=torch.bfloat16)
         kv = torch.randn(1, sk, 2, d, dtype=torch.bfloat16)

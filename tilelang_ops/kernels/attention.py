@@ -127,15 +127,17 @@ class FwdConfig:
 # 1.02-1.03x at 4096 keys in three runs, MHA and GQA; 0.985x at 16384 in two).
 SHORT_CAUSAL_KEYS = 8192
 # Non-causal forwards of head dim 64 and 128 take 128 x 128 persistent tiles up to this many query
-# rows (fwd_default_config): the 192-row tile pads 197 rows to 384 and 1024 to 1152, and its grid
-# ends in a partial wave.
-SHORT_ROWS = 1024
+# rows, by head dim (fwd_default_config): the 192-row tile pads 197 rows to 384 and 1024 to 1152,
+# and its grid ends in a partial wave. At D=64 the 128-row kernel (uniform_ws + tree4) still
+# leads at 1536-2048 rows, 1.01-1.03x, and trails at 3072-4096, 0.97-0.99x (H100, sessions 41-42,
+# sweep_attention --short); at D=128 it trails from 1536 rows on (0.90-0.99x, session 41).
+SHORT_ROWS = {64: 2048, 128: 1024}
 
 
 def fwd_default_config(headdim: int, causal: bool, arch: str = "sm_90a", seqlen: Optional[int] = None) -> FwdConfig:
     """seqlen: the call's sequence length, for the defaults that depend on it: its keys for the
     causal head-dim-128 one (SHORT_CAUSAL_KEYS), its query rows for the non-causal head-dim-64 and
-    128 ones (SHORT_ROWS). None gives the long-sequence defaults."""
+    128 ones (SHORT_ROWS, by head dim). None gives the long-sequence defaults."""
     if _is_hopper(arch):
         # `tileops tune --op flash_attn` on an H200 (B8 H32 S4096 D128 / B16 H32 S2048 D64, bf16),
         # two runs, 2026-11-30: 1.03-1.16x the former 128x128/2/256. 192 query rows = 3 consumer
@@ -152,10 +154,10 @@ def fwd_default_config(headdim: int, causal: bool, arch: str = "sm_90a", seqlen:
                 if seqlen is not None and seqlen <= SHORT_CAUSAL_KEYS:
                     return FwdConfig(128, 128, 2, 256, "async", lazy_rescale=8.0)
                 return FwdConfig(128, 176, 2, 256, "async", lazy_rescale=8.0)
-            # Up to SHORT_ROWS query rows 128 x 128 persistent async tiles (O in its own shared
+            # Up to SHORT_ROWS[128] query rows 128 x 128 persistent async tiles (O in its own shared
             # buffer): 1.06-1.76x the 192 x 128 tile at 197-1024 rows, 0.96-1.00x at 1536-4096
             # (H200, session 41, sweep_attention --short 128).
-            if seqlen is not None and seqlen <= SHORT_ROWS:
+            if seqlen is not None and seqlen <= SHORT_ROWS[128]:
                 return FwdConfig(128, 128, 2, 256, "async", lazy_rescale=8.0, post_mask=True, persistent=True)
             return FwdConfig(192, 128, 2, 384, lazy_rescale=8.0, post_mask=True)
         if headdim == 64:
@@ -173,9 +175,10 @@ def fwd_default_config(headdim: int, causal: bool, arch: str = "sm_90a", seqlen:
             # it lost at D=128 causal (0.88-0.98x) and in the 192x176 kernel (0.95-0.98x).
             # uniform_ws (warp-role branches on a warp-uniform index) on top of tree4: 1.00-1.07x in
             # two A/B/A/B sweeps (--ab-tree: H100 session 40, H200 session 41), never behind.
-            # Non-causal up to SHORT_ROWS query rows the same kernel: 1.07-2.1x the 192x176 tile at
-            # 197-1024 rows, 0.95-0.96x at 1536-2048 (H100, session 40, sweep_attention --short).
-            if causal or (seqlen is not None and seqlen <= SHORT_ROWS):
+            # Non-causal up to SHORT_ROWS[64] query rows the same kernel: 1.07-2.1x the 192x176 tile
+            # at 197-1024 rows (H100, session 40, sweep_attention --short); with uniform_ws also at
+            # 1536-2048, 1.01-1.03x (H100, sessions 41-42; without it 0.95-0.96x), 0.97-0.99x above.
+            if causal or (seqlen is not None and seqlen <= SHORT_ROWS[64]):
                 return FwdConfig(128, 128, 2, 256, "async", post_mask=True, persistent=True, uniform_ws=True, tree_reduce=4)
             return FwdConfig(192, 176, 2, 384, post_mask=True)
         # D=256: Q, O and two K/V stages of 128 keys would exceed 227 KB of shared memory.
@@ -1568,10 +1571,10 @@ REPRESENTATIVE = [
     (flash_fwd_kernel, fwd_default_config(128, True, seqlen=SHORT_CAUSAL_KEYS), dict(headdim=128, dtype="bfloat16", causal=True, groups=1, scale=default_scale(128))),
     (flash_fwd_kernel, fwd_default_config(64, False), dict(headdim=64, dtype="bfloat16", causal=False, groups=1, scale=default_scale(64))),
     (flash_fwd_kernel, fwd_default_config(64, True), dict(headdim=64, dtype="bfloat16", causal=True, groups=1, scale=default_scale(64))),
-    # the non-causal D=64 default for at most SHORT_ROWS query rows
-    (flash_fwd_kernel, fwd_default_config(64, False, seqlen=SHORT_ROWS), dict(headdim=64, dtype="bfloat16", causal=False, groups=1, scale=default_scale(64))),
+    # the non-causal D=64 default for at most SHORT_ROWS[64] query rows
+    (flash_fwd_kernel, fwd_default_config(64, False, seqlen=SHORT_ROWS[64]), dict(headdim=64, dtype="bfloat16", causal=False, groups=1, scale=default_scale(64))),
     # ... and the non-causal D=128 one
-    (flash_fwd_kernel, fwd_default_config(128, False, seqlen=SHORT_ROWS), dict(headdim=128, dtype="bfloat16", causal=False, groups=1, scale=default_scale(128))),
+    (flash_fwd_kernel, fwd_default_config(128, False, seqlen=SHORT_ROWS[128]), dict(headdim=128, dtype="bfloat16", causal=False, groups=1, scale=default_scale(128))),
     # the hand-synchronized pipelines the tuner may pick (FWD_SEARCH_SPACE)
     (flash_fwd_kernel, FwdConfig(128, 128, 2, 256, "async"), dict(headdim=128, dtype="bfloat16", causal=True, groups=1, scale=default_scale(128))),
     (flash_fwd_kernel, FwdConfig(128, 128, 2, 256, "pingpong"), dict(headdim=128, dtype="bfloat16", causal=True, groups=1, scale=default_scale(128))),

@@ -73,17 +73,17 @@ def _scale(q: torch.Tensor, softmax_scale: Optional[float]) -> float:
 # table, one per (headdim, causal, GQA ratio) since one kernel serves every length — but for two
 # forwards whose default table has a second entry for short sequences (`short`:
 # kernels.attention.fwd_default_config): causal, at most SHORT_CAUSAL_KEYS keys (head dim 128);
-# non-causal head dim 64 and 128, at most SHORT_ROWS query rows.
+# non-causal head dim 64 and 128, at most SHORT_ROWS[headdim] query rows.
 _kernels: dict[tuple, object] = {}
 SHORT_CAUSAL_KEYS = 8192  # kernels.attention.SHORT_CAUSAL_KEYS (that module imports tilelang)
-SHORT_ROWS = 1024  # kernels.attention.SHORT_ROWS
+SHORT_ROWS = {64: 2048, 128: 1024}  # kernels.attention.SHORT_ROWS, by head dim
 
 
 def _tune_shape(static: dict, short: Optional[bool] = None) -> tuple:
     # (B, S, H, HK, D, causal) at which `tileops tune` / TILEOPS_AUTOTUNE time a static key; its S
     # also picks the forward's default by length (short=False: a long sequence; True: within
-    # SHORT_ROWS, non-causal, or SHORT_CAUSAL_KEYS)
-    S = 16384 if short is False else SHORT_ROWS if short and not static["causal"] else 4096
+    # SHORT_ROWS[headdim], non-causal, or SHORT_CAUSAL_KEYS)
+    S = 16384 if short is False else SHORT_ROWS[static["headdim"]] if short and not static["causal"] else 4096
     return (4, S, 8 * static["groups"], 8, static["headdim"], int(static["causal"]))
 
 
@@ -167,7 +167,7 @@ def _kernel(name: str, dtype: torch.dtype, device: torch.device, headdim: int = 
     """Launcher for kernel `name`: "fwd"/"fwd_nolse"/"bwd"/"bwd_nodq"/"dq" (every static arg), "prep"/"prep_nodq"
     (headdim), "cast" (none). Keyed by the call's own arguments (positional, softmax_scale as
     given): a hit costs no math. short: for a causal forward, whether it has at most
-    SHORT_CAUSAL_KEYS keys, for a non-causal head-dim-64 or 128 one at most SHORT_ROWS query rows (None
+    SHORT_CAUSAL_KEYS keys, for a non-causal head-dim-64 or 128 one at most SHORT_ROWS[headdim] query rows (None
     elsewhere)."""
     key = (name, dtype, device.index, headdim, causal, groups, softmax_scale, short)
     k = _kernels.get(key)
@@ -312,7 +312,7 @@ def _fwd_launch(q, k, v, causal, softmax_scale, with_lse: bool):
     lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device) if with_lse else None
     if Sk == 0 or out.numel() == 0:  # nothing to attend to
         return out.zero_(), (lse.fill_(float("-inf")) if with_lse else None)
-    short = Sk <= SHORT_CAUSAL_KEYS if causal else Sq <= SHORT_ROWS if D <= 128 else None  # defaults by length
+    short = Sk <= SHORT_CAUSAL_KEYS if causal else Sq <= SHORT_ROWS[D] if D in SHORT_ROWS else None  # defaults by length
     kern = _kernel("fwd" if with_lse else "fwd_nolse", q.dtype, q.device, D, causal, H // HK, softmax_scale, short)
     kern(q, k, v, out, lse) if with_lse else kern(q, k, v, out)
     return out, lse
