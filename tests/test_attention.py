@@ -360,9 +360,10 @@ def test_forward_defaults_by_sequence_length(monkeypatch):
     tiles up to SHORT_CAUSAL_KEYS keys and FlashAttention-3's 128 x 176 above (session 22:
     1.02-1.03x at 4096 keys, 0.985x at 16384); the non-causal head-dim-64 forward takes the causal
     one's 128 x 128 persistent kernel up to SHORT_ROWS[64] = 2048 query rows and 192 x 176 above
-    (sessions 40-42: 1.07-2.1x at 197-1024 rows, 1.01-1.03x at 1536-2048, 0.97-0.99x at 3072-4096); the non-causal head-dim-128 forward 128 x 128
-    persistent tiles up to SHORT_ROWS[128] = 1024 rows and 192 x 128 above (session 41: 1.06-1.76x at 197-1024
-    rows, 0.96-1.00x at 1536-4096). The op picks the bucket by the call's keys (causal) or rows
+    (sessions 40-42: 1.07-2.1x at 197-1024 rows, 1.00-1.03x at 1536-2048, 0.97-1.00x at
+    3072-4096); the non-causal head-dim-128 forward 128 x 128 persistent tiles up to
+    SHORT_ROWS[128] = 1024 rows and 192 x 128 above (session 41: 1.06-1.76x at 197-1024 rows,
+    0.96-1.00x at 1536-4096). The op picks the bucket by the call's keys (causal) or rows
     (not causal, D <= 128), the default table answers by it, the tuner's shape lands in the same
     bucket, and no other default depends on the length."""
     from tilelang_ops.kernels import attention as K

@@ -129,7 +129,7 @@ SHORT_CAUSAL_KEYS = 8192
 # Non-causal forwards of head dim 64 and 128 take 128 x 128 persistent tiles up to this many query
 # rows, by head dim (fwd_default_config): the 192-row tile pads 197 rows to 384 and 1024 to 1152,
 # and its grid ends in a partial wave. At D=64 the 128-row kernel (uniform_ws + tree4) still
-# leads at 1536-2048 rows, 1.01-1.03x, and trails at 3072-4096, 0.97-0.99x (H100, sessions 41-42,
+# leads at 1536-2048 rows, 1.00-1.03x, and trails at 3072-4096, 0.97-1.00x (H100, sessions 41-42,
 # sweep_attention --short); at D=128 it trails from 1536 rows on (0.90-0.99x, session 41).
 SHORT_ROWS = {64: 2048, 128: 1024}
 
@@ -177,7 +177,7 @@ def fwd_default_config(headdim: int, causal: bool, arch: str = "sm_90a", seqlen:
             # two A/B/A/B sweeps (--ab-tree: H100 session 40, H200 session 41), never behind.
             # Non-causal up to SHORT_ROWS[64] query rows the same kernel: 1.07-2.1x the 192x176 tile
             # at 197-1024 rows (H100, session 40, sweep_attention --short); with uniform_ws also at
-            # 1536-2048, 1.01-1.03x (H100, sessions 41-42; without it 0.95-0.96x), 0.97-0.99x above.
+            # 1536-2048, 1.00-1.03x (H100, sessions 41-42; without it 0.95-0.96x), 0.97-1.00x above.
             if causal or (seqlen is not None and seqlen <= SHORT_ROWS[64]):
                 return FwdConfig(128, 128, 2, 256, "async", post_mask=True, persistent=True, uniform_ws=True, tree_reduce=4)
             return FwdConfig(192, 176, 2, 384, post_mask=True)
