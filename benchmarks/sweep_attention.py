@@ -23,6 +23,7 @@ wrong kernel shows.
     python -m benchmarks.sweep_attention --ab-tree --causal-only --shapes 2 4 5  # forward: default and tree4 in turns (tree4 defaults: against 0, 8 chains, the other uniform_ws)
     python -m benchmarks.sweep_attention --short  # D=64 non-causal, 197-4096 tokens: the 192 x 176 default against the 128 x 128 persistent tile, uniform_ws or not
     python -m benchmarks.sweep_attention --short 128  # the same lengths at D=128: the 192 x 128 default against the 128 x 128 persistent tile, uniform_ws or not
+    python -m benchmarks.sweep_attention --vary persistent=1,uniform_ws=1 --vary persistent=1 --causal-only --shapes 0 3  # the default and each variant of it, twice, in turns
     python -m benchmarks.sweep_attention --pin [--tree] [--late-store]  # the defaults again; with FwdConfig.pin_waits, tree_reduce=4, late_store_wait (each also pinned); T.Pipelined defaults: against pinned async tiles
 
 Forward FLOPs = 4 * B * H * S^2 * D, halved when causal; backward 2.5x that (as bench_attention).
@@ -68,6 +69,7 @@ PIN = False
 CONFIRM = False
 AB_TREE = False
 SHORT = False
+VARY: list = []  # --vary: FwdConfig / BwdConfig field overrides, one dict per candidate
 
 
 def _gpt_candidates():
@@ -245,10 +247,14 @@ def _configs(D: int, S: int, causal: bool, groups: int, bwd: bool, arch: str = "
 
     if bwd:
         default = K.bwd_default_config(D, causal, arch)
+        if VARY:
+            return ([default] + [dataclasses.replace(default, **v) for v in VARY]) * 2
         if UNIFORM:
             return [default, default, dataclasses.replace(default, uniform_ws=not default.uniform_ws)]
         return ablations(default, D, causal, groups) if ABLATE else [default] + bwd_candidates(D)
-    default = K.fwd_default_config(D, causal, arch, S if ABLATE or PINGPONG or STAGES or BLOCK_N or UNIFORM or LATE_STORE or TREE or PIN or CONFIRM or AB_TREE or SHORT else None)
+    default = K.fwd_default_config(D, causal, arch, S if ABLATE or PINGPONG or STAGES or BLOCK_N or UNIFORM or LATE_STORE or TREE or PIN or CONFIRM or AB_TREE or SHORT or VARY else None)
+    if VARY:  # the default and each variant, A/B/.../A/B/...: every candidate twice, each turn a new neighbour order is not needed (the default leads both)
+        return ([default] + [dataclasses.replace(default, **v) for v in VARY]) * 2
     if UNIFORM:  # the default again (A/A) and with the other uniform_ws (role branches on a warp-uniform index)
         return [default, default, dataclasses.replace(default, uniform_ws=not default.uniform_ws)]
     if CONFIRM:
@@ -449,6 +455,23 @@ def main() -> None:
     print(table(rows, ["shape", "causal", "config", "ms", "tflops", "vs_default", "max_abs_diff", "lse_diff", "error"]))
 
 
+def _overrides(text: str) -> dict:
+    """'persistent=1,lazy_rescale=8.0' -> {'persistent': True, 'lazy_rescale': 8.0} (types from FwdConfig / BwdConfig)."""
+    out = {}
+    for item in text.split(","):
+        field, _, value = item.partition("=")
+        if not value:
+            raise argparse.ArgumentTypeError(f"{item!r}: expected FIELD=VALUE")
+        if value.lower() in ("true", "false"):
+            out[field] = value.lower() == "true"
+        else:
+            num = float(value)
+            out[field] = int(num) if num.is_integer() and "." not in value else num
+        if field in ("persistent", "uniform_ws", "post_mask", "late_store_wait", "pin_waits", "dq_producer", "dq_first", "reverse") and not isinstance(out[field], bool):
+            out[field] = bool(out[field])
+    return out
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--warm", action="store_true", help="compile every candidate for sm_90a (no GPU needed)")
@@ -474,6 +497,8 @@ if __name__ == "__main__":
     ap.add_argument("--confirm", action="store_true", help="forward: the defaults again, with tree4 (pinned or not), pinned tree8; D=64: 192 x 128 async persistent pinned")
     ap.add_argument("--ab-tree", action="store_true", help="forward: the default and itself with tree_reduce=4, three times each, in turns; a tree4 default against no tree, 8 chains and uniform_ws, twice")
     ap.add_argument("--short", type=int, nargs="?", const=64, choices=(64, 128), help="non-causal at 197-4096 tokens, head dim 64 (default) or 128: the long default twice, the 128 x 128 persistent tile with uniform_ws and without, in turns")
+    ap.add_argument("--vary", action="append", type=_overrides, default=[], metavar="FIELD=VALUE[,...]",
+                    help="a candidate: the default with these config fields replaced (repeatable); the default and the candidates, twice, in turns")
     ap.add_argument("--causal-only", action="store_true", help="causal shapes only")
     ap.add_argument("--shapes", type=int, nargs="+", help="only these SHAPES (indexes; with --short: of SHORT_SHAPES)")
     args = ap.parse_args()
@@ -496,6 +521,7 @@ if __name__ == "__main__":
     PIN = args.pin
     CONFIRM = args.confirm
     AB_TREE = args.ab_tree
+    VARY = args.vary
     if args.short:
         SHAPES, CAUSAL, SHORT = [(B, H, HK, S, args.short) for B, H, HK, S, _ in SHORT_SHAPES], (False,), True
         SHAPES = [SHAPES[i] for i in args.shapes] if args.shapes else SHAPES
