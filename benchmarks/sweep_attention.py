@@ -24,6 +24,7 @@ wrong kernel shows.
     python -m benchmarks.sweep_attention --short  # D=64 non-causal, 197-4096 tokens: the 192 x 176 default against the 128 x 128 persistent tile, uniform_ws or not
     python -m benchmarks.sweep_attention --short 128  # the same lengths at D=128: the 192 x 128 default against the 128 x 128 persistent tile, uniform_ws or not
     python -m benchmarks.sweep_attention --vary persistent=1,uniform_ws=1 --vary persistent=1 --causal-only --shapes 0 3  # the default and each variant of it, twice, in turns
+    python -m benchmarks.sweep_attention --bwd --vary num_stages=3 --non-causal-only --shape 4,32,32,8192,128  # --shape B,H,HK,S,D: other shapes
     python -m benchmarks.sweep_attention --pin [--tree] [--late-store]  # the defaults again; with FwdConfig.pin_waits, tree_reduce=4, late_store_wait (each also pinned); T.Pipelined defaults: against pinned async tiles
 
 Forward FLOPs = 4 * B * H * S^2 * D, halved when causal; backward 2.5x that (as bench_attention).
@@ -253,7 +254,7 @@ def _configs(D: int, S: int, causal: bool, groups: int, bwd: bool, arch: str = "
             return [default, default, dataclasses.replace(default, uniform_ws=not default.uniform_ws)]
         return ablations(default, D, causal, groups) if ABLATE else [default] + bwd_candidates(D)
     default = K.fwd_default_config(D, causal, arch, S if ABLATE or PINGPONG or STAGES or BLOCK_N or UNIFORM or LATE_STORE or TREE or PIN or CONFIRM or AB_TREE or SHORT or VARY else None)
-    if VARY:  # the default and each variant, A/B/.../A/B/...: every candidate twice, each turn a new neighbour order is not needed (the default leads both)
+    if VARY:  # the default and each variant, twice, in turns (A B C A B C): the default's second timing is the A/A control
         return ([default] + [dataclasses.replace(default, **v) for v in VARY]) * 2
     if UNIFORM:  # the default again (A/A) and with the other uniform_ws (role branches on a warp-uniform index)
         return [default, default, dataclasses.replace(default, uniform_ws=not default.uniform_ws)]
@@ -500,6 +501,9 @@ if __name__ == "__main__":
     ap.add_argument("--vary", action="append", type=_overrides, default=[], metavar="FIELD=VALUE[,...]",
                     help="a candidate: the default with these config fields replaced (repeatable); the default and the candidates, twice, in turns")
     ap.add_argument("--causal-only", action="store_true", help="causal shapes only")
+    ap.add_argument("--non-causal-only", action="store_true", help="non-causal shapes only")
+    ap.add_argument("--shape", action="append", type=lambda t: tuple(int(x) for x in t.split(",")), metavar="B,H,HK,S,D",
+                    help="time this shape instead of SHAPES (repeatable)")
     ap.add_argument("--shapes", type=int, nargs="+", help="only these SHAPES (indexes; with --short: of SHORT_SHAPES)")
     args = ap.parse_args()
     if args.shapes and not args.short:
@@ -527,6 +531,10 @@ if __name__ == "__main__":
         SHAPES = [SHAPES[i] for i in args.shapes] if args.shapes else SHAPES
     if args.causal_only:
         CAUSAL = (True,)
+    if args.non_causal_only:
+        CAUSAL = (False,)
+    if args.shape:
+        SHAPES = args.shape
     LAZY = args.lazy
     POST_MASK = args.post_mask
     if args.gpt:
