@@ -33,6 +33,7 @@ Forward FLOPs = 4 * B * H * S^2 * D, halved when causal; backward 2.5x that (as 
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import sys
 
@@ -241,6 +242,13 @@ def ablations(cfg, headdim: int, causal: bool, groups: int) -> list:
     return out
 
 
+def _varied(default) -> list:
+    """--vary: the default and each variant (its fields replaced, each value cast to the field's
+    type), twice, in turns (A B C A B C): the default's second timing is the A/A control."""
+    variants = [dataclasses.replace(default, **{f: type(getattr(default, f))(v) for f, v in o.items()}) for o in VARY]
+    return ([default] + variants) * 2
+
+
 def _configs(D: int, S: int, causal: bool, groups: int, bwd: bool, arch: str = "sm_90a") -> list:
     """The configs a shape times, the default first (with --ablate, --pingpong, --stages: the op's own
     default for S keys)."""
@@ -249,13 +257,13 @@ def _configs(D: int, S: int, causal: bool, groups: int, bwd: bool, arch: str = "
     if bwd:
         default = K.bwd_default_config(D, causal, arch)
         if VARY:
-            return ([default] + [dataclasses.replace(default, **v) for v in VARY]) * 2
+            return _varied(default)
         if UNIFORM:
             return [default, default, dataclasses.replace(default, uniform_ws=not default.uniform_ws)]
         return ablations(default, D, causal, groups) if ABLATE else [default] + bwd_candidates(D)
     default = K.fwd_default_config(D, causal, arch, S if ABLATE or PINGPONG or STAGES or BLOCK_N or UNIFORM or LATE_STORE or TREE or PIN or CONFIRM or AB_TREE or SHORT or VARY else None)
-    if VARY:  # the default and each variant, twice, in turns (A B C A B C): the default's second timing is the A/A control
-        return ([default] + [dataclasses.replace(default, **v) for v in VARY]) * 2
+    if VARY:
+        return _varied(default)
     if UNIFORM:  # the default again (A/A) and with the other uniform_ws (role branches on a warp-uniform index)
         return [default, default, dataclasses.replace(default, uniform_ws=not default.uniform_ws)]
     if CONFIRM:
@@ -457,19 +465,15 @@ def main() -> None:
 
 
 def _overrides(text: str) -> dict:
-    """'persistent=1,lazy_rescale=8.0' -> {'persistent': True, 'lazy_rescale': 8.0} (types from FwdConfig / BwdConfig)."""
+    """'persistent=1,lazy_rescale=8.0' -> {'persistent': 1, 'lazy_rescale': 8.0}: Python literals,
+    cast to the config field's type when applied (_varied)."""
     out = {}
     for item in text.split(","):
         field, _, value = item.partition("=")
-        if not value:
-            raise argparse.ArgumentTypeError(f"{item!r}: expected FIELD=VALUE")
-        if value.lower() in ("true", "false"):
-            out[field] = value.lower() == "true"
-        else:
-            num = float(value)
-            out[field] = int(num) if num.is_integer() and "." not in value else num
-        if field in ("persistent", "uniform_ws", "post_mask", "late_store_wait", "pin_waits", "dq_producer", "dq_first", "reverse") and not isinstance(out[field], bool):
-            out[field] = bool(out[field])
+        try:
+            out[field] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            raise argparse.ArgumentTypeError(f"{item!r}: expected FIELD=VALUE with a Python literal value") from None
     return out
 
 
@@ -506,8 +510,6 @@ if __name__ == "__main__":
                     help="time this shape instead of SHAPES (repeatable)")
     ap.add_argument("--shapes", type=int, nargs="+", help="only these SHAPES (indexes; with --short: of SHORT_SHAPES)")
     args = ap.parse_args()
-    if args.shapes and not args.short:
-        SHAPES = [(SHAPES + EXTRA_SHAPES)[i] for i in args.shapes]
     WALK = args.walk
     DQ_PATHS = args.dq
     STATS = args.stats
@@ -528,7 +530,8 @@ if __name__ == "__main__":
     VARY = args.vary
     if args.short:
         SHAPES, CAUSAL, SHORT = [(B, H, HK, S, args.short) for B, H, HK, S, _ in SHORT_SHAPES], (False,), True
-        SHAPES = [SHAPES[i] for i in args.shapes] if args.shapes else SHAPES
+    if args.shapes:
+        SHAPES = [(SHAPES if args.short else SHAPES + EXTRA_SHAPES)[i] for i in args.shapes]
     if args.causal_only:
         CAUSAL = (True,)
     if args.non_causal_only:

@@ -312,7 +312,7 @@ def _fwd_launch(q, k, v, causal, softmax_scale, with_lse: bool):
     lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device) if with_lse else None
     if Sk == 0 or out.numel() == 0:  # nothing to attend to
         return out.zero_(), (lse.fill_(float("-inf")) if with_lse else None)
-    short = Sk <= SHORT_CAUSAL_KEYS if causal else Sq <= SHORT_ROWS[D] if D in SHORT_ROWS else None  # defaults by length
+    short = Sk <= SHORT_CAUSAL_KEYS if causal else Sq <= rows if (rows := SHORT_ROWS.get(D)) else None  # defaults by length
     kern = _kernel("fwd" if with_lse else "fwd_nolse", q.dtype, q.device, D, causal, H // HK, softmax_scale, short)
     kern(q, k, v, out, lse) if with_lse else kern(q, k, v, out)
     return out, lse
