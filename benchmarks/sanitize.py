@@ -121,6 +121,9 @@ def cases():
     # the non-causal D=128 default up to SHORT_ROWS[128] query rows: 128 x 128 persistent, lazy rescaling
     d128 = fwd_default_config(128, False, seqlen=1)
     yield "fwd_cfg", "D=128 128x128 persistent (short non-causal default) full 3x1000x1000x4/2 ctas=5", _fwd_cfg_case(d128, (3, 1000, 1000, 4, 2, 128), False, ctas=5)
+    # the causal D=128 default up to PERSISTENT_CAUSAL_KEYS keys: 128 x 128 persistent, warp-uniform roles
+    d128c = fwd_default_config(128, True, seqlen=1)
+    yield "fwd_cfg", "D=128 128x128 persistent uniform (short causal default) causal 3x1000x1000x4/2 ctas=5", _fwd_cfg_case(d128c, (3, 1000, 1000, 4, 2, 128), True, ctas=5)
     # the O store's wait deferred to the next tile (FwdConfig.late_store_wait)
     late = dataclasses.replace(d64, late_store_wait=True)
     yield "fwd_cfg", "D=64 128x128 persistent late store wait causal 3x1000x1000x4/2 ctas=5", _fwd_cfg_case(late, (3, 1000, 1000, 4, 2, 64), True, ctas=5)

@@ -255,7 +255,7 @@ def _configs(D: int, S: int, causal: bool, groups: int, bwd: bool, arch: str = "
     from tilelang_ops.kernels import attention as K
 
     if bwd:
-        default = K.bwd_default_config(D, causal, arch)
+        default = K.bwd_default_config(D, causal, arch, S)  # the op's, for S keys
         if VARY:
             return _varied(default)
         if UNIFORM:

@@ -72,19 +72,20 @@ def _jobs(quick: bool) -> list[tuple]:
         job = (kind, st["headdim"], st["dtype"], st["causal"], st["groups"], st["scale"], cfg) + ((st["ctas"],) if "ctas" in st else ())
         if job not in jobs:
             jobs.append(job)
-    return _with_short(jobs)
+    return _with_buckets(jobs)
 
 
-def _with_short(jobs: list[tuple]) -> list[tuple]:
-    """jobs plus the forward's default for short sequences (ops.attention.SHORT_CAUSAL_KEYS keys
-    causal, SHORT_ROWS[headdim] query rows not) of each default-config forward job, where it differs from
-    the long one."""
+def _with_buckets(jobs: list[tuple]) -> list[tuple]:
+    """jobs plus, for each default-config forward or backward-main job, the defaults of its shorter
+    length buckets (ops.attention.LENGTH_BOUNDS) where they differ from the long one."""
     from tilelang_ops.ops import attention as A
 
-    for kind, d, dt, c, g, s in [j for j in jobs if len(j) == 6 and j[0] in ("fwd", "fwd_nolse")]:
-        short = A.untuned_config(kind, d, c, ARCH, A.SHORT_CAUSAL_KEYS if c else A.SHORT_ROWS.get(d, 1))
-        if short != A.untuned_config(kind, d, c, ARCH):
-            jobs.append((kind, d, dt, c, g, s, short))
+    for kind, d, dt, c, g, s in [j for j in jobs if len(j) == 6 and A._TUNED_AS.get(j[0]) in ("fwd", "bwd")]:
+        long = A.untuned_config(kind, d, c, ARCH)
+        for bound in A.LENGTH_BOUNDS.get((A._TUNED_AS[kind], c, d), ()):
+            job = (kind, d, dt, c, g, s, A.untuned_config(kind, d, c, ARCH, bound))
+            if job[6] != long and job not in jobs:
+                jobs.append(job)
     return jobs
 
 
@@ -107,11 +108,11 @@ def _compile(job) -> tuple:
 def _fuzz_jobs() -> list[tuple]:
     """test_flash_attn_cuda_fuzz's kernels: the forward with LSE and the fused backward at every
     head dim, dtype, causal and GQA ratio it draws, default scale; its lengths (<= 4097) take the
-    forward's short defaults where they differ."""
+    shorter length buckets' defaults where they differ."""
     from tilelang_ops.kernels.attention import default_scale
 
     combos = itertools.product((64, 128, 256), ("bfloat16", "float16"), (False, True), (1, 2, 4, 8))
-    return _with_short([(kind, d, dt, c, g, default_scale(d)) for d, dt, c, g in combos for kind in ("fwd", "bwd_fused")])
+    return _with_buckets([(kind, d, dt, c, g, default_scale(d)) for d, dt, c, g in combos for kind in ("fwd", "bwd_fused")])
 
 
 def main(argv=None) -> int:

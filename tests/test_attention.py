@@ -6,6 +6,8 @@ error; CPU runs the reference path with small shapes, the GPU tests run the Tile
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import itertools
 import math
 import re
 
@@ -42,6 +44,7 @@ GPU_SHAPES = [
     (1, 129, 257, 4, 2, 256),  # head dim 256, tails in both lengths
     (1, 1, 4097, 2, 2, 128),  # decode-like: one query, long cache
     (1, 2000, 1500, 4, 2, 64),  # non-causal D=64 between 1024 and SHORT_ROWS[64] rows: the 128-row kernel
+    (1, 100, 8300, 2, 1, 128),  # keys past BWD_STAGES3_KEYS: the 3-stage non-causal backward; MQA
     # small problems' backward is one kernel (flash_bwd_small, ops.attention._small_bwd): GQA, both offsets
     (2, 50, 100, 8, 4, 64),  # Sq < Sk, GQA 2
     (1, 60, 33, 4, 2, 128),  # Sq > Sk (causal rows that see no key), GQA 2
@@ -357,49 +360,56 @@ def async_fwd_kernels():
     return out
 
 
-def test_forward_defaults_by_sequence_length(monkeypatch):
-    """Two forward defaults depend on the length. The causal head-dim-128 forward takes 128 x 128
-    tiles up to SHORT_CAUSAL_KEYS keys and FlashAttention-3's 128 x 176 above (session 22:
-    1.02-1.03x at 4096 keys, 0.985x at 16384); the non-causal head-dim-64 forward takes the causal
-    one's 128 x 128 persistent kernel up to SHORT_ROWS[64] = 2048 query rows and 192 x 176 above
-    (sessions 40-42: 1.07-2.1x at 197-1024 rows, 1.00-1.03x at 1536-2048, 0.97-1.00x at
-    3072-4096); the non-causal head-dim-128 forward 128 x 128 persistent tiles up to
-    SHORT_ROWS[128] = 1024 rows and 192 x 128 above (session 41: 1.06-1.76x at 197-1024 rows,
-    0.96-1.00x at 1536-4096). The op picks the bucket by the call's keys (causal) or rows
-    (not causal, D <= 128), the default table answers by it, the tuner's shape lands in the same
-    bucket, and no other default depends on the length."""
+def test_defaults_by_sequence_length(monkeypatch):
+    """Four defaults depend on the length (kernels.attention.LENGTH_BOUNDS). The causal
+    head-dim-128 forward runs 128 x 128 tiles persistent with warp-uniform roles up to
+    PERSISTENT_CAUSAL_KEYS = 4096 keys (session 43: 1.05-1.06x at 2048, 1.00-1.05x at 4096,
+    0.91-0.95x at 8192), not persistent up to SHORT_CAUSAL_KEYS = 8192 and FlashAttention-3's
+    128 x 176 above (session 22: 1.02-1.03x at 4096 keys, 0.985x at 16384); the non-causal
+    head-dim-64 forward takes the causal one's 128 x 128 persistent kernel up to SHORT_ROWS[64] =
+    2048 query rows and 192 x 176 above (sessions 40-42); the non-causal head-dim-128 forward
+    128 x 128 persistent tiles up to SHORT_ROWS[128] = 1024 rows and 192 x 128 above (session 41);
+    the non-causal head-dim-128 backward three stages above BWD_STAGES3_KEYS = 8192 keys
+    (sessions 42-43: 1.03-1.06x at 16384, 0.93-0.97x at 4096). The op picks the bucket by the
+    call's keys (rows for a non-causal forward), the default table answers by it, the tuner's
+    shape lands in the same bucket, and no other default depends on the length."""
     from tilelang_ops.kernels import attention as K
     from tilelang_ops.ops import attention as A
 
-    assert A.SHORT_CAUSAL_KEYS == K.SHORT_CAUSAL_KEYS and A.SHORT_ROWS == K.SHORT_ROWS
-    short = K.fwd_default_config(128, True, seqlen=K.SHORT_CAUSAL_KEYS)
-    long = K.fwd_default_config(128, True, seqlen=K.SHORT_CAUSAL_KEYS + 1)
-    assert (short.block_m, short.block_n, short.pipeline) == (128, 128, "async") and (long.block_m, long.block_n) == (128, 176)
-    assert K.fwd_default_config(128, True) == long and A.untuned_config("fwd", 128, True, "sm_90a", 4096) == short
-    rows = K.fwd_default_config(64, False, seqlen=K.SHORT_ROWS[64])
-    assert rows == K.fwd_default_config(64, True) and rows.persistent and rows.block_m == 128
-    assert K.fwd_default_config(64, False, seqlen=K.SHORT_ROWS[64] + 1) == K.fwd_default_config(64, False) != rows
-    assert K.fwd_default_config(64, False).block_m == 192
-    rows128 = K.fwd_default_config(128, False, seqlen=K.SHORT_ROWS[128])
+    assert A.LENGTH_BOUNDS == K.LENGTH_BOUNDS
+    cfg = {(kind, c, d, n): K.default_config(d, c, "sm_90a", kind, n) for kind, c, d in K.LENGTH_BOUNDS for n in (None, 1, 1024, 1025, 2048, 2049, 4096, 4097, 8192, 8193)}
+    persistent, short, long = cfg["fwd", True, 128, 4096], cfg["fwd", True, 128, 8192], cfg["fwd", True, 128, 8193]
+    assert (persistent.block_m, persistent.block_n, persistent.pipeline, persistent.persistent, persistent.uniform_ws) == (128, 128, "async", True, True)
+    assert persistent == cfg["fwd", True, 128, 1] and short == cfg["fwd", True, 128, 4097] == dataclasses.replace(persistent, persistent=False, uniform_ws=False)
+    assert (long.block_m, long.block_n) == (128, 176) and long == cfg["fwd", True, 128, None]
+    rows = cfg["fwd", False, 64, 2048]
+    assert rows == K.fwd_default_config(64, True) and rows.persistent and rows.block_m == 128 and rows == cfg["fwd", False, 64, 1]
+    assert cfg["fwd", False, 64, 2049] == cfg["fwd", False, 64, None] != rows and cfg["fwd", False, 64, None].block_m == 192
+    rows128 = cfg["fwd", False, 128, 1024]
     assert (rows128.block_m, rows128.block_n, rows128.pipeline, rows128.persistent, rows128.lazy_rescale) == (128, 128, "async", True, 8.0)
-    assert K.fwd_default_config(128, False, seqlen=K.SHORT_ROWS[128] + 1) == K.fwd_default_config(128, False) != rows128
-    assert K.fwd_default_config(128, False).block_m == 192
-    for d, c in ((64, True), (256, True), (256, False)):
-        assert K.fwd_default_config(d, c, seqlen=1) == K.fwd_default_config(d, c)
-    buckets = {(128, True): (long, short), (64, False): (K.fwd_default_config(64, False), rows),
-               (128, False): (K.fwd_default_config(128, False), rows128)}
-    for (d, c), configs in buckets.items():
-        for s in (False, True):
-            assert A.untuned_config("fwd", d, c, "sm_90a", A._tune_shape(dict(groups=1, headdim=d, causal=c), s)[1]) == configs[s]
+    assert cfg["fwd", False, 128, 1025] == cfg["fwd", False, 128, None] != rows128 and cfg["fwd", False, 128, None].block_m == 192
+    bwd2, bwd3 = cfg["bwd", False, 128, 8192], cfg["bwd", False, 128, 8193]
+    assert (bwd2.num_stages, bwd3.num_stages) == (2, 3) and bwd3 == cfg["bwd", False, 128, None] == dataclasses.replace(bwd2, num_stages=3)
+    assert bwd2 == cfg["bwd", False, 128, 1]
+    for kind, d, c in itertools.product(("fwd", "bwd"), (64, 128, 256), (False, True)):
+        if (kind, c, d) not in K.LENGTH_BOUNDS:  # the rest: one default at every length
+            assert K.default_config(d, c, "sm_90a", kind, 1) == K.default_config(d, c, "sm_90a", kind, 9000) == K.default_config(d, c, "sm_90a", kind)
+    # each bucket's stand-in length (the tuner's shape) gives that bucket's default
+    for (kind, c, d), bounds in K.LENGTH_BOUNDS.items():
+        for n in (1, *bounds, *(b + 1 for b in bounds), 10**6):
+            bucket = A._length_bucket(kind, c, d, n)
+            assert A.untuned_config(kind, d, c, "sm_90a", A._tune_shape(dict(groups=1, headdim=d, causal=c), bucket)[1]) == K.default_config(d, c, "sm_90a", kind, n)
     seen = []
     monkeypatch.setattr(A, "_kernel", lambda name, *args: seen.append(args[-1]) or (lambda *a: None))
-    for d, sq, sk, causal, want in ((128, 5, 17, True, True), (128, 5, 8192, True, True), (128, 5, 8193, True, False), (128, 5, 100, False, True),
-                                    (128, 1025, 5, False, False), (64, 1025, 5000, False, True), (64, 2048, 7, False, True), (64, 2049, 7, False, False),
-                                    (64, 1, 9000, True, False), (256, 7, 7, False, None)):
+    for d, sq, sk, causal, want in ((128, 5, 17, True, 4096), (128, 5, 4096, True, 4096), (128, 5, 4097, True, 8192), (128, 5, 8192, True, 8192),
+                                    (128, 5, 8193, True, 16384), (128, 5, 100, False, 1024), (128, 1025, 5, False, 2048), (64, 1025, 5000, False, 2048),
+                                    (64, 2048, 7, False, 2048), (64, 2049, 7, False, 4096), (64, 1, 9000, True, None), (256, 7, 7, False, None)):
         q = torch.randn(1, sq, 2, d, dtype=torch.bfloat16)
         kv = torch.randn(1, sk, 2, d, dtype=torch.bfloat16)
         A._fwd_launch(q, kv, kv, causal, None, True)
-        assert seen[-1] is want, (d, sq, sk, causal, seen[-1])
+        assert seen[-1] == want, (d, sq, sk, causal, seen[-1])
+    # the backward: by keys (the fused call, and the main kernel alone under dlse)
+    assert [A._length_bucket("bwd", c, d, n) for c, d, n in ((False, 128, 8192), (False, 128, 8193), (True, 128, 9000), (False, 64, 9000))] == [8192, 16384, None, None]
 
 
 @pytest.mark.slow
@@ -610,12 +620,13 @@ ASYNC_BWD_CONFIGS = {
          (128, 128, 2, 256, True, True, "async", True, 0, True, True)],
     128: [(128, 64, 3, 256, True, True, "async"), (128, 64, 2, 256, True, True, "async"), (128, 64, 2, 256, True, True, "async", True),
           (128, 64, 2, 256, True, True, "async", True, 1), (128, 64, 2, 256, True, True, "async", True, 2),
-          (128, 64, 2, 256, True, True, "async", True, 1, True), (128, 64, 2, 256, True, True, "async", True, 1, True, True)],
+          (128, 64, 2, 256, True, True, "async", True, 1, True), (128, 64, 2, 256, True, True, "async", True, 1, True, True),
+          (128, 64, 3, 256, True, True, "async", True, 1, True, False, True)],  # the non-causal default above BWD_STAGES3_KEYS
 }
 
 
 def _async_bwd_name(cfg) -> str:
-    return f"{cfg[0]}x{cfg[1]}x{cfg[2]}{cfg[6]}" + ("-dqprod" if cfg[7:8] == (True,) else "") + (f"-stats{cfg[8]}" if cfg[8:9] not in ((), (0,)) else "") + ("-dqfirst" if cfg[9:10] == (True,) else "") + ("-rev" if cfg[10:] == (True,) else "")
+    return f"{cfg[0]}x{cfg[1]}x{cfg[2]}{cfg[6]}" + ("-dqprod" if cfg[7:8] == (True,) else "") + (f"-stats{cfg[8]}" if cfg[8:9] not in ((), (0,)) else "") + ("-dqfirst" if cfg[9:10] == (True,) else "") + ("-rev" if cfg[10:11] == (True,) else "") + ("-uniform" if cfg[11:] == (True,) else "")
 
 
 def _async_bwd_cases():
@@ -757,11 +768,14 @@ _HOISTED = pytest.mark.xfail(strict=True, reason="ptxas hoists the full wgmma wa
 WAIT_ORDER_CASES = [
     pytest.param("fwd", 64, True, None, False, id="fwd-d64-causal", marks=_HOISTED),
     pytest.param("fwd", 64, True, None, True, id="fwd-d64-causal-pinned"),
-    pytest.param("fwd", 128, True, 4096, False, id="fwd-d128-causal-short"),
+    pytest.param("fwd", 128, True, 4096, False, id="fwd-d128-causal-persistent", marks=_HOISTED),
+    pytest.param("fwd", 128, True, 4096, True, id="fwd-d128-causal-persistent-pinned"),
+    pytest.param("fwd", 128, True, 8192, False, id="fwd-d128-causal-short"),
     pytest.param("fwd", 128, True, 16384, False, id="fwd-d128-causal-long", marks=_HOISTED),
     pytest.param("fwd", 128, True, 16384, True, id="fwd-d128-causal-long-pinned"),
     pytest.param("bwd", 64, True, None, False, id="bwd-d64-causal"),
     pytest.param("bwd", 128, False, None, False, id="bwd-d128"),
+    pytest.param("bwd", 128, False, 8192, False, id="bwd-d128-short"),
 ]
 
 
@@ -780,7 +794,7 @@ def test_async_attention_defaults_keep_waits_where_the_source_puts_them(kind, he
         cfg = K.fwd_default_config(headdim, causal, "sm_90a", seqlen_k)  # by keys: causal only here
         src = K.flash_fwd_kernel.source(dataclasses.replace(cfg, pin_waits=pin), "sm_90a", **static)
     else:
-        src = K.flash_bwd_fused_kernel.source(K.bwd_default_config(headdim, causal), "sm_90a", **static)
+        src = K.flash_bwd_fused_kernel.source(K.bwd_default_config(headdim, causal, "sm_90a", seqlen_k), "sm_90a", **static)
     assert _wait_exp_order(_sass_events(src, tmp_path)) == _source_wait_exp_order(src)
 
 
@@ -795,8 +809,8 @@ def test_flash_bwd_d128_default_keeps_wgmmas_in_flight(groups, tmp_path):
     measured with it)."""
     from tilelang_ops.kernels import attention as K
 
-    for causal in (False, True):
-        cfg = K.bwd_default_config(128, causal)
+    for causal, seqlen in ((False, None), (False, K.BWD_STAGES3_KEYS), (True, None)):  # non-causal: 3 stages, and 2 up to BWD_STAGES3_KEYS
+        cfg = K.bwd_default_config(128, causal, "sm_90a", seqlen)
         src = K.flash_bwd_fused_kernel.source(cfg, "sm_90a", headdim=128, dtype="bfloat16", causal=causal, groups=groups, scale=K.default_scale(128))
         report = _ptxas_report(src, tmp_path)
         assert "C7517" not in report and "C7514" not in report and "C7518" not in report, report

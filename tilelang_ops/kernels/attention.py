@@ -132,12 +132,26 @@ SHORT_CAUSAL_KEYS = 8192
 # leads at 1536-2048 rows, 1.00-1.03x, and trails at 3072-4096, 0.97-1.00x (H100, sessions 41-42,
 # sweep_attention --short); at D=128 it trails from 1536 rows on (0.90-0.99x, session 41).
 SHORT_ROWS = {64: 2048, 128: 1024}
+# Causal head-dim-128 forwards over at most this many keys run the 128 x 128 tile persistent, with
+# warp-uniform role branches: 1.05-1.06x at 2048 keys, 1.00-1.05x at 4096, 0.91-0.95x at 8192
+# (H100, sessions 42-43, sweep_attention --vary persistent=1,uniform_ws=1, both orders).
+PERSISTENT_CAUSAL_KEYS = 4096
+# Non-causal head-dim-128 backwards over more than this many keys keep three Q/dO stages in
+# flight: 1.03-1.06x at 16384 keys, 1.01x at 8192, 0.93-0.97x at 4096 (H100, sessions 42-43,
+# sweep_attention --bwd --vary num_stages=3); causal it lost at 16384 (0.94x).
+BWD_STAGES3_KEYS = 8192
+# Every default that depends on the sequence length: (kind, causal, headdim) -> its bounds,
+# ascending. The length is the call's keys, but a non-causal forward's query rows. The op
+# (ops.attention.LENGTH_BOUNDS, the same table) resolves one kernel per bucket.
+LENGTH_BOUNDS = {("fwd", True, 128): (PERSISTENT_CAUSAL_KEYS, SHORT_CAUSAL_KEYS), ("fwd", False, 64): (SHORT_ROWS[64],),
+                 ("fwd", False, 128): (SHORT_ROWS[128],), ("bwd", False, 128): (BWD_STAGES3_KEYS,)}
 
 
 def fwd_default_config(headdim: int, causal: bool, arch: str = "sm_90a", seqlen: Optional[int] = None) -> FwdConfig:
-    """seqlen: the call's sequence length, for the defaults that depend on it: its keys for the
-    causal head-dim-128 one (SHORT_CAUSAL_KEYS), its query rows for the non-causal head-dim-64 and
-    128 ones (SHORT_ROWS, by head dim). None gives the long-sequence defaults."""
+    """seqlen: the call's sequence length, for the defaults that depend on it (LENGTH_BOUNDS): its
+    keys for the causal head-dim-128 one (PERSISTENT_CAUSAL_KEYS, SHORT_CAUSAL_KEYS), its query
+    rows for the non-causal head-dim-64 and 128 ones (SHORT_ROWS, by head dim). None gives the
+    long-sequence defaults."""
     if _is_hopper(arch):
         # `tileops tune --op flash_attn` on an H200 (B8 H32 S4096 D128 / B16 H32 S2048 D64, bf16),
         # two runs, 2026-11-30: 1.03-1.16x the former 128x128/2/256. 192 query rows = 3 consumer
@@ -151,6 +165,8 @@ def fwd_default_config(headdim: int, causal: bool, arch: str = "sm_90a", seqlen:
             # post_mask (the S GEMM from zero, masks after it; sweep_attention --post-mask,
             # session17/call7): 1.01-1.02x non-causal, 0.94-0.97x in the causal async kernel.
             if causal:
+                if seqlen is not None and seqlen <= PERSISTENT_CAUSAL_KEYS:
+                    return FwdConfig(128, 128, 2, 256, "async", lazy_rescale=8.0, persistent=True, uniform_ws=True)
                 if seqlen is not None and seqlen <= SHORT_CAUSAL_KEYS:
                     return FwdConfig(128, 128, 2, 256, "async", lazy_rescale=8.0)
                 return FwdConfig(128, 176, 2, 256, "async", lazy_rescale=8.0)
@@ -829,7 +845,8 @@ class BwdConfig:
         return {} if self.pipeline == "auto" else HAND_SYNC_PASS_CONFIGS
 
 
-def bwd_default_config(headdim: int, causal: bool, arch: str = "sm_90a") -> BwdConfig:
+def bwd_default_config(headdim: int, causal: bool, arch: str = "sm_90a", seqlen: Optional[int] = None) -> BwdConfig:
+    """seqlen: the call's keys (BWD_STAGES3_KEYS); None gives the long-sequence default."""
     hopper = _is_hopper(arch)
     if not hopper and headdim <= 128:  # Ampere: one stage, see fwd_default_config
         return BwdConfig(128, 64, 1, 256, False)
@@ -849,7 +866,8 @@ def bwd_default_config(headdim: int, causal: bool, arch: str = "sm_90a") -> BwdC
     if headdim <= 64:
         return BwdConfig(128, 128, 2, 256, pipeline="async", dq_producer=True, dq_first=True, reverse=causal, uniform_ws=True)
     if headdim <= 128:
-        return BwdConfig(128, 64, 2, 256, pipeline="async", dq_producer=True, stats_early=1, dq_first=True, reverse=causal, uniform_ws=True)
+        stages = 3 if not causal and (seqlen is None or seqlen > BWD_STAGES3_KEYS) else 2
+        return BwdConfig(128, 64, stages, 256, pipeline="async", dq_producer=True, stats_early=1, dq_first=True, reverse=causal, uniform_ws=True)
     # D=256: two stages of Q/dO plus an fp32 dQ tile would not fit in shared memory, and 64x256
     # fp32 dK plus dV need 8 warps to stay in registers.
     return BwdConfig(64, 64, 1, 256, hopper, False) if hopper else BwdConfig(64, 32, 1, 256, False, False)
@@ -1550,10 +1568,10 @@ cast_f32_kernel = _arch_aware(cast_f32_kernel)
 
 def default_config(headdim: int, causal: bool, arch: str = "sm_90a", kind: str = "fwd", seqlen: Optional[int] = None):
     """Default config of the forward ("fwd"), backward main ("bwd") or deterministic dQ ("dq") kernel
-    (seqlen: the forward's, see fwd_default_config)."""
-    if kind == "fwd":
-        return fwd_default_config(headdim, causal, arch, seqlen)
-    return {"bwd": bwd_default_config, "dq": dq_default_config}[kind](headdim, causal, arch)
+    (seqlen: see LENGTH_BOUNDS)."""
+    if kind == "dq":
+        return dq_default_config(headdim, causal, arch)
+    return {"fwd": fwd_default_config, "bwd": bwd_default_config}[kind](headdim, causal, arch, seqlen)
 
 
 SEARCH_SPACE = {"fwd": FWD_SEARCH_SPACE, "bwd": BWD_SEARCH_SPACE, "dq": DQ_SEARCH_SPACE}
@@ -1567,7 +1585,8 @@ def default_scale(headdim: int) -> float:
 REPRESENTATIVE = [
     (flash_fwd_kernel, fwd_default_config(128, False), dict(headdim=128, dtype="bfloat16", causal=False, groups=1, scale=default_scale(128))),
     (flash_fwd_kernel, fwd_default_config(128, True), dict(headdim=128, dtype="bfloat16", causal=True, groups=1, scale=default_scale(128))),
-    # the causal D=128 default for at most SHORT_CAUSAL_KEYS keys
+    # the causal D=128 defaults for at most PERSISTENT_CAUSAL_KEYS and SHORT_CAUSAL_KEYS keys
+    (flash_fwd_kernel, fwd_default_config(128, True, seqlen=PERSISTENT_CAUSAL_KEYS), dict(headdim=128, dtype="bfloat16", causal=True, groups=1, scale=default_scale(128))),
     (flash_fwd_kernel, fwd_default_config(128, True, seqlen=SHORT_CAUSAL_KEYS), dict(headdim=128, dtype="bfloat16", causal=True, groups=1, scale=default_scale(128))),
     (flash_fwd_kernel, fwd_default_config(64, False), dict(headdim=64, dtype="bfloat16", causal=False, groups=1, scale=default_scale(64))),
     (flash_fwd_kernel, fwd_default_config(64, True), dict(headdim=64, dtype="bfloat16", causal=True, groups=1, scale=default_scale(64))),
@@ -1585,8 +1604,10 @@ REPRESENTATIVE = [
     # D=256 keeps TileLang's T.Pipelined backward (the async one needs 64 keys per warpgroup)
     (flash_bwd_kernel, bwd_default_config(256, False), dict(headdim=256, dtype="bfloat16", causal=False, groups=1, scale=default_scale(256))),
     (cast_f32_kernel, CastConfig(), dict(dtype="bfloat16")),
-    # the default backward in one host call (preprocess + main + dQ conversion)
+    # the default backward in one host call (preprocess + main + dQ conversion), non-causal: three
+    # stages, and two up to BWD_STAGES3_KEYS keys
     (flash_bwd_fused_kernel, bwd_default_config(128, False), dict(headdim=128, dtype="bfloat16", causal=False, groups=1, scale=default_scale(128))),
+    (flash_bwd_fused_kernel, bwd_default_config(128, False, seqlen=BWD_STAGES3_KEYS), dict(headdim=128, dtype="bfloat16", causal=False, groups=1, scale=default_scale(128))),
     # the same writing dQ/dK/dV into the slices of one packed (B, S, 3, H, D) gradient (GPT-2's shape)
     (flash_bwd_fused_kernel, bwd_default_config(64, True), dict(headdim=64, dtype="bfloat16", causal=True, groups=1, scale=default_scale(64), packed=True)),
     # at most SMALL_BWD_KEYS keys: the whole backward in one kernel (GQA: a CTA walks its group's heads)

@@ -68,23 +68,33 @@ def _scale(q: torch.Tensor, softmax_scale: Optional[float]) -> float:
 
 
 # ----------------------------------------------------------------------------- kernel resolution
-# (kernel name, dtype, device index, static, short) -> compiled kernel. Resolved once per key, so a
-# call is a dict lookup and a launch. Forward and backward-main configs: tuned cache ▸ default
-# table, one per (headdim, causal, GQA ratio) since one kernel serves every length — but for two
-# forwards whose default table has a second entry for short sequences (`short`:
-# kernels.attention.fwd_default_config): causal, at most SHORT_CAUSAL_KEYS keys (head dim 128);
-# non-causal head dim 64 and 128, at most SHORT_ROWS[headdim] query rows.
+# (kernel name, dtype, device index, static, length bucket) -> compiled kernel. Resolved once per
+# key, so a call is a dict lookup and a launch. Forward and backward-main configs: tuned cache ▸
+# default table, one per (headdim, causal, GQA ratio) since one kernel serves every length — but
+# where the default table depends on the length (LENGTH_BOUNDS), one per length bucket.
 _kernels: dict[tuple, object] = {}
-SHORT_CAUSAL_KEYS = 8192  # kernels.attention.SHORT_CAUSAL_KEYS (that module imports tilelang)
-SHORT_ROWS = {64: 2048, 128: 1024}  # kernels.attention.SHORT_ROWS, by head dim
+# kernels.attention.LENGTH_BOUNDS (that module imports tilelang): (kind, causal, headdim) -> the
+# bounds of the defaults by length, ascending; the length is the keys, a non-causal forward's rows
+LENGTH_BOUNDS = {("fwd", True, 128): (4096, 8192), ("fwd", False, 64): (2048,), ("fwd", False, 128): (1024,), ("bwd", False, 128): (8192,)}
 
 
-def _tune_shape(static: dict, short: Optional[bool] = None) -> tuple:
+def _length_bucket(kind: str, causal: bool, headdim: int, n: int) -> Optional[int]:
+    """The length standing for n (keys, or a non-causal forward's query rows) in the default
+    table: the first bound at or above it, twice the last above them all; None where no default
+    of (kind, causal, headdim) depends on the length."""
+    bounds = LENGTH_BOUNDS.get((kind, causal, headdim))
+    if bounds is None:
+        return None
+    for b in bounds:
+        if n <= b:
+            return b
+    return 2 * bounds[-1]
+
+
+def _tune_shape(static: dict, seqlen: Optional[int] = None) -> tuple:
     # (B, S, H, HK, D, causal) at which `tileops tune` / TILEOPS_AUTOTUNE time a static key; its S
-    # also picks the forward's default by length (short=False: a long sequence; True: within
-    # SHORT_ROWS[headdim], non-causal, or SHORT_CAUSAL_KEYS)
-    S = 16384 if short is False else SHORT_ROWS[static["headdim"]] if short and not static["causal"] else 4096
-    return (4, S, 8 * static["groups"], 8, static["headdim"], int(static["causal"]))
+    # (the length bucket; 4096 where the default does not depend on it) also picks the default
+    return (4, seqlen or 4096, 8 * static["groups"], 8, static["headdim"], int(static["causal"]))
 
 
 # kernel name -> (KernelDef in kernels/attention.py, static flags the name fixes). The *_nodq
@@ -163,18 +173,17 @@ def _compile(name: str, config, dtype: torch.dtype, device: torch.device, **stat
     return compile_kernel(name, config, runtime.arch_for_device(device), TL_DTYPE[dtype], **static)
 
 
-def _kernel(name: str, dtype: torch.dtype, device: torch.device, headdim: int = 0, causal: bool = False, groups: int = 1, softmax_scale: Optional[float] = None, short: Optional[bool] = None):
+def _kernel(name: str, dtype: torch.dtype, device: torch.device, headdim: int = 0, causal: bool = False, groups: int = 1, softmax_scale: Optional[float] = None, seqlen: Optional[int] = None):
     """Launcher for kernel `name`: "fwd"/"fwd_nolse"/"bwd"/"bwd_nodq"/"dq" (every static arg), "prep"/"prep_nodq"
     (headdim), "cast" (none). Keyed by the call's own arguments (positional, softmax_scale as
-    given): a hit costs no math. short: for a causal forward, whether it has at most
-    SHORT_CAUSAL_KEYS keys, for a non-causal head-dim-64 or 128 one at most SHORT_ROWS[headdim] query rows (None
-    elsewhere)."""
-    key = (name, dtype, device.index, headdim, causal, groups, softmax_scale, short)
+    given): a hit costs no math. seqlen: the call's length bucket (_length_bucket; None where the
+    default does not depend on the length)."""
+    key = (name, dtype, device.index, headdim, causal, groups, softmax_scale, seqlen)
     k = _kernels.get(key)
     if k is None:
         static = kernel_static(name, headdim, causal, groups, softmax_scale)
         if name in _TUNED_AS:
-            config = tuning.resolve_config(TUNABLES[_TUNED_AS[name]], _tune_shape(static, short), dtype, device)
+            config = tuning.resolve_config(TUNABLES[_TUNED_AS[name]], _tune_shape(static, seqlen), dtype, device)
         else:
             config = untuned_config(name, headdim)  # the preprocess (by head dim) and the cast: fixed configs
         if getattr(config, "persistent", False):
@@ -312,8 +321,8 @@ def _fwd_launch(q, k, v, causal, softmax_scale, with_lse: bool):
     lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device) if with_lse else None
     if Sk == 0 or out.numel() == 0:  # nothing to attend to
         return out.zero_(), (lse.fill_(float("-inf")) if with_lse else None)
-    short = Sk <= SHORT_CAUSAL_KEYS if causal else Sq <= rows if (rows := SHORT_ROWS.get(D)) else None  # defaults by length
-    kern = _kernel("fwd" if with_lse else "fwd_nolse", q.dtype, q.device, D, causal, H // HK, softmax_scale, short)
+    bucket = _length_bucket("fwd", causal, D, Sk if causal else Sq)
+    kern = _kernel("fwd" if with_lse else "fwd_nolse", q.dtype, q.device, D, causal, H // HK, softmax_scale, bucket)
     kern(q, k, v, out, lse) if with_lse else kern(q, k, v, out)
     return out, lse
 
@@ -414,10 +423,10 @@ def _flash_bwd_cuda(dout, q, k, v, out, lse, causal=False, softmax_scale=None, d
     if dlse is not None:  # d lse_i / d s_ij = P_ij, so dlse folds into Delta: dS = P (dP - (Delta - dlse))
         delta[:, :, :Sq].sub_(dlse)
     if det:
-        _kernel("bwd_nodq", dtype, dev, D, causal, groups, softmax_scale)(q, k, v, dout, lse2, delta, dk, dv)
+        _kernel("bwd_nodq", dtype, dev, D, causal, groups, softmax_scale, _length_bucket("bwd", causal, D, Sk))(q, k, v, dout, lse2, delta, dk, dv)
         _kernel("dq", dtype, dev, D, causal, groups, softmax_scale)(q, k, v, dout, lse2, delta, dq)
     else:
-        _kernel("bwd", dtype, dev, D, causal, groups, softmax_scale)(q, k, v, dout, lse2, delta, dq_acc, dk, dv)
+        _kernel("bwd", dtype, dev, D, causal, groups, softmax_scale, _length_bucket("bwd", causal, D, Sk))(q, k, v, dout, lse2, delta, dq_acc, dk, dv)
         _kernel("cast", dtype, dev)(dq_acc.view(-1), dq.view(-1))
     return dq, dk, dv
 
@@ -441,8 +450,10 @@ def _bwd_fused(name, dout, q, k, v, out, lse, causal, softmax_scale, dq, dk, dv)
     """The default backward's one host call (kernel `name`: "bwd_fused", or "bwd_fused_packed":
     dq the packed (B, S, 3, H, D) gradient, dk/dv its slices), over kernel-ready inputs."""
     _, _, H, D = q.shape
+    _, Sk, HK, _ = k.shape
     delta, lse2, dq_acc = _bwd_scratch(q, dq_acc=True)
-    _kernel(name, q.dtype, q.device, D, causal, H // k.shape[2], softmax_scale)(q, k, v, out, dout, lse, delta, lse2, dq_acc, dq, dk, dv)
+    kern = _kernel(name, q.dtype, q.device, D, causal, H // HK, softmax_scale, _length_bucket("bwd", causal, D, Sk))
+    kern(q, k, v, out, dout, lse, delta, lse2, dq_acc, dq, dk, dv)
 
 
 @flash_attn_backward.register_fake
