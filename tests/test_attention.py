@@ -363,8 +363,8 @@ def async_fwd_kernels():
 def test_defaults_by_sequence_length(monkeypatch):
     """Four defaults depend on the length (kernels.attention.LENGTH_BOUNDS). The causal
     head-dim-128 forward runs 128 x 128 tiles persistent with warp-uniform roles up to
-    PERSISTENT_CAUSAL_KEYS = 4096 keys (session 43: 1.05-1.06x at 2048, 1.00-1.05x at 4096,
-    0.91-0.95x at 8192), not persistent up to SHORT_CAUSAL_KEYS = 8192 and FlashAttention-3's
+    PERSISTENT_CAUSAL_KEYS = 4096 keys (session 43: 1.05-1.09x at 2048, 1.00-1.04x at 4096,
+    0.92-0.93x at 8192), not persistent up to SHORT_CAUSAL_KEYS = 8192 and FlashAttention-3's
     128 x 176 above (session 22: 1.02-1.03x at 4096 keys, 0.985x at 16384); the non-causal
     head-dim-64 forward takes the causal one's 128 x 128 persistent kernel up to SHORT_ROWS[64] =
     2048 query rows and 192 x 176 above (sessions 40-42); the non-causal head-dim-128 forward

@@ -133,8 +133,8 @@ SHORT_CAUSAL_KEYS = 8192
 # sweep_attention --short); at D=128 it trails from 1536 rows on (0.90-0.99x, session 41).
 SHORT_ROWS = {64: 2048, 128: 1024}
 # Causal head-dim-128 forwards over at most this many keys run the 128 x 128 tile persistent, with
-# warp-uniform role branches: 1.05-1.06x at 2048 keys, 1.00-1.05x at 4096, 0.91-0.95x at 8192
-# (H100, sessions 42-43, sweep_attention --vary persistent=1,uniform_ws=1, both orders).
+# warp-uniform role branches: 1.05-1.09x at 2048 keys, 1.00-1.04x at 4096, 0.92-0.93x at 8192
+# (H100 and H200, session 43, sweep_attention --vary, both orders).
 PERSISTENT_CAUSAL_KEYS = 4096
 # Non-causal head-dim-128 backwards over more than this many keys keep three Q/dO stages in
 # flight: 1.03-1.06x at 16384 keys, 1.01x at 8192, 0.93-0.97x at 4096 (H100, sessions 42-43,
