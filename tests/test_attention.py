@@ -1311,6 +1311,27 @@ def _launch_recorder(monkeypatch):
 
 @pytest.mark.parametrize("with_dlse", [False, True], ids=["dout", "dout+dlse"])
 @pytest.mark.parametrize("det", [False, True], ids=["fast", "deterministic"])
+def test_backward_resolves_its_main_kernel_by_keys(det, with_dlse, monkeypatch):
+    """Every backward path asks for its main kernel by the call's length bucket (the non-causal
+    D=128 default has 3 stages above BWD_STAGES3_KEYS keys, 2 up to it) — the fused call, the main
+    kernel under dlse and the deterministic dK/dV kernel; the dQ kernel has one default."""
+    from tilelang_ops.ops import attention as ops
+
+    asked = []
+    monkeypatch.setattr(ops, "_kernel", lambda name, dtype, dev, *args: asked.append((name, args[4] if len(args) > 4 else None)) or (lambda *a: None))
+    for sk, bucket in ((8192, 8192), (8193, 16384)):
+        q, k, v = _inputs((1, 3, sk, 2, 1, 128), torch.bfloat16, "cpu", requires_grad=False)
+        out, dout = torch.randn_like(q), torch.randn_like(q)
+        lse = torch.randn(1, 2, 3)
+        del asked[:]
+        with _deterministic_algorithms(det):
+            ops._flash_bwd_cuda(dout, q, k, v, out, lse, False, None, torch.randn_like(lse) if with_dlse else None)
+        main = [b for name, b in asked if name in ("bwd_fused", "bwd", "bwd_nodq")]
+        assert main == [bucket] and all(b is None for name, b in asked if name in ("dq", "prep", "prep_nodq", "cast")), asked
+
+
+@pytest.mark.parametrize("with_dlse", [False, True], ids=["dout", "dout+dlse"])
+@pytest.mark.parametrize("det", [False, True], ids=["fast", "deterministic"])
 def test_backward_path_follows_deterministic_flag(det, with_dlse, monkeypatch):
     # Which kernels the CUDA backward launches, with which arguments, under each setting of the flag.
     from tilelang_ops.ops import attention as ops
