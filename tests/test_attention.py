@@ -399,6 +399,10 @@ def test_defaults_by_sequence_length(monkeypatch):
         for n in (1, *bounds, *(b + 1 for b in bounds), 10**6):
             bucket = A._length_bucket(kind, c, d, n)
             assert A.untuned_config(kind, d, c, "sm_90a", A._tune_shape(dict(groups=1, headdim=d, causal=c), bucket)[1]) == K.default_config(d, c, "sm_90a", kind, n)
+    # the tuned cache: an entry per bucket where the default depends on the length, one otherwise
+    labels = {kind: [A._tune_key(kind)((4, n, 8, 8, 128, 1), torch.bfloat16, None)[1] for n in (1, 4096, 4097, 8192, 8193)] for kind in ("fwd", "bwd", "dq")}
+    assert labels == {"fwd": ["len<=4096", "len<=4096", "len<=8192", "len<=8192", "len>8192"], "bwd": ["any"] * 5, "dq": ["any"] * 5}
+    assert [A._tune_key("bwd")((4, n, 8, 8, 128, 0), torch.bfloat16, None)[1] for n in (8192, 8193)] == ["len<=8192", "len>8192"]
     seen = []
     monkeypatch.setattr(A, "_kernel", lambda name, *args: seen.append(args[-1]) or (lambda *a: None))
     for d, sq, sk, causal, want in ((128, 5, 17, True, 4096), (128, 5, 4096, True, 4096), (128, 5, 4097, True, 8192), (128, 5, 8192, True, 8192),

@@ -71,7 +71,8 @@ def _scale(q: torch.Tensor, softmax_scale: Optional[float]) -> float:
 # (kernel name, dtype, device index, static, length bucket) -> compiled kernel. Resolved once per
 # key, so a call is a dict lookup and a launch. Forward and backward-main configs: tuned cache ▸
 # default table, one per (headdim, causal, GQA ratio) since one kernel serves every length — but
-# where the default table depends on the length (LENGTH_BOUNDS), one per length bucket.
+# where the default table depends on the length (LENGTH_BOUNDS), one per length bucket (and the
+# tuned cache keeps an entry per bucket there too: _tune_key).
 _kernels: dict[tuple, object] = {}
 # kernels.attention.LENGTH_BOUNDS (that module imports tilelang): (kind, causal, headdim) -> the
 # bounds of the defaults by length, ascending; the length is the keys, a non-causal forward's rows
@@ -192,9 +193,17 @@ def _kernel(name: str, dtype: torch.dtype, device: torch.device, headdim: int = 
     return k
 
 
-def _tune_key(shape, dtype, device):
-    B, S, H, HK, D, causal = shape
-    return {"headdim": D, "causal": bool(causal), "groups": H // HK}, "any"
+def _tune_key(kind):
+    def key(shape, dtype, device):
+        # A tuned config is stored per length bucket where the default depends on the length
+        # (LENGTH_BOUNDS: "len<=4096", "len>8192", ...), so tuning one length leaves the others'
+        # defaults alone; one entry for every length elsewhere.
+        B, S, H, HK, D, causal = shape
+        bounds = LENGTH_BOUNDS.get((kind, bool(causal), D))
+        bucket = "any" if bounds is None else next((f"len<={b}" for b in bounds if S <= b), f"len>{bounds[-1]}")
+        return {"headdim": D, "causal": bool(causal), "groups": H // HK}, bucket
+
+    return key
 
 
 def _tune_default(kind):
@@ -265,10 +274,10 @@ def _dq_runner(config, shape, dtype, device):
 
 _PRESETS = {"default": [(8, 4096, 32, 32, 128, c) for c in (0, 1)] + [(16, 2048, 32, 32, 64, c) for c in (0, 1)]}
 TUNABLES = {
-    "fwd": tuning.Tunable("flash_attn", _PRESETS, DTYPES[1:], _tune_key, _tune_space("fwd"), _tune_default("fwd"), _fwd_runner),
-    "bwd": tuning.Tunable("flash_attn_backward", _PRESETS, DTYPES[1:], _tune_key, _tune_space("bwd"), _tune_default("bwd"), _bwd_runner),
+    "fwd": tuning.Tunable("flash_attn", _PRESETS, DTYPES[1:], _tune_key("fwd"), _tune_space("fwd"), _tune_default("fwd"), _fwd_runner),
+    "bwd": tuning.Tunable("flash_attn_backward", _PRESETS, DTYPES[1:], _tune_key("bwd"), _tune_space("bwd"), _tune_default("bwd"), _bwd_runner),
     # the deterministic backward's dQ kernel (torch.use_deterministic_algorithms(True))
-    "dq": tuning.Tunable("flash_attn_backward_dq", _PRESETS, DTYPES[1:], _tune_key, _tune_space("dq"), _tune_default("dq"), _dq_runner),
+    "dq": tuning.Tunable("flash_attn_backward_dq", _PRESETS, DTYPES[1:], _tune_key("dq"), _tune_space("dq"), _tune_default("dq"), _dq_runner),
 }
 
 
