@@ -96,8 +96,8 @@ def warm() -> int:
         N._fwd_kernel(n, BF, BF, BF, 1e-5, dev)
     for b, s, h, hk, d, *causal in CASES[3][2]:
         causal = bool(causal and causal[0])
-        for name, kind in (("fwd", "fwd"), ("bwd_small", None), ("bwd_fused", "bwd")):  # the op's kernels at length s
-            A._kernel(name, BF, dev, d, causal, h // hk, None, A._length_bucket(kind, causal, d, s) if kind else None)
+        for name in ("fwd", "bwd_small", "bwd_fused"):  # the op's kernels at length s
+            A._kernel(name, BF, dev, d, causal, h // hk, None, A._length_bucket(A._TUNED_AS.get(name), causal, d, s))
     print("diag_single_pass: kernels compiled")
     return 0
 

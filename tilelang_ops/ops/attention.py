@@ -79,7 +79,7 @@ _kernels: dict[tuple, object] = {}
 LENGTH_BOUNDS = {("fwd", True, 128): (4096, 8192), ("fwd", False, 64): (2048,), ("fwd", False, 128): (1024,), ("bwd", False, 128): (8192,)}
 
 
-def _length_bucket(kind: str, causal: bool, headdim: int, n: int) -> Optional[int]:
+def _length_bucket(kind: Optional[str], causal: bool, headdim: int, n: int) -> Optional[int]:
     """The length standing for n (keys, or a non-causal forward's query rows) in the default
     table: the first bound at or above it, twice the last above them all; None where no default
     of (kind, causal, headdim) depends on the length."""
@@ -199,9 +199,9 @@ def _tune_key(kind):
         # (LENGTH_BOUNDS: "len<=4096", "len>8192", ...), so tuning one length leaves the others'
         # defaults alone; one entry for every length elsewhere.
         B, S, H, HK, D, causal = shape
-        bounds = LENGTH_BOUNDS.get((kind, bool(causal), D))
-        bucket = "any" if bounds is None else next((f"len<={b}" for b in bounds if S <= b), f"len>{bounds[-1]}")
-        return {"headdim": D, "causal": bool(causal), "groups": H // HK}, bucket
+        b = _length_bucket(kind, bool(causal), D, S)
+        last = LENGTH_BOUNDS[kind, bool(causal), D][-1] if b is not None else 0
+        return {"headdim": D, "causal": bool(causal), "groups": H // HK}, "any" if b is None else f"len<={b}" if b <= last else f"len>{last}"
 
     return key
 
@@ -425,6 +425,7 @@ def _flash_bwd_cuda(dout, q, k, v, out, lse, causal=False, softmax_scale=None, d
         _bwd_fused("bwd_fused", dout, q, k, v, out, lse, causal, softmax_scale, dq, dk, dv)
         return dq, dk, dv
     delta, lse2, dq_acc = _bwd_scratch(q, dq_acc=not det)
+    bucket = _length_bucket("bwd", causal, D, Sk)  # the main kernel's default by length
     if det:
         _kernel("prep_nodq", dtype, dev, D)(out, dout, lse, delta, lse2)
     else:
@@ -432,10 +433,10 @@ def _flash_bwd_cuda(dout, q, k, v, out, lse, causal=False, softmax_scale=None, d
     if dlse is not None:  # d lse_i / d s_ij = P_ij, so dlse folds into Delta: dS = P (dP - (Delta - dlse))
         delta[:, :, :Sq].sub_(dlse)
     if det:
-        _kernel("bwd_nodq", dtype, dev, D, causal, groups, softmax_scale, _length_bucket("bwd", causal, D, Sk))(q, k, v, dout, lse2, delta, dk, dv)
+        _kernel("bwd_nodq", dtype, dev, D, causal, groups, softmax_scale, bucket)(q, k, v, dout, lse2, delta, dk, dv)
         _kernel("dq", dtype, dev, D, causal, groups, softmax_scale)(q, k, v, dout, lse2, delta, dq)
     else:
-        _kernel("bwd", dtype, dev, D, causal, groups, softmax_scale, _length_bucket("bwd", causal, D, Sk))(q, k, v, dout, lse2, delta, dq_acc, dk, dv)
+        _kernel("bwd", dtype, dev, D, causal, groups, softmax_scale, bucket)(q, k, v, dout, lse2, delta, dq_acc, dk, dv)
         _kernel("cast", dtype, dev)(dq_acc.view(-1), dq.view(-1))
     return dq, dk, dv
 
