@@ -885,7 +885,7 @@ BAD_INPUTS = [
     ("dtype mix", lambda d: torch.ops.tileops.gemm(torch.ones(4, 8, device=d, dtype=torch.bfloat16), torch.ones(8, 8, device=d, dtype=torch.float16)), TypeError, "b: dtype"),
     ("float32", lambda d: torch.ops.tileops.gemm(torch.ones(4, 8, device=d), torch.ones(8, 8, device=d)), TypeError, "supported: float16, bfloat16"),
     ("shape mismatch", lambda d: torch.ops.tileops.gemm(torch.ones(4, 8, device=d, dtype=torch.bfloat16), torch.ones(9, 8, device=d, dtype=torch.bfloat16)), ValueError, "shape mismatch"),
-    ("wrong rank", lambda d: torch.ops.tileops.gemm(torch.ones(8, device=d, dtype=torch.bfloat16), torch.ones(8, 8, device=d, dtype=torch.bfloat16)), ValueError, "a: expected"),
+    ("wrong rank", lambda d: torch.ops.tileops.gemm(torch.ones(8, device=d, dtype=torch.bfloat16), torch.ones(8, 8, device=d, dtype=torch.bfloat16)), ValueError, "a: expected 2-D or 3-D tensor, got 1-D"),
     ("batch mismatch", lambda d: torch.ops.tileops.gemm(torch.ones(2, 4, 8, device=d, dtype=torch.bfloat16), torch.ones(3, 8, 8, device=d, dtype=torch.bfloat16)), ValueError, "same batch"),
     ("linear in_features", lambda d: torch.ops.tileops.linear(torch.ones(4, 8, device=d, dtype=torch.bfloat16), torch.ones(16, 9, device=d, dtype=torch.bfloat16)), ValueError, "in_features"),
     ("bias shape", lambda d: torch.ops.tileops.linear(torch.ones(4, 8, device=d, dtype=torch.bfloat16), torch.ones(16, 8, device=d, dtype=torch.bfloat16), torch.ones(15, device=d, dtype=torch.bfloat16)), ValueError, "bias: shape"),

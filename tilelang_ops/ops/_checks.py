@@ -45,7 +45,8 @@ def check_tensor(name: str, t, dtypes=None, ndim=None, contiguous: bool = True) 
         supported = ", ".join(str(d).replace("torch.", "") for d in dtypes)
         raise TypeError(f"{name}: dtype {str(t.dtype).replace('torch.', '')} is not supported; supported: {supported}")
     if ndim is not None and t.dim() not in ((ndim,) if isinstance(ndim, int) else ndim):
-        raise ValueError(f"{name}: expected {ndim}-D tensor, got {t.dim()}-D with shape {tuple(t.shape)}")
+        want = f"{ndim}-D" if isinstance(ndim, int) else " or ".join(f"{n}-D" for n in ndim)
+        raise ValueError(f"{name}: expected {want} tensor, got {t.dim()}-D with shape {tuple(t.shape)}")
     if contiguous and not t.is_contiguous():
         raise ValueError(
             f"{name}: non-contiguous tensor (shape {tuple(t.shape)}, stride {t.stride()}) is not supported; "
