@@ -3,6 +3,7 @@ CPU tensors with kernel launches replaced by no-ops ("stand-in"), inside a real 
 
     python -m benchmarks.host_standin [--steps 20] [--profile]
     python -m benchmarks.host_standin --warm-check   # compile what `tileops check` loads, no GPU
+    python -m benchmarks.host_standin --floor        # ops' Python paths beside what Python itself costs
 
 Builds examples/train_gpt.py's GPT at full depth and width (12 layers, d=768) with a tiny batch
 (d=128, 1 x 32 tokens, so the CPU's own math is small; same op count per step), routes every tileops op's CPU dispatch to its
@@ -76,13 +77,88 @@ def time_step(step, steps: int) -> float:
     return statistics.median(samples)
 
 
+class _Noop(torch.autograd.Function):
+    """The least a Python autograd formula costs: one input, one fresh output, nothing saved."""
+
+    @staticmethod
+    def forward(ctx, a):
+        return a.new_empty(a.shape)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class _LikeAttention(torch.autograd.Function):
+    """flash_attn_with_lse's autograd shape with no work: three inputs, two fresh outputs, five
+    tensors saved."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out, lse = q.new_empty(q.shape), q.new_empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        return dout, None, None
+
+
+def _us(fn, n: int = 2000) -> float:
+    for _ in range(200):
+        fn()
+    runs = []
+    for _ in range(11):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        runs.append((time.perf_counter() - t0) / n * 1e6)
+    return statistics.median(runs)
+
+
+def floor() -> None:
+    """µs per call, on this CPU: ops through the stand-in (everything but the GPU work) next to
+    what Python and the dispatcher cost with no work at all (the C `_FunctionBase.apply` our
+    grad-recording path calls, and a Library op whose kernel returns at once). Where an op is
+    close to its floor, only a C++ path cuts further."""
+    lib = torch.library.Library("tileops_floor", "FRAGMENT")
+    lib.define("noop(Tensor a) -> Tensor")
+    lib.impl("noop", lambda a: a, "CPU")
+    lib.impl("noop", lambda keyset, a: a, "Autograd", with_keyset=True)  # as ours: a Python Autograd kernel
+    install_standin()
+    bf = torch.bfloat16
+    q = torch.randn(1, 128, 8, 128, dtype=bf)
+    qr = q.clone().requires_grad_()
+    x = torch.randn(8, 1024, dtype=bf)
+    a = torch.randn(1024, dtype=bf)
+    noop_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, _Noop)
+    attn_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, _LikeAttention)
+    ops = torch.ops.tileops
+    rows = [
+        ("torch.add (CPU, 1024 elements)", lambda: torch.add(a, a)),
+        ("Library op, Python Autograd kernel returning its input", lambda: torch.ops.tileops_floor.noop(x)),
+        ("x.new_empty(m, n)", lambda: x.new_empty(8, 1024)),
+        ("autograd.Function: 1 in, 1 out, none saved (C apply)", lambda: noop_apply(qr)),
+        ("autograd.Function: 3 in, 2 out, 5 saved (C apply)", lambda: attn_apply(qr, q, q)),
+        ("tileops.add (1024 elements)", lambda: ops.add(a, a)),
+        ("tileops.flash_attn", lambda: ops.flash_attn(q, q, q)),
+        ("tileops.flash_attn_with_lse", lambda: ops.flash_attn_with_lse(q, q, q)),
+        ("tileops.flash_attn, grad-recording", lambda: ops.flash_attn(qr, q, q)),
+    ]
+    for name, fn in rows:
+        print(f"{name:55s} {_us(fn):6.2f} µs")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--warm-check", action="store_true", help="compile (sm_90a) every kernel `tileops check` loads on a GPU, then exit")
     p.add_argument("--warm-overhead", action="store_true", help="compile (sm_90a) every kernel benchmarks.overhead and diag_backward_host load, then exit")
+    p.add_argument("--floor", action="store_true", help="the ops' Python paths beside bare dispatch and autograd.Function costs, then exit")
     a = p.parse_args(argv)
+    if a.floor:
+        return floor()
     if a.warm_overhead:
         from benchmarks import diag_backward_host, overhead
 
