@@ -258,7 +258,8 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
     --split-tail): head=True covers only the whole bm-row tiles (grid Sq // bm); tail_of=N the
     rows from Sq // N * N on, the ones an N-row head kernel left. Both over the same tensors: a
     192-row kernel's last tile, mostly padding (4096 rows: 21.3 tiles of 192), goes to a smaller
-    tile instead."""
+    tile instead. A part with no rows has an empty grid: launch head only when Sq >= block_m and
+    tail_of=N only when Sq % N != 0."""
     assert not ((head or tail_of) and (causal or config.persistent)), "head/tail_of: non-causal, non-persistent configs only"
     assert not (head and tail_of), "head and tail_of: one kernel is one of the two"
     with_lse = lse  # the fragment below is named `lse`, as in the exported kernels
