@@ -25,7 +25,6 @@ wrong kernel shows.
     python -m benchmarks.sweep_attention --short 128  # the same lengths at D=128: the 192 x 128 default against the 128 x 128 persistent tile, uniform_ws or not
     python -m benchmarks.sweep_attention --vary persistent=1,uniform_ws=1 --vary persistent=1 --causal-only --shapes 0 3  # the default and each variant of it, twice, in turns
     python -m benchmarks.sweep_attention --bwd --vary num_stages=3 --non-causal-only --shape 4,32,32,8192,128  # --shape B,H,HK,S,D: other shapes
-    python -m benchmarks.sweep_attention --split-tail --shapes 0 3 1  # non-causal: the default twice, then its whole tiles with the ragged rows in smaller tiles (a second kernel)
     python -m benchmarks.sweep_attention --pin [--tree] [--late-store]  # the defaults again; with FwdConfig.pin_waits, tree_reduce=4, late_store_wait (each also pinned); T.Pipelined defaults: against pinned async tiles
 
 Forward FLOPs = 4 * B * H * S^2 * D, halved when causal; backward 2.5x that (as bench_attention).
@@ -72,7 +71,6 @@ PIN = False
 CONFIRM = False
 AB_TREE = False
 SHORT = False
-SPLIT_TAIL = False
 VARY: list = []  # --vary: FwdConfig / BwdConfig field overrides, one dict per candidate
 
 
@@ -244,24 +242,6 @@ def ablations(cfg, headdim: int, causal: bool, groups: int) -> list:
     return out
 
 
-# --split-tail: kernels for the rows a 192-row head kernel leaves (Sq mod 192: 64 at 4096 and
-# 16384 tokens), FwdConfig(64, ...) with one consumer warpgroup, or 128 rows
-SPLIT_TAILS = [("64x128 auto", dict(block_m=64, block_n=128, threads=128, pipeline="auto")),
-               ("64x128 async", dict(block_m=64, block_n=128, threads=128, pipeline="async")),
-               ("64x64 async", dict(block_m=64, block_n=64, threads=128, pipeline="async")),
-               ("128x128 async", dict(block_m=128, block_n=128, threads=256, pipeline="async"))]
-
-
-def split_candidates(default) -> list:
-    """--split-tail: the default (a T.Pipelined 192-row tile) again, then (head, tail) pairs: the
-    default over its whole tiles (flash_fwd_kernel head=True) and a smaller tile over the rest
-    (tail_of=192), two launches on the same buffers. At 4096 rows the default's 22nd tile is 64
-    rows of 192 and the 5632 tiles of 8 x 32 heads take 43 waves of 132 CTAs, 41 without them.
-    Non-causal only (kernels.attention.flash_fwd_kernel)."""
-    tails = [dataclasses.replace(default, persistent=False, **fields) for _, fields in SPLIT_TAILS]
-    return [default, default] + [("split", default, t) for t in tails]
-
-
 def _varied(default) -> list:
     """--vary: the default and each variant (its fields replaced, each value cast to the field's
     type), twice, in turns (A B C A B C): the default's second timing is the A/A control."""
@@ -284,8 +264,6 @@ def _configs(D: int, S: int, causal: bool, groups: int, bwd: bool, arch: str = "
     default = K.fwd_default_config(D, causal, arch, S if ABLATE or PINGPONG or STAGES or BLOCK_N or UNIFORM or LATE_STORE or TREE or PIN or CONFIRM or AB_TREE or SHORT or VARY else None)
     if VARY:
         return _varied(default)
-    if SPLIT_TAIL:
-        return split_candidates(default)
     if UNIFORM:  # the default again (A/A) and with the other uniform_ws (role branches on a warp-uniform index)
         return [default, default, dataclasses.replace(default, uniform_ws=not default.uniform_ws)]
     if CONFIRM:
@@ -320,18 +298,9 @@ def jobs(bwd: bool = False):
         for causal in CAUSAL:
             static = dict(headdim=D, dtype="bfloat16", causal=causal, groups=H // HK, scale=K.default_scale(D))
             for cfg in _configs(D, S, causal, H // HK, bwd):
-                for c, s in _kernels_of(cfg, static):
-                    if (c, s) not in out:
-                        out.append((c, s))
+                if (cfg, static) not in [(c, s) for c, s in out]:
+                    out.append((cfg, static))
     return out
-
-
-def _kernels_of(cfg, static) -> list:
-    """(config, static) of each kernel a candidate launches: one, or a --split-tail pair's two."""
-    if isinstance(cfg, tuple):
-        _, head, tail = cfg
-        return [(head, dict(static, head=True)), (tail, dict(static, tail_of=head.block_m))]
-    return [(cfg, static)]
 
 
 def warm(bwd: bool = False) -> int:
@@ -365,8 +334,6 @@ def _cases():
 def _name(cfg) -> str:
     if isinstance(cfg, str):
         return cfg
-    if isinstance(cfg, tuple):  # --split-tail: ("split", head, tail)
-        return f"split {_name(cfg[1])} + {_name(cfg[2])}"
     lazy = f"/lazy{cfg.lazy_rescale:g}" if getattr(cfg, "lazy_rescale", 0) else ""
     post = "/postmask" if getattr(cfg, "post_mask", False) else ""
     post += "/dqprod" if getattr(cfg, "dq_producer", False) else ""
@@ -464,8 +431,7 @@ def main() -> None:
         lse = torch.empty((B, H, S), device="cuda")
         for cfg in cfgs:
             try:
-                kerns = [runtime.launcher(K.flash_fwd_kernel.compile(c, arch, **s)) for c, s in _kernels_of(cfg, static)]
-                kern = kerns[0] if len(kerns) == 1 else (lambda *a, ks=kerns: [k(*a) for k in ks])
+                kern = runtime.launcher(K.flash_fwd_kernel.compile(cfg, arch, **static))
             except Exception as e:
                 rows.append(dict(shape=f"{B}x{H}/{HK}x{S}x{D}", causal=causal, config=str(cfg), error=str(e)[:80]))
                 continue
@@ -538,7 +504,6 @@ if __name__ == "__main__":
     ap.add_argument("--short", type=int, nargs="?", const=64, choices=(64, 128), help="non-causal at 197-4096 tokens, head dim 64 (default) or 128: the long default twice, the 128 x 128 persistent tile with uniform_ws and without, in turns")
     ap.add_argument("--vary", action="append", type=_overrides, default=[], metavar="FIELD=VALUE[,...]",
                     help="a candidate: the default with these config fields replaced (repeatable); the default and the candidates, twice, in turns")
-    ap.add_argument("--split-tail", action="store_true", help="non-causal forward: the default twice, then its whole tiles with the rest of the rows in a smaller tile (two kernels)")
     ap.add_argument("--causal-only", action="store_true", help="causal shapes only")
     ap.add_argument("--non-causal-only", action="store_true", help="non-causal shapes only")
     ap.add_argument("--shape", action="append", type=lambda t: tuple(int(x) for x in t.split(",")), metavar="B,H,HK,S,D",
@@ -563,9 +528,6 @@ if __name__ == "__main__":
     CONFIRM = args.confirm
     AB_TREE = args.ab_tree
     VARY = args.vary
-    SPLIT_TAIL = args.split_tail
-    if SPLIT_TAIL:
-        CAUSAL = (False,)
     if args.short:
         SHAPES, CAUSAL, SHORT = [(B, H, HK, S, args.short) for B, H, HK, S, _ in SHORT_SHAPES], (False,), True
     if args.shapes:

@@ -517,42 +517,6 @@ def _check_fwd_kernel(kern, q, k, v, causal):
     assert (lse[seen] - ref_lse[seen].float()).abs().max().item() <= 1e-2, shape
 
 
-# (B, Sq, Sk, H, HK, D): rows past the last whole 192-row tile (Sq mod 192 = 40, 191, 65, 65),
-# GQA 4:1 and 1:1, Sq != Sk — the kernels of `sweep_attention --split-tail` (D=128, groups 1 and 4)
-SPLIT_TAIL_SHAPES = [(2, 1000, 1000, 4, 4, 128), (2, 383, 700, 4, 1, 128), (1, 4097, 600, 8, 2, 128), (1, 257, 2000, 4, 1, 128)]
-
-
-def test_flash_fwd_row_window_is_non_causal_only():
-    """head / tail_of (the --split-tail experiment) split the query tiles of a non-causal,
-    non-persistent kernel; anything else is refused, not compiled wrong."""
-    from tilelang_ops.kernels import attention as K
-
-    static = dict(headdim=128, dtype="bfloat16", groups=1, scale=K.default_scale(128))
-    with pytest.raises(AssertionError, match="non-causal"):
-        K.flash_fwd_kernel.source(K.fwd_default_config(128, False), "sm_90a", causal=True, head=True, **static)
-    with pytest.raises(AssertionError, match="non-persistent"):
-        K.flash_fwd_kernel.source(K.fwd_default_config(128, False, seqlen=1024), "sm_90a", causal=False, tail_of=192, **static)
-
-
-@pytest.mark.gpu
-@requires_cuda
-@pytest.mark.parametrize("shape", SPLIT_TAIL_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_flash_fwd_split_tail_matches_reference(shape):
-    """The 192-row default over its whole tiles (head=True) and each --split-tail kernel over the
-    rows left (tail_of=192), launched one after the other on one NaN-poisoned output: every row
-    written once and right."""
-    from benchmarks import sweep_attention as S
-    from tilelang_ops import runtime
-    from tilelang_ops.kernels import attention as K
-
-    B, Sq, Sk, H, HK, D = shape
-    q, k, v = _inputs(shape, torch.bfloat16, "cuda", requires_grad=False)
-    static = dict(headdim=D, dtype="bfloat16", causal=False, groups=H // HK, scale=K.default_scale(D))
-    for cand in S.split_candidates(K.fwd_default_config(D, False))[2:]:
-        kerns = [runtime.launcher(K.flash_fwd_kernel.compile(c, "sm_90a", **s)) for c, s in S._kernels_of(cand, static)]
-        _check_fwd_kernel(lambda *a: [kern(*a) for kern in kerns], q, k, v, False)
-
-
 # (B, Sq, Sk, H, HK, D, ctas): many tiles per CTA, a ragged last round, Sq != Sk, GQA; many query
 # tiles per head (24)
 PERSISTENT_WALKS = [(3, 1000, 1000, 4, 2, 64, 5), (2, 300, 1000, 3, 3, 64, 7), (1, 1000, 300, 4, 1, 128, 3), (2, 129, 4097, 2, 2, 128, 4),

@@ -248,20 +248,10 @@ def _qkv_param(name: str, shape: tuple, dtype: str):
 
 
 @kernel("attention", "flash_fwd", pass_configs=_PASS_CONFIGS)
-def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, groups: int, scale: float, lse: bool = True, ctas: int = PERSISTENT_CTAS,
-                     head: bool = False, tail_of: int = 0):
+def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, groups: int, scale: float, lse: bool = True, ctas: int = PERSISTENT_CTAS):
     """O (and with lse=True the base-e log-sum-exp per row, (B, H, Sq) fp32) of softmax(Q K^T) V.
     lse=False serves inference calls: no LSE buffer to allocate or write. ctas: the grid of a
-    persistent config (the device's SM count; unused otherwise).
-
-    head / tail_of (non-causal, not persistent; an experiment, benchmarks.sweep_attention
-    --split-tail): head=True covers only the whole bm-row tiles (grid Sq // bm); tail_of=N the
-    rows from Sq // N * N on, the ones an N-row head kernel left. Both over the same tensors: a
-    192-row kernel's last tile, mostly padding (4096 rows: 21.3 tiles of 192), goes to a smaller
-    tile instead. A part with no rows has an empty grid: launch head only when Sq >= block_m and
-    tail_of=N only when Sq % N != 0."""
-    assert not ((head or tail_of) and (causal or config.persistent)), "head/tail_of: non-causal, non-persistent configs only"
-    assert not (head and tail_of), "head and tail_of: one kernel is one of the two"
+    persistent config (the device's SM count; unused otherwise)."""
     with_lse = lse  # the fragment below is named `lse`, as in the exported kernels
     B = T.dynamic("B")
     Sq = T.dynamic("Sq")
@@ -275,13 +265,6 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
     neg_inf = -T.infinity(acc)
 
     post_mask = config.post_mask
-    r0 = Sq // tail_of * tail_of if tail_of else 0  # the first row this kernel covers
-    n_q = Sq // bm if head else T.ceildiv(Sq - r0, bm) if tail_of else T.ceildiv(Sq, bm)  # query tiles
-
-    def rows(qt):
-        """Query tile qt's slice of the rows (written as before where there is no offset, so the
-        other kernels' code, and their cache keys, do not change)."""
-        return slice(r0 + qt * bm, r0 + (qt + 1) * bm) if tail_of else slice(qt * bm, (qt + 1) * bm)
 
     def full_block(kb, qt, offset):
         """Whether every query row of tile qt sees every key of block kb."""
@@ -393,7 +376,7 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
 
     @T.macro
     def body(Q, K, V, O, LSE):
-        with T.Kernel(n_q, H, B, threads=config.threads) as (bx, by, bz):
+        with T.Kernel(T.ceildiv(Sq, bm), H, B, threads=config.threads) as (bx, by, bz):
             q_s = T.alloc_shared((bm, D), dtype)
             k_s = T.alloc_shared((bn, D), dtype)
             v_s = T.alloc_shared((bn, D), dtype)
@@ -404,7 +387,7 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
             qt = T.ceildiv(Sq, bm) - 1 - bx if causal else bx
             kvh = by // groups
             offset = Sk - Sq  # bottom-right causal alignment
-            T.copy(Q[bz, rows(qt), by, :], q_s)
+            T.copy(Q[bz, qt * bm : (qt + 1) * bm, by, :], q_s)
             reset_tile(o, l, m, m_scaled)
 
             n_blocks = n_key_blocks(qt, offset)
@@ -422,9 +405,9 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
 
             normalize(o, l, m_scaled, lse)
             T.copy(o, o_s)
-            T.copy(o_s, O[bz, rows(qt), by, :])
+            T.copy(o_s, O[bz, qt * bm : (qt + 1) * bm, by, :])
             if with_lse:
-                T.copy(lse, LSE[bz, by, rows(qt)])
+                T.copy(lse, LSE[bz, by, qt * bm : (qt + 1) * bm])
 
     S = config.num_stages
     consumers = config.threads
@@ -538,18 +521,18 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
         T.fence_proxy_async()
         T.sync_threads(1, consumers)
         if late_wait:
-            T.tma_copy(o_s, O[b, rows(qt), h, :])  # store + commit, no wait
+            T.tma_copy(o_s, O[b, qt * bm : (qt + 1) * bm, h, :])  # store + commit, no wait
         else:
-            T.copy(o_s, O[b, rows(qt), h, :])
+            T.copy(o_s, O[b, qt * bm : (qt + 1) * bm, h, :])
         if with_lse:
-            T.copy(lse, LSE[b, h, rows(qt)])
+            T.copy(lse, LSE[b, h, qt * bm : (qt + 1) * bm])
 
     @T.macro
     def body_async(Q, K, V, O, LSE):
         # Producer warpgroup: Q once, then K_j and V_j into an S-stage ring (full_*: the bytes
         # landed; empty_*: every consumer thread is done with the stage); the consumer
         # warpgroups: attend_tile.
-        with T.Kernel(n_q, H, B, threads=consumers + 128) as (bx, by, bz):
+        with T.Kernel(T.ceildiv(Sq, bm), H, B, threads=consumers + 128) as (bx, by, bz):
             q_s = T.alloc_shared((bm, D), dtype)
             k_s = T.alloc_shared((S, bn, D), dtype)
             v_s = T.alloc_shared((S, bn, D), dtype)
@@ -571,7 +554,7 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
 
             with T.ws(len(cwg)):
                 T.dec_max_nreg(PRODUCER_REGS)
-                T.tma_copy(Q[bz, rows(qt), by, :], q_s, barrier=q_full)
+                T.tma_copy(Q[bz, qt * bm : (qt + 1) * bm, by, :], q_s, barrier=q_full)
                 T.mbarrier_arrive(q_full)
                 load_kv(K, V, k_s, v_s, k_full, v_full, k_empty, v_empty, bz, kvh, 0, n_blocks)
             with T.ws(*cwg):
