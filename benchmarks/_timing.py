@@ -85,16 +85,18 @@ def interleaved(timer, fns, rounds: int = 3) -> list[float]:
 
 
 def host_us(fn, n: int = 2000, warmup: int = 200) -> float:
-    """Median host wall time per call in microseconds (launch path, not GPU time)."""
+    """Median host wall time per call in microseconds (launch path, not GPU time); on a machine
+    without CUDA (benchmarks.host_standin) nothing to synchronize."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    sync()
     samples = []
     for _ in range(n):
         t0 = time.perf_counter_ns()
         fn()
         samples.append((time.perf_counter_ns() - t0) / 1e3)
-    torch.cuda.synchronize()
+    sync()
     return statistics.median(samples)
 
 

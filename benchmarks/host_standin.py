@@ -104,18 +104,6 @@ class _LikeAttention(torch.autograd.Function):
         return dout, None, None
 
 
-def _us(fn, n: int = 2000) -> float:
-    for _ in range(200):
-        fn()
-    runs = []
-    for _ in range(11):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        runs.append((time.perf_counter() - t0) / n * 1e6)
-    return statistics.median(runs)
-
-
 def floor() -> None:
     """µs per call, on this CPU: ops through the stand-in (everything but the GPU work) next to
     what Python and the dispatcher cost with no work at all (the C `_FunctionBase.apply` our
@@ -145,8 +133,10 @@ def floor() -> None:
         ("tileops.flash_attn_with_lse", lambda: ops.flash_attn_with_lse(q, q, q)),
         ("tileops.flash_attn, grad-recording", lambda: ops.flash_attn(qr, q, q)),
     ]
+    from benchmarks._timing import host_us
+
     for name, fn in rows:
-        print(f"{name:55s} {_us(fn):6.2f} µs")
+        print(f"{name:55s} {host_us(fn):6.2f} µs")
 
 
 def main(argv=None) -> None:
