@@ -345,6 +345,9 @@ def _name(cfg) -> str:
     post += "/latestore" if getattr(cfg, "late_store_wait", False) else ""
     post += f"/tree{cfg.tree_reduce}" if getattr(cfg, "tree_reduce", 0) else ""
     post += "/pin" if getattr(cfg, "pin_waits", False) else ""
+    post += "/serial" if not getattr(cfg, "overlap", True) else ""
+    post += "/pfirst" if getattr(cfg, "producer_first", False) else ""
+    post += "/dynamic" if getattr(cfg, "dynamic", False) else ""
     return f"{cfg.block_m}x{cfg.block_n}/{cfg.num_stages}/{cfg.threads}/{cfg.pipeline}{lazy}{post}"
 
 
@@ -429,7 +432,9 @@ def main() -> None:
         # 3% (identical kernels writing to their own buffers, session 21).
         out = torch.empty_like(q)
         lse = torch.empty((B, H, S), device="cuda")
+        sched = torch.zeros(1, dtype=torch.int32, device="cuda")  # FwdConfig.dynamic: its tile counter (0 between launches)
         for cfg in cfgs:
+            extra = (sched,) if getattr(cfg, "dynamic", False) else ()
             try:
                 kern = runtime.launcher(K.flash_fwd_kernel.compile(cfg, arch, **static))
             except Exception as e:
@@ -438,7 +443,7 @@ def main() -> None:
             out.fill_(float("nan"))
             lse.fill_(float("nan"))
             try:
-                first_run(lambda: kern(q, k, v, out, lse), f"{B}x{H}/{HK}x{S}x{D} causal={causal} {_name(cfg)}")
+                first_run(lambda: kern(q, k, v, out, lse, *extra), f"{B}x{H}/{HK}x{S}x{D} causal={causal} {_name(cfg)}")
             except Exception as e:  # e.g. more shared memory than the SM has
                 rows.append(dict(shape=f"{B}x{H}/{HK}x{S}x{D}", causal=causal, config=str(cfg), error=str(e).splitlines()[0][:80]))
                 continue
@@ -447,7 +452,7 @@ def main() -> None:
             err = (out.float() - ref[0]).abs().max().item()
             lerr = (lse - ref[1]).abs().max().item()
             checks.append((err, lerr))
-            fns.append(lambda kern=kern: kern(q, k, v, out, lse))
+            fns.append(lambda kern=kern, extra=extra: kern(q, k, v, out, lse, *extra))
             names.append(cfg)
         flops = 4.0 * B * H * S * S * D / (2 if causal else 1)
         fns.append(_cudnn(q, k, v, causal))

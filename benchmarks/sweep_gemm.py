@@ -75,6 +75,12 @@ def candidates():
         # 2368 = 17.9 waves, 128x192: 2752 = 20.8 (their ragged last column wastes 1.2% / 0.8%)
         "wave_nn_8192_8192": (dict(gemm, n=8192, k=8192), [C0, _cfg(128, 256, 64, 4), _cfg(128, 224, 64, 3), _cfg(128, 224, 64, 3, pol="FullRow"),
                                                              _cfg(128, 224, 64, 4), _cfg(128, 192, 64, 4), _cfg(128, 192, 64, 5)], [("gemm", 8192)]),
+        # The same kernels at 8448 rows, where 128 x 256 tiles (and cuBLAS's 256 x 128) fill whole
+        # waves of 132 SMs (8192³: 2112 = 16 waves, against 2048 = 15.5 at 8192 rows): how much of
+        # each GEMM's time its partial last wave costs, ours against cuBLAS's. Groups "fullwave_*".
+        **_beside_defaults({"fullwave_nn_8192_8192": (dict(gemm, n=8192, k=8192), [("gemm", 8192), ("gemm", 8448)]),
+                            "fullwave_nn_4096_14336": (dict(gemm, n=4096, k=14336), [("gemm", 8192), ("gemm", 8448)]),
+                            "fullwave_lin_14336_4096": (dict(lin, n=14336, k=4096), [("linear", 8192), ("linear", 8448)])}, []),
         "async_nn_4096_4096": (dict(gemm, n=4096, k=4096), [C0, _cfg(128, 256, 64, 4)] + asy + asy_two, [("gemm", 1024), ("gemm", 4096), ("gemm", 16384)]),
         "async_nn_3072_768": (dict(gemm, n=3072, k=768), [C0, _cfg(128, 128, 32, 4, mb=2)] + asy + asy_two, [("gemm", 1024), ("gemm", 4096), ("gemm", 16384)]),
         "async_nn_14336_4096": (dict(gemm, n=14336, k=4096), [C0, _cfg(128, 224, 64, 3, pol="FullRow")] + asy, [("gemm", 1024), ("gemm", 8192)]),

@@ -67,7 +67,7 @@ def _jobs(quick: bool) -> list[tuple]:
     if not quick:
         import tests.test_attention as t
 
-        by_config += [("fwd", c, s) for c, s in t.async_fwd_kernels() + t.d64_causal_default_kernels() + t.lazy_fwd_kernels() + t.persistent_fwd_kernels()] + t.async_bwd_kernels()
+        by_config += [("fwd", c, s) for c, s in t.async_fwd_kernels() + t.d64_causal_default_kernels() + t.lazy_fwd_kernels() + t.persistent_fwd_kernels() + t.dynamic_fwd_kernels()] + t.async_bwd_kernels()
     for kind, cfg, st in by_config:
         job = (kind, st["headdim"], st["dtype"], st["causal"], st["groups"], st["scale"], cfg) + ((st["ctas"],) if "ctas" in st else ())
         if job not in jobs:

@@ -499,14 +499,15 @@ def test_flash_fwd_async_pipelines_match_reference(shape, cfg, causal):
     _check_fwd_kernel(runtime.launcher(K.flash_fwd_kernel.compile(config, "sm_90a", **static)), q, k, v, causal)
 
 
-def _check_fwd_kernel(kern, q, k, v, causal):
+def _check_fwd_kernel(kern, q, k, v, causal, *extra):
     """A forward kernel called on NaN-poisoned out and lse (an unwritten element stays NaN),
     against the float64 reference: out and lse written everywhere, out within the dtype's
-    tolerance, lse -inf exactly for the rows that see no key and within 1e-2 elsewhere."""
+    tolerance, lse -inf exactly for the rows that see no key and within 1e-2 elsewhere.
+    extra: arguments after lse (the dynamic walk's tile counter)."""
     B, Sq, H = q.shape[0], q.shape[1], q.shape[2]
     out = torch.full_like(q, float("nan"))
     lse = torch.full((B, H, Sq), float("nan"), device=q.device)
-    kern(q, k, v, out, lse)
+    kern(q, k, v, out, lse, *extra)
     ref_out, ref_lse, _ = _ref(q, k, v, causal)
     shape = tuple(q.shape), tuple(k.shape)
     assert torch.isfinite(out).all(), ("unwritten or non-finite output elements", shape)
@@ -547,6 +548,41 @@ def test_flash_fwd_persistent_walks_many_tiles(walk):
         if static["headdim"] == D and static["groups"] == H // HK and static["ctas"] == ctas:
             kern = runtime.launcher(K.flash_fwd_kernel.compile(config, "sm_90a", **static))
             _check_fwd_kernel(kern, *_inputs((B, Sq, Sk, H, HK, D), torch.bfloat16, "cuda", requires_grad=False), static["causal"])
+
+
+# FwdConfig.dynamic (session 45: the next tile from a global counter) on the persistent walks:
+# the D=128 causal default at <= 4096 keys, the D=64 default, and the 192-row serial tile.
+DYNAMIC_FWD_CONFIGS = {64: [dict(block_m=128, block_n=128, num_stages=2, threads=256, pipeline="async", post_mask=True, persistent=True, uniform_ws=True, tree_reduce=4)],
+                       128: [dict(block_m=128, block_n=128, num_stages=2, threads=256, pipeline="async", lazy_rescale=8.0, persistent=True, uniform_ws=True),
+                             dict(block_m=192, block_n=128, num_stages=2, threads=384, pipeline="async", lazy_rescale=8.0, post_mask=True, persistent=True,
+                                  overlap=False, producer_first=True)]}
+
+
+def dynamic_fwd_kernels():
+    """(config, static) of test_flash_fwd_dynamic_walks; warm_attention_cache pre-builds them."""
+    from tilelang_ops.kernels import attention as K
+
+    return [(K.FwdConfig(**cfg, dynamic=True), dict(headdim=D, dtype="bfloat16", causal=causal, groups=H // HK, scale=K.default_scale(D), ctas=ctas))
+            for B, Sq, Sk, H, HK, D, ctas in PERSISTENT_WALKS for cfg in DYNAMIC_FWD_CONFIGS[D] for causal in (False, True)]
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("walk", PERSISTENT_WALKS, ids=lambda w: "x".join(map(str, w)))
+def test_flash_fwd_dynamic_walks(walk):
+    """The dynamic walk (each CTA's next tile from a global counter) with a grid of a few CTAs:
+    every output row written and right, twice in a row on one counter (the kernel leaves it at 0)."""
+    from tilelang_ops import runtime
+    from tilelang_ops.kernels import attention as K
+
+    B, Sq, Sk, H, HK, D, ctas = walk
+    sched = torch.zeros(1, dtype=torch.int32, device="cuda")
+    for config, static in dynamic_fwd_kernels():
+        if static["headdim"] == D and static["groups"] == H // HK and static["ctas"] == ctas:
+            kern = runtime.launcher(K.flash_fwd_kernel.compile(config, "sm_90a", **static))
+            for _ in range(2):
+                _check_fwd_kernel(kern, *_inputs((B, Sq, Sk, H, HK, D), torch.bfloat16, "cuda", requires_grad=False), static["causal"], sched)
+                assert sched.item() == 0, "the counter must be 0 after a launch"
 
 
 def test_persistent_forward_walk_covers_every_tile_once():

@@ -92,13 +92,15 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_fwd_kernel(__grid_con
     int rdiv = ((((((Sq + 127) >> 7) * H) * B) - 1) / min(((((Sq + 127) >> 7) * H) * B), 132));
     for (int t = 0; t < (((((0 <= ((((Sq + 127) >> 7) * H) * B)) && (0 <= rmod)) || ((((((Sq + 127) >> 7) * H) * B) < 0) && (rmod <= 0))) ? rdiv : (rdiv - 1)) + 1); ++t) {
       if (((t * min(((((Sq + 127) >> 7) * H) * B), 132)) + ((((int)blockIdx.x) + t) % min(((((Sq + 127) >> 7) * H) * B), 132))) < ((((Sq + 127) >> 7) * H) * B)) {
+        int g_2 = g;
+        int n_2 = n;
         coords[0] = ((((Sq + 127) >> 7) - (((t * min(((((Sq + 127) >> 7) * H) * B), 132)) + ((((int)blockIdx.x) + t) % min(((((Sq + 127) >> 7) * H) * B), 132))) % ((Sq + 127) >> 7))) - 1);
         coords[1] = ((((t * min(((((Sq + 127) >> 7) * H) * B), 132)) + ((((int)blockIdx.x) + t) % min(((((Sq + 127) >> 7) * H) * B), 132))) / ((Sq + 127) >> 7)) % H);
         coords[2] = ((((t * min(((((Sq + 127) >> 7) * H) * B), 132)) + ((((int)blockIdx.x) + t) % min(((((Sq + 127) >> 7) * H) * B), 132))) / ((Sq + 127) >> 7)) / H);
         int qt = coords[0];
         int kvh = coords[1];
         int b = coords[2];
-        q_empty[0].wait(((n & 1) ^ 1));
+        q_empty[0].wait(((n_2 & 1) ^ 1));
         for (int j = 0; j < 3; ++j) {
           ((int*)coords_s)[j] = coords[j];
         }
@@ -111,7 +113,6 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_fwd_kernel(__grid_con
           }
         }
         q_full[0].arrive();
-        int g_2 = g;
         tl::fence_proxy_async();
         for (int kb = 0; kb < max(min(((Sk + 127) >> 7), ((((Sk + 255) - Sq) >> 7) + qt)), 1); ++kb) {
           k_empty[((g_2 + kb) & 1)].wait(((((g_2 + kb) >> 1) & 1) ^ 1));
@@ -133,7 +134,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_fwd_kernel(__grid_con
           }
           v_full[((g_2 + kb) & 1)].arrive();
         }
-        g = (max(min(((Sk + 127) >> 7), ((((Sk + 255) - Sq) >> 7) + qt)), 1) + g);
+        g = (max(min(((Sk + 127) >> 7), ((((Sk + 255) - Sq) >> 7) + coords[0])), 1) + g);
         n = (n + 1);
       }
     }
@@ -150,6 +151,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_fwd_kernel(__grid_con
         for (int j_1 = 0; j_1 < 3; ++j_1) {
           coords[j_1] = ((int*)coords_s)[j_1];
         }
+        int g_3 = g_1;
         int qt_1 = coords[0];
         int h = coords[1];
         int b_1 = coords[2];
@@ -164,7 +166,6 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_fwd_kernel(__grid_con
         *(float2*)(m + 0) = make_float2(broadcast_var_2, broadcast_var_2);
         float broadcast_var_3 = 0x0p+0f/*0.000000e+00*/;
         *(float2*)(m_scaled + 0) = make_float2(broadcast_var_3, broadcast_var_3);
-        int g_3 = g_1;
         k_full[(g_3 & 1)].wait(((g_3 >> 1) & 1));
         if ((128 <= Sk) & (127 <= (((qt_1 * 128) + Sk) - Sq))) {
           #pragma unroll
@@ -477,7 +478,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_fwd_kernel(__grid_con
             }
           }
         }
-        g_1 = (max(min(((Sk + 127) >> 7), ((((Sk + 255) - Sq) >> 7) + qt_1)), 1) + g_1);
+        g_1 = (max(min(((Sk + 127) >> 7), ((((Sk + 255) - Sq) >> 7) + coords[0])), 1) + g_1);
         n_1 = (n_1 + 1);
       }
     }

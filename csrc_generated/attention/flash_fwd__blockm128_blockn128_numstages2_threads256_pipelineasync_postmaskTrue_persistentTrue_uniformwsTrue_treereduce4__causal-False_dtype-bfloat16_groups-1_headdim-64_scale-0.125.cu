@@ -91,13 +91,15 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_fwd_kernel(__grid_con
     int rdiv = ((((((Sq + 127) >> 7) * H) * B) - 1) / min(((((Sq + 127) >> 7) * H) * B), 132));
     for (int t = 0; t < (((((0 <= ((((Sq + 127) >> 7) * H) * B)) && (0 <= rmod)) || ((((((Sq + 127) >> 7) * H) * B) < 0) && (rmod <= 0))) ? rdiv : (rdiv - 1)) + 1); ++t) {
       if (((t * min(((((Sq + 127) >> 7) * H) * B), 132)) + ((((int)blockIdx.x) + t) % min(((((Sq + 127) >> 7) * H) * B), 132))) < ((((Sq + 127) >> 7) * H) * B)) {
+        int g_2 = g;
+        int n_2 = n;
         coords[0] = (((t * min(((((Sq + 127) >> 7) * H) * B), 132)) + ((((int)blockIdx.x) + t) % min(((((Sq + 127) >> 7) * H) * B), 132))) % ((Sq + 127) >> 7));
         coords[1] = ((((t * min(((((Sq + 127) >> 7) * H) * B), 132)) + ((((int)blockIdx.x) + t) % min(((((Sq + 127) >> 7) * H) * B), 132))) / ((Sq + 127) >> 7)) % H);
         coords[2] = ((((t * min(((((Sq + 127) >> 7) * H) * B), 132)) + ((((int)blockIdx.x) + t) % min(((((Sq + 127) >> 7) * H) * B), 132))) / ((Sq + 127) >> 7)) / H);
         int qt = coords[0];
         int kvh = coords[1];
         int b = coords[2];
-        q_empty[0].wait(((n & 1) ^ 1));
+        q_empty[0].wait(((n_2 & 1) ^ 1));
         for (int j = 0; j < 3; ++j) {
           ((int*)coords_s)[j] = coords[j];
         }
@@ -107,7 +109,6 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_fwd_kernel(__grid_con
           tl::tma_load(Q_desc, q_full[0], (&(((bfloat16_t*)q_s)[0])), 0, (qt * 128), kvh, b);
         }
         q_full[0].arrive();
-        int g_2 = g;
         tl::fence_proxy_async();
         for (int kb = 0; kb < ((Sk + 127) >> 7); ++kb) {
           k_empty[((g_2 + kb) & 1)].wait(((((g_2 + kb) >> 1) & 1) ^ 1));
@@ -140,6 +141,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_fwd_kernel(__grid_con
         for (int j_1 = 0; j_1 < 3; ++j_1) {
           coords[j_1] = ((int*)coords_s)[j_1];
         }
+        int g_3 = g_1;
         int qt_1 = coords[0];
         int h = coords[1];
         int b_1 = coords[2];
@@ -152,7 +154,6 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_fwd_kernel(__grid_con
         *(float2*)(l + 0) = make_float2(broadcast_var_1, broadcast_var_1);
         float broadcast_var_2 = -CUDART_INF_F;
         *(float2*)(m + 0) = make_float2(broadcast_var_2, broadcast_var_2);
-        int g_3 = g_1;
         k_full[(g_3 & 1)].wait(((g_3 >> 1) & 1));
         {
           tl::GmmaDescriptor desc_a;

@@ -108,6 +108,18 @@ class FwdConfig:
     # the intra-warpgroup overlap). H200, session 39: 0.96-1.01x alone (the other consumer
     # warpgroup's GEMMs had kept the tensor cores busy during the hoisted wait).
     pin_waits: bool = dataclasses.field(default=False, metadata={"omit_default": True})
+    # "async" only. False: each consumer warpgroup waits for each of its wgmmas (T.Pipelined's
+    # per-step order: no second step's scores in registers, so three consumer warpgroups fit at
+    # D=128 in 160 registers), for the 192-row tile in the persistent walk.
+    overlap: bool = dataclasses.field(default=True, metadata={"omit_default": True})
+    # "async" only: the producer is warpgroup 0 and the consumers 1.. (T.Pipelined's placement),
+    # and a "full" barrier takes one arrival, the TMA-issuing thread's (T.Pipelined's), not 128.
+    # Session 35: together they brought the serial pipeline from 0.91 to 0.98-1.01x T.Pipelined.
+    producer_first: bool = dataclasses.field(default=False, metadata={"omit_default": True})
+    # persistent only: each CTA's next tile from a global counter (atomicAdd; the kernel's last
+    # argument, an int32[1] that is 0 at launch and 0 again at exit), in list order, instead of
+    # the static rotation: an SM that finishes early takes the next tile (a dynamic scheduler).
+    dynamic: bool = dataclasses.field(default=False, metadata={"omit_default": True})
 
     def for_arch(self, arch: str) -> "FwdConfig":
         # TileLang 0.1.15's cp.async pipeline (pre-Hopper) fails in codegen on a symbolic trip count.
@@ -231,6 +243,10 @@ FWD_SEARCH_SPACE = [
     FwdConfig(128, 128, 2, 256, "async", post_mask=True, persistent=True),
     # its row reductions as 4 chains (the D=64 causal default since session 40)
     FwdConfig(128, 128, 2, 256, "async", post_mask=True, persistent=True, tree_reduce=4),
+    # the D=128 causal default at <= 4096 keys with the dynamic walk (session 45, H100: 1.02-1.04x
+    # at 8 x 32 x 4096, 1.01-1.03x GQA 32/8, 0.99-1.03x at 4 x 32 x 2048; not the default: its
+    # per-call counter costs a memset launch, paid by small calls too)
+    FwdConfig(128, 128, 2, 256, "async", lazy_rescale=8.0, persistent=True, uniform_ws=True, dynamic=True),
     # Not here: FlashAttention-3's D=64 tile in the persistent walk, FwdConfig(192, 128, 2, 384,
     # "async", post_mask=True, persistent=True) (0.96-1.08x the defaults, session 22): in session 35
     # its GPU test gave a wrong output once (2 x 17 x 33 x 4/2, causal) and the next one hung; 36 of
@@ -411,11 +427,18 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
 
     S = config.num_stages
     consumers = config.threads
-    own_o = (2 * bm + 2 * S * bn) * D * 2 <= 200 * 1024  # persistent: a separate O tile fits
+    # persistent: a separate O tile fits beside Q and the stages (227 KB a CTA, 2 KB left for barriers)
+    own_o = (2 * bm + 2 * S * bn) * D * 2 <= 225 * 1024
     late_wait = config.late_store_wait and config.persistent and own_o
     cwg = tuple(range(consumers // 128))  # consumer warpgroups; the producer is the next one
     pingpong = config.pipeline == "pingpong" and len(cwg) > 1
+    # the producer's and the consumers' T.ws warpgroups; wg_base: the first consumer's
+    producer_wg, consumer_wgs, wg_base = (0, tuple(w + 1 for w in cwg), 1) if config.producer_first else (len(cwg), cwg, 0)
+    n_full = 1 if config.producer_first else 128  # arrivals a "full" barrier's phase takes
     _TURN = 2  # named barriers 2.. (0: __syncthreads, 1: the consumers' epilogue barrier)
+    _PRODUCER_BAR = 8  # the producer warpgroup's own (dynamic: the fetched tile read by every thread)
+    dynamic = config.dynamic
+    assert not dynamic or config.persistent, "FwdConfig.dynamic needs persistent=True"
 
     @T.macro
     def my_turn(wg):
@@ -438,6 +461,15 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
                         T.named_barrier_arrive(_TURN + (w + 1) % len(cwg), 256)
 
     @T.macro
+    def filled(bars, i):
+        """The producer's arrival on "full" barrier bars[i] after its TMA load (the bytes complete it)."""
+        if config.producer_first:
+            if T.shuffle_elect(128):
+                T.mbarrier_arrive(bars[i])
+        else:
+            T.mbarrier_arrive(bars[i])
+
+    @T.macro
     def load_kv(K, V, k_s, v_s, k_full, v_full, k_empty, v_empty, b, kvh, g, nb):
         """Producer side of one query tile: its nb K and V blocks into the stage ring, from ring
         position g (blocks the CTA loaded before this tile)."""
@@ -445,10 +477,33 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
             st = (g + kb) % S
             T.mbarrier_wait_parity(k_empty[st], (((g + kb) // S) & 1) ^ 1)
             T.tma_copy(K[b, kb * bn : (kb + 1) * bn, kvh, :], k_s[st, :, :], barrier=k_full[st])
-            T.mbarrier_arrive(k_full[st])
+            filled(k_full, st)
             T.mbarrier_wait_parity(v_empty[st], (((g + kb) // S) & 1) ^ 1)
             T.tma_copy(V[b, kb * bn : (kb + 1) * bn, kvh, :], v_s[st, :, :], barrier=v_full[st])
-            T.mbarrier_arrive(v_full[st])
+            filled(v_full, st)
+
+    @T.macro
+    def serial_steps(q_s, k_s, v_s, s, p, o, m, m_prev, m_scaled, alpha, row_sum, l, moved,
+                     k_full, v_full, k_empty, v_empty, q_empty, g, nb, qt, offset):
+        """FwdConfig.overlap=False: per step S_j = Q K_j^T, wait, softmax, O += P_j V_j, wait."""
+        for kb in T.serial(nb):
+            st = (g + kb) % S
+            T.mbarrier_wait_parity(k_full[st], ((g + kb) // S) & 1)
+            init_scores(s, kb, qt, offset)
+            T.wgmma_gemm(q_s, k_s[st, :, :], s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=post_mask)
+            T.wait_wgmma(0)
+            T.mbarrier_arrive(k_empty[st])
+            if q_empty is not None:
+                if kb == nb - 1:
+                    T.mbarrier_arrive(q_empty)
+            mask_scores(s, kb, qt, offset)
+            online_softmax(s, m, m_prev, m_scaled, alpha, row_sum, l, moved)
+            rescale(o, alpha, moved)
+            T.copy(s, p)
+            T.mbarrier_wait_parity(v_full[st], ((g + kb) // S) & 1)
+            T.wgmma_gemm(p, v_s[st, :, :], o, policy=T.GemmWarpPolicy.FullRow)
+            T.wait_wgmma(0)
+            T.mbarrier_arrive(v_empty[st])
 
     @T.macro
     def attend_tile(q_s, k_s, v_s, s, p, o, m, m_prev, m_scaled, alpha, row_sum, l, moved,
@@ -461,49 +516,53 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
         P being multiplied, as in the serial order. q_empty (a persistent walk with its own O
         buffer): arrived once the tile's last S GEMM has retired (the next Q may land); a
         persistent walk (q_empty or not) also releases the last V stage: the ring goes on."""
-        # step 0: scores and softmax only (O is still 0)
-        T.mbarrier_wait_parity(k_full[g % S], (g // S) & 1)
-        init_scores(s, 0, qt, offset)
-        my_turn(wg)
-        T.wgmma_gemm(q_s, k_s[g % S, :, :], s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=post_mask)
-        pass_turn(wg, False)
-        T.wait_wgmma(0)
-        T.mbarrier_arrive(k_empty[g % S])
-        if q_empty is not None:
-            if nb == 1:
-                T.mbarrier_arrive(q_empty)
-        mask_scores(s, 0, qt, offset)
-        online_softmax(s, m, m_prev, m_scaled, alpha, row_sum, l, moved)
-        T.copy(s, p)
-        for kb in T.serial(1, nb):
-            st = (g + kb) % S
-            sp = (g + kb - 1) % S
-            T.mbarrier_wait_parity(k_full[st], ((g + kb) // S) & 1)
-            init_scores(s, kb, qt, offset)
-            T.mbarrier_wait_parity(v_full[sp], ((g + kb - 1) // S) & 1)
+        if not config.overlap:
+            serial_steps(q_s, k_s, v_s, s, p, o, m, m_prev, m_scaled, alpha, row_sum, l, moved,
+                         k_full, v_full, k_empty, v_empty, q_empty, g, nb, qt, offset)
+        else:
+            # step 0: scores and softmax only (O is still 0)
+            T.mbarrier_wait_parity(k_full[g % S], (g // S) & 1)
+            init_scores(s, 0, qt, offset)
             my_turn(wg)
-            T.wgmma_gemm(q_s, k_s[st, :, :], s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=post_mask)
-            T.wgmma_gemm(p, v_s[sp, :, :], o, policy=T.GemmWarpPolicy.FullRow)
+            T.wgmma_gemm(q_s, k_s[g % S, :, :], s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=post_mask)
             pass_turn(wg, False)
-            T.wait_wgmma(1)  # S_j done; P_{j-1} V_{j-1} may still run
-            T.mbarrier_arrive(k_empty[st])
-            if q_empty is not None:
-                if kb == nb - 1:
-                    T.mbarrier_arrive(q_empty)
-            mask_scores(s, kb, qt, offset)
-            online_softmax(s, m, m_prev, m_scaled, alpha, row_sum, l, moved)
             T.wait_wgmma(0)
-            T.mbarrier_arrive(v_empty[sp])
-            rescale(o, alpha, moved)
+            T.mbarrier_arrive(k_empty[g % S])
+            if q_empty is not None:
+                if nb == 1:
+                    T.mbarrier_arrive(q_empty)
+            mask_scores(s, 0, qt, offset)
+            online_softmax(s, m, m_prev, m_scaled, alpha, row_sum, l, moved)
             T.copy(s, p)
-        last = g + nb - 1
-        T.mbarrier_wait_parity(v_full[last % S], (last // S) & 1)
-        my_turn(wg)
-        T.wgmma_gemm(p, v_s[last % S, :, :], o, policy=T.GemmWarpPolicy.FullRow)
-        pass_turn(wg, True)
-        T.wait_wgmma(0)
-        if config.persistent:
-            T.mbarrier_arrive(v_empty[last % S])
+            for kb in T.serial(1, nb):
+                st = (g + kb) % S
+                sp = (g + kb - 1) % S
+                T.mbarrier_wait_parity(k_full[st], ((g + kb) // S) & 1)
+                init_scores(s, kb, qt, offset)
+                T.mbarrier_wait_parity(v_full[sp], ((g + kb - 1) // S) & 1)
+                my_turn(wg)
+                T.wgmma_gemm(q_s, k_s[st, :, :], s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=post_mask)
+                T.wgmma_gemm(p, v_s[sp, :, :], o, policy=T.GemmWarpPolicy.FullRow)
+                pass_turn(wg, False)
+                T.wait_wgmma(1)  # S_j done; P_{j-1} V_{j-1} may still run
+                T.mbarrier_arrive(k_empty[st])
+                if q_empty is not None:
+                    if kb == nb - 1:
+                        T.mbarrier_arrive(q_empty)
+                mask_scores(s, kb, qt, offset)
+                online_softmax(s, m, m_prev, m_scaled, alpha, row_sum, l, moved)
+                T.wait_wgmma(0)
+                T.mbarrier_arrive(v_empty[sp])
+                rescale(o, alpha, moved)
+                T.copy(s, p)
+            last = g + nb - 1
+            T.mbarrier_wait_parity(v_full[last % S], (last // S) & 1)
+            my_turn(wg)
+            T.wgmma_gemm(p, v_s[last % S, :, :], o, policy=T.GemmWarpPolicy.FullRow)
+            pass_turn(wg, True)
+            T.wait_wgmma(0)
+            if config.persistent:
+                T.mbarrier_arrive(v_empty[last % S])
 
     @T.macro
     def store_tile(o, l, m_scaled, lse, o_s, O, LSE, b, h, qt):
@@ -541,9 +600,9 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
             # third K/V stage at D=128).
             o_s = q_s
             s, p, o, m, m_prev, m_scaled, alpha, row_sum, l, lse, moved = tile_state()
-            q_full = T.alloc_barrier([128])
-            k_full = T.alloc_barrier([128] * S)
-            v_full = T.alloc_barrier([128] * S)
+            q_full = T.alloc_barrier([n_full])
+            k_full = T.alloc_barrier([n_full] * S)
+            v_full = T.alloc_barrier([n_full] * S)
             k_empty = T.alloc_barrier([consumers] * S)
             v_empty = T.alloc_barrier([consumers] * S)
 
@@ -552,14 +611,14 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
             offset = Sk - Sq
             n_blocks = n_key_blocks(qt, offset)
 
-            with T.ws(len(cwg)):
+            with T.ws(producer_wg):
                 T.dec_max_nreg(PRODUCER_REGS)
                 T.tma_copy(Q[bz, qt * bm : (qt + 1) * bm, by, :], q_s, barrier=q_full)
-                T.mbarrier_arrive(q_full)
+                filled(q_full, 0)
                 load_kv(K, V, k_s, v_s, k_full, v_full, k_empty, v_empty, bz, kvh, 0, n_blocks)
-            with T.ws(*cwg):
+            with T.ws(*consumer_wgs):
                 T.inc_max_nreg(warpgroup_regs(consumers))
-                wg = T.get_thread_binding() // 128
+                wg = T.get_thread_binding() // 128 - wg_base
                 if pingpong:
                     if wg == len(cwg) - 1:
                         T.named_barrier_arrive(_TURN, 256)  # prime the ring: warpgroup 0 goes first
@@ -581,7 +640,33 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
         coords[2] = T.truncdiv(T.truncdiv(i, nq), H)
 
     @T.macro
-    def body_persistent(Q, K, V, O, LSE):
+    def load_tile(Q, K, V, q_s, k_s, v_s, coords, coords_s, q_full, q_empty, k_full, v_full, k_empty, v_empty, i, nq, H, offset, g, n):
+        """Producer side of tile list index i: its coordinates and Q to the consumers, then its K/V."""
+        tile_coords(coords, i, nq, H)
+        qt, h, b = coords[0], coords[1], coords[2]
+        T.mbarrier_wait_parity(q_empty, (n & 1) ^ 1)  # also: the consumers have read the last coords
+        for j in T.serial(3):  # published by this thread's q_full arrive (release)
+            coords_s[j] = coords[j]
+        T.tma_copy(Q[b, qt * bm : (qt + 1) * bm, h, :], q_s, barrier=q_full)
+        filled(q_full, 0)
+        load_kv(K, V, k_s, v_s, k_full, v_full, k_empty, v_empty, b, h // groups, g, n_key_blocks(qt, offset))
+
+    @T.macro
+    def consume_tile(Q, K, V, O, LSE, q_s, k_s, v_s, o_s, coords, s, p, o, m, m_prev, m_scaled, alpha, row_sum, l, lse, moved,
+                     k_full, v_full, k_empty, v_empty, q_empty, g, offset):
+        """Consumer side of the tile in coords: its steps, then its O and LSE out."""
+        qt, h, b = coords[0], coords[1], coords[2]
+        nb = n_key_blocks(qt, offset)
+        reset_tile(o, l, m, m_scaled)
+        attend_tile(q_s, k_s, v_s, s, p, o, m, m_prev, m_scaled, alpha, row_sum, l, moved,
+                    k_full, v_full, k_empty, v_empty, q_empty if own_o else None, 0, g, nb, qt, offset)
+        store_tile(o, l, m_scaled, lse, o_s, O, LSE, b, h, qt)
+        if not own_o:
+            T.sync_threads(1, consumers)  # the store has read o_s = q_s
+            T.mbarrier_arrive(q_empty)
+
+    @T.macro
+    def body_persistent(Q, K, V, O, LSE, Sched=None):
         # body_async's pipeline with one CTA per SM walking tiles: tile list index i -> (head and
         # batch i // nq, query rank i % nq; causal: rank 0 is the last, heaviest query tile), so
         # the CTAs running together share heads' K/V in L2. Round t of the walk is list indices
@@ -604,63 +689,110 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
             s, p, o, m, m_prev, m_scaled, alpha, row_sum, l, lse, moved = tile_state()
             coords = T.alloc_local((3,), "int32")  # this tile's query tile, head, batch
             coords_s = T.alloc_shared((4,), "int32")  # ...from the producer to the consumers (3 used)
-            q_full = T.alloc_barrier([128])
+            next_s = T.alloc_shared((2,), "int32") if dynamic else None  # dynamic: the fetched next tile, by parity
+            q_full = T.alloc_barrier([n_full])
             q_empty = T.alloc_barrier([consumers])
-            k_full = T.alloc_barrier([128] * S)
-            v_full = T.alloc_barrier([128] * S)
+            k_full = T.alloc_barrier([n_full] * S)
+            v_full = T.alloc_barrier([n_full] * S)
             k_empty = T.alloc_barrier([consumers] * S)
             v_empty = T.alloc_barrier([consumers] * S)
             offset = Sk - Sq
             rounds = T.ceildiv(tiles, grid)
 
-            with T.ws(len(cwg)):
+            with T.ws(producer_wg):
                 T.dec_max_nreg(PRODUCER_REGS)
                 g = T.alloc_var("int32", init=0)  # K/V blocks loaded so far: the ring position
                 n = T.alloc_var("int32", init=0)  # tiles loaded so far
-                for t in T.serial(rounds):
-                    if tile_index(t, cta, grid) < tiles:
-                        tile_coords(coords, tile_index(t, cta, grid), nq, H)
-                        qt, h, b = coords[0], coords[1], coords[2]
-                        nb = n_key_blocks(qt, offset)
-                        T.mbarrier_wait_parity(q_empty, (n & 1) ^ 1)  # also: the consumers have read the last coords
-                        for j in T.serial(3):  # published by this thread's q_full arrive (release)
-                            coords_s[j] = coords[j]
-                        T.tma_copy(Q[b, qt * bm : (qt + 1) * bm, h, :], q_s, barrier=q_full)
-                        T.mbarrier_arrive(q_full)
-                        load_kv(K, V, k_s, v_s, k_full, v_full, k_empty, v_empty, b, h // groups, g, nb)
-                        g = g + nb
+                if dynamic:
+                    i = T.alloc_var("int32", init=cta)  # the first tile is the CTA's own
+                    while i < tiles:
+                        load_tile(Q, K, V, q_s, k_s, v_s, coords, coords_s, q_full, q_empty, k_full, v_full, k_empty, v_empty, i, nq, H, offset, g, n)
+                        g = g + n_key_blocks(coords[0], offset)
+                        if T.shuffle_elect(128):
+                            prev = T.atomic_add(Sched[0], 1, return_prev=True)
+                            next_s[n & 1] = grid + prev
+                            if prev == tiles - 1:  # the launch's last fetch: leave the counter at 0
+                                Sched[0] = 0
+                        T.sync_threads(_PRODUCER_BAR, 128)
+                        i = next_s[n & 1]
                         n = n + 1
-            with T.ws(*cwg):
+                    # no tile left: a negative query tile in coords_s tells the consumers to stop
+                    T.mbarrier_wait_parity(q_empty, (n & 1) ^ 1)
+                    coords_s[0] = -1
+                    filled(q_full, 0)
+                else:
+                    for t in T.serial(rounds):
+                        if tile_index(t, cta, grid) < tiles:
+                            load_tile(Q, K, V, q_s, k_s, v_s, coords, coords_s, q_full, q_empty, k_full, v_full, k_empty, v_empty,
+                                      tile_index(t, cta, grid), nq, H, offset, g, n)
+                            g = g + n_key_blocks(coords[0], offset)
+                            n = n + 1
+            with T.ws(*consumer_wgs):
                 T.inc_max_nreg(warpgroup_regs(consumers))
                 g = T.alloc_var("int32", init=0)
                 n = T.alloc_var("int32", init=0)
-                for t in T.serial(rounds):
-                    if tile_index(t, cta, grid) < tiles:
+                if dynamic:
+                    live = T.alloc_var("int32", init=1)
+                    while live == 1:
                         T.mbarrier_wait_parity(q_full, n & 1)  # (acquire) the tile's Q and coordinates
                         for j in T.serial(3):
                             coords[j] = coords_s[j]
-                        qt, h, b = coords[0], coords[1], coords[2]
-                        nb = n_key_blocks(qt, offset)
-                        reset_tile(o, l, m, m_scaled)
-                        attend_tile(q_s, k_s, v_s, s, p, o, m, m_prev, m_scaled, alpha, row_sum, l, moved,
-                                    k_full, v_full, k_empty, v_empty, q_empty if own_o else None, 0, g, nb, qt, offset)
-                        store_tile(o, l, m_scaled, lse, o_s, O, LSE, b, h, qt)
-                        if not own_o:
-                            T.sync_threads(1, consumers)  # the store has read o_s = q_s
-                            T.mbarrier_arrive(q_empty)
-                        g = g + nb
-                        n = n + 1
+                        if coords[0] < 0:
+                            live = 0
+                        else:
+                            consume_tile(Q, K, V, O, LSE, q_s, k_s, v_s, o_s, coords, s, p, o, m, m_prev, m_scaled, alpha, row_sum, l, lse, moved,
+                                         k_full, v_full, k_empty, v_empty, q_empty, g, offset)
+                            g = g + n_key_blocks(coords[0], offset)
+                            n = n + 1
+                else:
+                    for t in T.serial(rounds):
+                        if tile_index(t, cta, grid) < tiles:
+                            T.mbarrier_wait_parity(q_full, n & 1)  # (acquire) the tile's Q and coordinates
+                            for j in T.serial(3):
+                                coords[j] = coords_s[j]
+                            consume_tile(Q, K, V, O, LSE, q_s, k_s, v_s, o_s, coords, s, p, o, m, m_prev, m_scaled, alpha, row_sum, l, lse, moved,
+                                         k_full, v_full, k_empty, v_empty, q_empty, g, offset)
+                            g = g + n_key_blocks(coords[0], offset)
+                            n = n + 1
                 if late_wait:
                     T.tma_store_wait(0)  # the last store has read o_s before the CTA exits
 
+    assert config.overlap or config.pipeline == "async", "FwdConfig.overlap=False needs pipeline='async'"
     if config.persistent:
         assert config.pipeline == "async", "FwdConfig.persistent needs pipeline='async'"
         body = body_persistent  # noqa: F811
     elif config.pipeline != "auto":
         body = body_async  # noqa: F811
 
-    # T.prim_func needs an explicit signature per argument list: with and without LSE.
-    if with_lse:
+    # T.prim_func needs an explicit signature per argument list: with and without LSE (and the
+    # dynamic walk's tile counter).
+    if dynamic:
+        if with_lse:
+
+            @T.prim_func
+            def flash_fwd(
+                Q: _qkv_param("q", (B, Sq, H, D), dtype),
+                K: _qkv_param("k", (B, Sk, HK, D), dtype),
+                V: _qkv_param("v", (B, Sk, HK, D), dtype),
+                O: T.Tensor((B, Sq, H, D), dtype),
+                LSE: T.Tensor((B, H, Sq), acc),
+                Sched: T.Tensor((1,), "int32"),
+            ):
+                body(Q, K, V, O, LSE, Sched)
+
+        else:
+
+            @T.prim_func
+            def flash_fwd(
+                Q: _qkv_param("q", (B, Sq, H, D), dtype),
+                K: _qkv_param("k", (B, Sk, HK, D), dtype),
+                V: _qkv_param("v", (B, Sk, HK, D), dtype),
+                O: T.Tensor((B, Sq, H, D), dtype),
+                Sched: T.Tensor((1,), "int32"),
+            ):
+                body(Q, K, V, O, None, Sched)
+
+    elif with_lse:
 
         @T.prim_func
         def flash_fwd(

@@ -189,8 +189,22 @@ def _kernel(name: str, dtype: torch.dtype, device: torch.device, headdim: int = 
             config = untuned_config(name, headdim)  # the preprocess (by head dim) and the cast: fixed configs
         if getattr(config, "persistent", False):
             static["ctas"] = runtime.sm_count(device)  # one CTA per SM
-        k = _kernels[key] = runtime.launcher(_compile(name, config, dtype, device, **static))
+        k = runtime.launcher(_compile(name, config, dtype, device, **static))
+        if getattr(config, "dynamic", False):
+            k = _with_tile_counter(k)
+        _kernels[key] = k
     return k
+
+
+def _with_tile_counter(launch):
+    """A dynamic walk's launcher (FwdConfig.dynamic): its tile counter, a zeroed int32 of its own
+    per call (a memset on the call's stream), as the last argument. The kernel leaves it at 0, but
+    one counter shared between calls could be read by two launches at once (two streams, or a CUDA
+    graph replayed beside eager calls) and split one launch's tiles with the other."""
+    def run(*args):
+        launch(*args, torch.zeros(1, dtype=torch.int32, device=args[0].device))
+
+    return run
 
 
 def _tune_key(kind):
@@ -235,7 +249,9 @@ def _fwd_runner(config, shape, dtype, device):
     kern = _compile("fwd", config, dtype, device, **static)
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32, device=device)
-    return lambda: kern(q, k, v, out, lse)
+    # a dynamic walk's tile counter: one serves every timed call here (one stream; each launch leaves it at 0)
+    extra = (torch.zeros(1, dtype=torch.int32, device=device),) if getattr(config, "dynamic", False) else ()
+    return lambda: kern(q, k, v, out, lse, *extra)
 
 
 def lse_rows(sq: int) -> int:
