@@ -348,6 +348,7 @@ def _name(cfg) -> str:
     post += "/serial" if not getattr(cfg, "overlap", True) else ""
     post += "/pfirst" if getattr(cfg, "producer_first", False) else ""
     post += "/dynamic" if getattr(cfg, "dynamic", False) else ""
+    post += f"/lpt{cfg.lpt}" if getattr(cfg, "lpt", 0) else ""
     return f"{cfg.block_m}x{cfg.block_n}/{cfg.num_stages}/{cfg.threads}/{cfg.pipeline}{lazy}{post}"
 
 

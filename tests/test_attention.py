@@ -552,17 +552,22 @@ def test_flash_fwd_persistent_walks_many_tiles(walk):
 
 # FwdConfig.dynamic (session 45: the next tile from a global counter) on the persistent walks:
 # the D=128 causal default at <= 4096 keys, the D=64 default, and the 192-row serial tile.
-DYNAMIC_FWD_CONFIGS = {64: [dict(block_m=128, block_n=128, num_stages=2, threads=256, pipeline="async", post_mask=True, persistent=True, uniform_ws=True, tree_reduce=4)],
-                       128: [dict(block_m=128, block_n=128, num_stages=2, threads=256, pipeline="async", lazy_rescale=8.0, persistent=True, uniform_ws=True),
+# The dynamic walk, and the LPT tile order (FwdConfig.lpt) with the static and the dynamic walk. lpt=1
+# (1 MiB of K/V per section of heads) gives these small shapes several sections, the last partial
+# ones among them (6 heads of D=64 over 1000 keys: sections of 4 and 2).
+_D64 = dict(block_m=128, block_n=128, num_stages=2, threads=256, pipeline="async", post_mask=True, persistent=True, uniform_ws=True, tree_reduce=4)
+_D128 = dict(block_m=128, block_n=128, num_stages=2, threads=256, pipeline="async", lazy_rescale=8.0, persistent=True, uniform_ws=True)
+DYNAMIC_FWD_CONFIGS = {64: [dict(_D64, dynamic=True), dict(_D64, dynamic=True, lpt=1), dict(_D64, lpt=1)],
+                       128: [dict(_D128, dynamic=True), dict(_D128, dynamic=True, lpt=1), dict(_D128, lpt=1),
                              dict(block_m=192, block_n=128, num_stages=2, threads=384, pipeline="async", lazy_rescale=8.0, post_mask=True, persistent=True,
-                                  overlap=False, producer_first=True)]}
+                                  overlap=False, producer_first=True, dynamic=True)]}
 
 
 def dynamic_fwd_kernels():
     """(config, static) of test_flash_fwd_dynamic_walks; warm_attention_cache pre-builds them."""
     from tilelang_ops.kernels import attention as K
 
-    return [(K.FwdConfig(**cfg, dynamic=True), dict(headdim=D, dtype="bfloat16", causal=causal, groups=H // HK, scale=K.default_scale(D), ctas=ctas))
+    return [(K.FwdConfig(**cfg), dict(headdim=D, dtype="bfloat16", causal=causal, groups=H // HK, scale=K.default_scale(D), ctas=ctas))
             for B, Sq, Sk, H, HK, D, ctas in PERSISTENT_WALKS for cfg in DYNAMIC_FWD_CONFIGS[D] for causal in (False, True)]
 
 
@@ -580,8 +585,9 @@ def test_flash_fwd_dynamic_walks(walk):
     for config, static in dynamic_fwd_kernels():
         if static["headdim"] == D and static["groups"] == H // HK and static["ctas"] == ctas:
             kern = runtime.launcher(K.flash_fwd_kernel.compile(config, "sm_90a", **static))
+            extra = (sched,) if config.dynamic else ()
             for _ in range(2):
-                _check_fwd_kernel(kern, *_inputs((B, Sq, Sk, H, HK, D), torch.bfloat16, "cuda", requires_grad=False), static["causal"], sched)
+                _check_fwd_kernel(kern, *_inputs((B, Sq, Sk, H, HK, D), torch.bfloat16, "cuda", requires_grad=False), static["causal"], *extra)
                 assert sched.item() == 0, "the counter must be 0 after a launch"
 
 
@@ -592,6 +598,62 @@ def test_persistent_forward_walk_covers_every_tile_once():
         for grid in {min(tiles, g) for g in (1, 3, 7, 132)}:
             seen = [t * grid + (c + t) % grid for c in range(grid) for t in range(-(-tiles // grid))]
             assert sorted(i for i in seen if i < tiles) == list(range(tiles))
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_dynamic_walk_counters_streams_and_graph():
+    """The op's tile counters for dynamic walks (ops.attention._with_tile_counter): launches on two
+    streams at once (a counter each) and a captured graph (a counter of its own) replayed on one
+    stream while eager launches run on another. Every output written and right; every eager
+    counter back at 0. A counter shared between concurrent launches splits their tiles, and the
+    tiles one launch misses stay NaN."""
+    from tilelang_ops import runtime
+    from tilelang_ops.kernels import attention as K
+    from tilelang_ops.ops import attention as A
+
+    config, static = next((c, s) for c, s in dynamic_fwd_kernels()
+                          if c.dynamic and not c.lpt and c.block_m == 128 and s["headdim"] == 128 and s["groups"] == 1 and s["causal"])
+    launch = A._with_tile_counter(runtime.launcher(K.flash_fwd_kernel.compile(config, "sm_90a", **static)))
+    cases = [_inputs((2, 1000, 1000, 2, 2, 128), torch.bfloat16, "cuda", requires_grad=False) for _ in range(3)]
+    outs = [(torch.full_like(q, float("nan")), torch.full((2, 2, 1000), float("nan"), device="cuda")) for q, _, _ in cases]
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        launch(*cases[2], *outs[2])
+    streams = torch.cuda.Stream(), torch.cuda.Stream()
+    torch.cuda.synchronize()
+    for _ in range(3):
+        with torch.cuda.stream(streams[0]):
+            launch(*cases[0], *outs[0])
+        with torch.cuda.stream(streams[1]):
+            launch(*cases[1], *outs[1])
+            g.replay()
+    torch.cuda.synchronize()
+    for (q, k, v), (out, lse) in zip(cases, outs):
+        ref_out, ref_lse, _ = _ref(q, k, v, True)
+        _check(out, lse, ref_out, ref_lse, torch.bfloat16)
+    assert all(c.item() == 0 for c in A._tile_counters.values())
+
+
+def lpt_order(i, nq, heads, sw, causal=True):
+    """FwdConfig.lpt's tile list index i -> (query tile, head*batch index), as tile_coords
+    computes it: sections of sw heads (the last one `width` wide), rank-major inside."""
+    sec = i // (sw * nq)
+    width = min(sw, heads - sec * sw)
+    r = i - sec * sw * nq
+    rank, hb = r // width, sec * sw + r % width
+    return (nq - 1 - rank if causal else rank), hb
+
+
+def test_lpt_tile_order_covers_every_tile_once():
+    """The LPT order visits every (query tile, head) once, for full and partial last sections,
+    and within a section visits heavier causal tiles first."""
+    for nq, heads, sw in ((1, 1, 1), (32, 256, 16), (3, 6, 4), (24, 4, 1), (5, 7, 7), (9, 10, 3)):
+        order = [lpt_order(i, nq, heads, sw) for i in range(nq * heads)]
+        assert sorted(order) == [(qt, hb) for qt in range(nq) for hb in range(heads)], (nq, heads, sw)
+        for i in range(1, len(order)):
+            same_section = order[i][1] // sw == order[i - 1][1] // sw
+            assert not same_section or order[i][0] <= order[i - 1][0], (nq, heads, sw, i)
 
 
 def lazy_fwd_kernels():

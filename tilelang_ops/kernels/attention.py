@@ -120,6 +120,11 @@ class FwdConfig:
     # argument, an int32[1] that is 0 at launch and 0 again at exit), in list order, instead of
     # the static rotation: an SM that finishes early takes the next tile (a dynamic scheduler).
     dynamic: bool = dataclasses.field(default=False, metadata={"omit_default": True})
+    # persistent only, > 0: the tile list in FlashAttention-3's LPT order. Heads (b*H + h) in
+    # sections whose K/V fit in this many MiB (FA3: 32 of the H100's and H200's 50 MB of L2); in a
+    # section, query rank-major (causal: heaviest first) with the heads innermost, so the walk
+    # ends on the section's lightest tiles, not on one head's heavy and light ones.
+    lpt: int = dataclasses.field(default=0, metadata={"omit_default": True})
 
     def for_arch(self, arch: str) -> "FwdConfig":
         # TileLang 0.1.15's cp.async pipeline (pre-Hopper) fails in codegen on a symbolic trip count.
@@ -439,6 +444,7 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
     _PRODUCER_BAR = 8  # the producer warpgroup's own (dynamic: the fetched tile read by every thread)
     dynamic = config.dynamic
     assert not dynamic or config.persistent, "FwdConfig.dynamic needs persistent=True"
+    assert not config.lpt or config.persistent, "FwdConfig.lpt needs persistent=True"
 
     @T.macro
     def my_turn(wg):
@@ -635,9 +641,23 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
     @T.macro
     def tile_coords(coords, i, nq, H):
         """(query tile, head, batch) of tile list index i into coords."""
-        coords[0] = nq - 1 - T.truncmod(i, nq) if causal else T.truncmod(i, nq)
-        coords[1] = T.truncmod(T.truncdiv(i, nq), H)
-        coords[2] = T.truncdiv(T.truncdiv(i, nq), H)
+        if config.lpt:
+            # sections of sw heads whose K/V (Sk x D x 2 bf16/fp16 each, shared by `groups` query
+            # heads) fit in config.lpt MiB; the last section has `width` <= sw heads
+            heads = H * B
+            sw = T.min(T.max(T.truncdiv((config.lpt << 20) // (4 * D) * groups, Sk), 1), heads)
+            sec = T.truncdiv(i, sw * nq)
+            width = T.min(sw, heads - sec * sw)
+            r = i - sec * sw * nq
+            rank = T.truncdiv(r, width)
+            hb = sec * sw + T.truncmod(r, width)
+            coords[0] = nq - 1 - rank if causal else rank
+            coords[1] = T.truncmod(hb, H)
+            coords[2] = T.truncdiv(hb, H)
+        else:
+            coords[0] = nq - 1 - T.truncmod(i, nq) if causal else T.truncmod(i, nq)
+            coords[1] = T.truncmod(T.truncdiv(i, nq), H)
+            coords[2] = T.truncdiv(T.truncdiv(i, nq), H)
 
     @T.macro
     def load_tile(Q, K, V, q_s, k_s, v_s, coords, coords_s, q_full, q_empty, k_full, v_full, k_empty, v_empty, i, nq, H, offset, g, n):

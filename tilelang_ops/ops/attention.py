@@ -196,13 +196,26 @@ def _kernel(name: str, dtype: torch.dtype, device: torch.device, headdim: int = 
     return k
 
 
+# Dynamic walks' tile counters, one per (device, stream): every launch leaves its counter at 0 and
+# launches on one stream run in order, so a counter is read by one launch at a time.
+_tile_counters = {}
+
+
 def _with_tile_counter(launch):
-    """A dynamic walk's launcher (FwdConfig.dynamic): its tile counter, a zeroed int32 of its own
-    per call (a memset on the call's stream), as the last argument. The kernel leaves it at 0, but
-    one counter shared between calls could be read by two launches at once (two streams, or a CUDA
-    graph replayed beside eager calls) and split one launch's tiles with the other."""
+    """A dynamic walk's launcher (FwdConfig.dynamic): its tile counter as the last argument. Eager
+    calls share their stream's counter (no memset per call); a call under CUDA graph capture gets a
+    zeroed counter of its own, since a replay may run beside eager launches on the capturing
+    stream's counter. An int32[1] that the kernel finds at 0 and leaves at 0."""
     def run(*args):
-        launch(*args, torch.zeros(1, dtype=torch.int32, device=args[0].device))
+        dev = args[0].device.index
+        if torch.cuda.is_current_stream_capturing():
+            counter = torch.zeros(1, dtype=torch.int32, device=args[0].device)
+        else:
+            key = (dev, torch._C._cuda_getCurrentRawStream(dev))
+            counter = _tile_counters.get(key)
+            if counter is None:
+                counter = _tile_counters[key] = torch.zeros(1, dtype=torch.int32, device=args[0].device)
+        launch(*args, counter)
 
     return run
 
@@ -248,7 +261,7 @@ def _fwd_runner(config, shape, dtype, device):
     q, k, v, static = _tune_inputs(shape, dtype, device)
     kern = _compile("fwd", config, dtype, device, **static)
     if getattr(config, "dynamic", False):
-        kern = _with_tile_counter(kern)  # timed as the op runs it: with its counter's memset
+        kern = _with_tile_counter(kern)  # timed as the op runs it
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32, device=device)
     return lambda: kern(q, k, v, out, lse)
