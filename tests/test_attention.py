@@ -363,7 +363,7 @@ def async_fwd_kernels():
 def test_defaults_by_sequence_length(monkeypatch):
     """Four defaults depend on the length (kernels.attention.LENGTH_BOUNDS). The causal
     head-dim-128 forward runs 128 x 128 tiles persistent with warp-uniform roles up to
-    PERSISTENT_CAUSAL_KEYS = 4096 keys (session 43: 1.05-1.09x at 2048, 1.00-1.04x at 4096,
+    PERSISTENT_CAUSAL_KEYS = 4096 keys (with the dynamic walk since session 46; session 43: 1.05-1.09x at 2048, 1.00-1.04x at 4096,
     0.92-0.93x at 8192), not persistent up to SHORT_CAUSAL_KEYS = 8192 and FlashAttention-3's
     128 x 176 above (session 22: 1.02-1.03x at 4096 keys, 0.985x at 16384); the non-causal
     head-dim-64 forward takes the causal one's 128 x 128 persistent kernel up to SHORT_ROWS[64] =
@@ -380,7 +380,7 @@ def test_defaults_by_sequence_length(monkeypatch):
     cfg = {(kind, c, d, n): K.default_config(d, c, "sm_90a", kind, n) for kind, c, d in K.LENGTH_BOUNDS for n in (None, 1, 1024, 1025, 2048, 2049, 4096, 4097, 8192, 8193)}
     persistent, short, long = cfg["fwd", True, 128, 4096], cfg["fwd", True, 128, 8192], cfg["fwd", True, 128, 8193]
     assert (persistent.block_m, persistent.block_n, persistent.pipeline, persistent.persistent, persistent.uniform_ws) == (128, 128, "async", True, True)
-    assert persistent == cfg["fwd", True, 128, 1] and short == cfg["fwd", True, 128, 4097] == dataclasses.replace(persistent, persistent=False, uniform_ws=False)
+    assert persistent == cfg["fwd", True, 128, 1] and short == cfg["fwd", True, 128, 4097] == dataclasses.replace(persistent, persistent=False, uniform_ws=False, dynamic=False)
     assert (long.block_m, long.block_n) == (128, 176) and long == cfg["fwd", True, 128, None]
     rows = cfg["fwd", False, 64, 2048]
     assert rows == K.fwd_default_config(64, True) and rows.persistent and rows.block_m == 128 and rows == cfg["fwd", False, 64, 1]

@@ -184,7 +184,9 @@ def fwd_default_config(headdim: int, causal: bool, arch: str = "sm_90a", seqlen:
             # session17/call7): 1.01-1.02x non-causal, 0.94-0.97x in the causal async kernel.
             if causal:
                 if seqlen is not None and seqlen <= PERSISTENT_CAUSAL_KEYS:
-                    return FwdConfig(128, 128, 2, 256, "async", lazy_rescale=8.0, persistent=True, uniform_ws=True)
+                    # dynamic (each CTA's next tile from a global counter; session 45, H100):
+                    # 1.02-1.04x at 8 x 32 x 4096, 1.01-1.03x GQA 32/8 (A/A 0.96-1.01x)
+                    return FwdConfig(128, 128, 2, 256, "async", lazy_rescale=8.0, persistent=True, uniform_ws=True, dynamic=True)
                 if seqlen is not None and seqlen <= SHORT_CAUSAL_KEYS:
                     return FwdConfig(128, 128, 2, 256, "async", lazy_rescale=8.0)
                 return FwdConfig(128, 176, 2, 256, "async", lazy_rescale=8.0)
@@ -248,9 +250,8 @@ FWD_SEARCH_SPACE = [
     FwdConfig(128, 128, 2, 256, "async", post_mask=True, persistent=True),
     # its row reductions as 4 chains (the D=64 causal default since session 40)
     FwdConfig(128, 128, 2, 256, "async", post_mask=True, persistent=True, tree_reduce=4),
-    # the D=128 causal default at <= 4096 keys with the dynamic walk (session 45, H100: 1.02-1.04x
-    # at 8 x 32 x 4096, 1.01-1.03x GQA 32/8, 0.99-1.03x at 4 x 32 x 2048; not the default: its
-    # per-call counter costs a memset launch, paid by small calls too)
+    # the D=128 causal default at <= 4096 keys, with the static walk and with the dynamic one
+    FwdConfig(128, 128, 2, 256, "async", lazy_rescale=8.0, persistent=True, uniform_ws=True),
     FwdConfig(128, 128, 2, 256, "async", lazy_rescale=8.0, persistent=True, uniform_ws=True, dynamic=True),
     # Not here: FlashAttention-3's D=64 tile in the persistent walk, FwdConfig(192, 128, 2, 384,
     # "async", post_mask=True, persistent=True) (0.96-1.08x the defaults, session 22): in session 35
