@@ -380,10 +380,10 @@ def test_defaults_by_sequence_length(monkeypatch):
     cfg = {(kind, c, d, n): K.default_config(d, c, "sm_90a", kind, n) for kind, c, d in K.LENGTH_BOUNDS for n in (None, 1, 1024, 1025, 2048, 2049, 4096, 4097, 8192, 8193)}
     persistent, short, long = cfg["fwd", True, 128, 4096], cfg["fwd", True, 128, 8192], cfg["fwd", True, 128, 8193]
     assert (persistent.block_m, persistent.block_n, persistent.pipeline, persistent.persistent, persistent.uniform_ws) == (128, 128, "async", True, True)
-    assert persistent == cfg["fwd", True, 128, 1] and short == cfg["fwd", True, 128, 4097] == dataclasses.replace(persistent, persistent=False, uniform_ws=False, dynamic=False)
+    assert persistent == cfg["fwd", True, 128, 1] and short == cfg["fwd", True, 128, 4097] == dataclasses.replace(persistent, lpt=32)
     assert (long.block_m, long.block_n) == (128, 176) and long == cfg["fwd", True, 128, None]
     rows = cfg["fwd", False, 64, 2048]
-    assert rows == K.fwd_default_config(64, True) and rows.persistent and rows.block_m == 128 and rows == cfg["fwd", False, 64, 1]
+    assert rows == dataclasses.replace(K.fwd_default_config(64, True), dynamic=False) and rows.persistent and rows.block_m == 128 and rows == cfg["fwd", False, 64, 1]
     assert cfg["fwd", False, 64, 2049] == cfg["fwd", False, 64, None] != rows and cfg["fwd", False, 64, None].block_m == 192
     rows128 = cfg["fwd", False, 128, 1024]
     assert (rows128.block_m, rows128.block_n, rows128.pipeline, rows128.persistent, rows128.lazy_rescale) == (128, 128, "async", True, 8.0)
@@ -872,7 +872,8 @@ WAIT_ORDER_CASES = [
     pytest.param("fwd", 64, True, None, True, id="fwd-d64-causal-pinned"),
     pytest.param("fwd", 128, True, 4096, False, id="fwd-d128-causal-persistent", marks=_HOISTED),
     pytest.param("fwd", 128, True, 4096, True, id="fwd-d128-causal-persistent-pinned"),
-    pytest.param("fwd", 128, True, 8192, False, id="fwd-d128-causal-short"),
+    pytest.param("fwd", 128, True, 8192, False, id="fwd-d128-causal-short", marks=_HOISTED),
+    pytest.param("fwd", 128, True, 8192, True, id="fwd-d128-causal-short-pinned"),
     pytest.param("fwd", 128, True, 16384, False, id="fwd-d128-causal-long", marks=_HOISTED),
     pytest.param("fwd", 128, True, 16384, True, id="fwd-d128-causal-long-pinned"),
     pytest.param("bwd", 64, True, None, False, id="bwd-d64-causal"),
