@@ -188,9 +188,10 @@ def fwd_default_config(headdim: int, causal: bool, arch: str = "sm_90a", seqlen:
                     # 1.02-1.04x at 8 x 32 x 4096, 1.01-1.03x GQA 32/8 (A/A 0.96-1.01x)
                     return FwdConfig(128, 128, 2, 256, "async", lazy_rescale=8.0, persistent=True, uniform_ws=True, dynamic=True)
                 if seqlen is not None and seqlen <= SHORT_CAUSAL_KEYS:
-                    # the same walk with FlashAttention-3's LPT tile order (session 46, H100, 2 x 32
-                    # x 8192: 1.06x the 128 x 128 non-persistent tile twice; dynamic alone 1.02x;
-                    # at 16384 keys LPT lost, 0.88-0.91x, and at 1024 keys 0.94-0.96x)
+                    # the same walk with FlashAttention-3's LPT tile order (session 46, H100: 1.06x
+                    # the 128 x 128 non-persistent tile at 2 x 32 x 8192, then 1.02-1.04x there, GQA
+                    # 32/8 and 3 x 16 x 6144; dynamic alone 1.01-1.02x; the LPT order lost at 16384
+                    # keys, 0.88-0.91x, and at 1024, 0.94-0.96x)
                     return FwdConfig(128, 128, 2, 256, "async", lazy_rescale=8.0, persistent=True, uniform_ws=True, dynamic=True, lpt=32)
                 return FwdConfig(128, 176, 2, 256, "async", lazy_rescale=8.0)
             # Up to SHORT_ROWS[128] query rows 128 x 128 persistent async tiles (O in its own shared
@@ -218,7 +219,7 @@ def fwd_default_config(headdim: int, causal: bool, arch: str = "sm_90a", seqlen:
             # at 197-1024 rows (H100, session 40, sweep_attention --short); with uniform_ws also at
             # 1536-2048, 1.00-1.03x (H100, sessions 41-42; without it 0.95-0.96x), 0.97-1.00x above.
             # dynamic (each CTA's next tile from a global counter), causal: 1.03-1.06x at 16 x 32
-            # x 2048, MHA and GQA 32/8, two timings each (H100, session 46).
+            # x 2048, MHA and GQA 32/8, 1.02x at 16 x 12 x 1024 (H100, session 46, two calls).
             if causal or (seqlen is not None and seqlen <= SHORT_ROWS[64]):
                 return FwdConfig(128, 128, 2, 256, "async", post_mask=True, persistent=True, uniform_ws=True, tree_reduce=4, dynamic=causal)
             return FwdConfig(192, 176, 2, 384, post_mask=True)
