@@ -256,9 +256,13 @@ FWD_SEARCH_SPACE = [
     FwdConfig(128, 128, 2, 256, "async", post_mask=True, persistent=True),
     # its row reductions as 4 chains (the D=64 causal default since session 40)
     FwdConfig(128, 128, 2, 256, "async", post_mask=True, persistent=True, tree_reduce=4),
-    # the D=128 causal default at <= 4096 keys, with the static walk and with the dynamic one
+    # the D=128 causal default at <= 4096 keys, with the static walk and with the dynamic one; at
+    # 4097-8192 keys with the LPT order too (sessions 45-46)
     FwdConfig(128, 128, 2, 256, "async", lazy_rescale=8.0, persistent=True, uniform_ws=True),
     FwdConfig(128, 128, 2, 256, "async", lazy_rescale=8.0, persistent=True, uniform_ws=True, dynamic=True),
+    FwdConfig(128, 128, 2, 256, "async", lazy_rescale=8.0, persistent=True, uniform_ws=True, dynamic=True, lpt=32),
+    # the D=64 causal default (dynamic since session 46)
+    FwdConfig(128, 128, 2, 256, "async", post_mask=True, persistent=True, uniform_ws=True, tree_reduce=4, dynamic=True),
     # Not here: FlashAttention-3's D=64 tile in the persistent walk, FwdConfig(192, 128, 2, 384,
     # "async", post_mask=True, persistent=True) (0.96-1.08x the defaults, session 22): in session 35
     # its GPU test gave a wrong output once (2 x 17 x 33 x 4/2, causal) and the next one hung; 36 of

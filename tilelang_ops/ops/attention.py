@@ -208,7 +208,7 @@ def _with_tile_counter(launch):
     stream's counter. An int32[1] that the kernel finds at 0 and leaves at 0."""
     def run(*args):
         dev = args[0].device.index
-        if torch.cuda.is_current_stream_capturing():
+        if torch._C._cuda_isCurrentStreamCapturing():  # torch.cuda.is_current_stream_capturing, less a Python call
             counter = torch.zeros(1, dtype=torch.int32, device=args[0].device)
         else:
             key = (dev, torch._C._cuda_getCurrentRawStream(dev))
