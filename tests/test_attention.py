@@ -45,6 +45,7 @@ GPU_SHAPES = [
     (1, 1, 4097, 2, 2, 128),  # decode-like: one query, long cache
     (1, 2000, 1500, 4, 2, 64),  # non-causal D=64 between 1024 and SHORT_ROWS[64] rows: the 128-row kernel
     (1, 100, 8300, 2, 1, 128),  # keys past BWD_STAGES3_KEYS: the 3-stage non-causal backward; MQA
+    (1, 700, 5000, 3, 3, 128),  # causal 4097-8192 keys: the dynamic walk in LPT order over many tiles, Sq < Sk
     # small problems' backward is one kernel (flash_bwd_small, ops.attention._small_bwd): GQA, both offsets
     (2, 50, 100, 8, 4, 64),  # Sq < Sk, GQA 2
     (1, 60, 33, 4, 2, 128),  # Sq > Sk (causal rows that see no key), GQA 2
