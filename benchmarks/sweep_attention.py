@@ -420,6 +420,7 @@ def main() -> None:
 
     from tilelang_ops import runtime
     from tilelang_ops.kernels import attention as K
+    from tilelang_ops.ops import attention as A
 
     from ._timing import bench, first_run, interleaved, table, write_json
 
@@ -433,18 +434,16 @@ def main() -> None:
         # 3% (identical kernels writing to their own buffers, session 21).
         out = torch.empty_like(q)
         lse = torch.empty((B, H, S), device="cuda")
-        sched = torch.zeros(1, dtype=torch.int32, device="cuda")  # FwdConfig.dynamic: its tile counter (0 between launches)
         for cfg in cfgs:
-            extra = (sched,) if getattr(cfg, "dynamic", False) else ()
-            try:
-                kern = runtime.launcher(K.flash_fwd_kernel.compile(cfg, arch, **static))
+            try:  # a dynamic walk with its tile counter, as the op launches it
+                kern = A._with_tile_counter(runtime.launcher(K.flash_fwd_kernel.compile(cfg, arch, **static)), cfg, q.device)
             except Exception as e:
                 rows.append(dict(shape=f"{B}x{H}/{HK}x{S}x{D}", causal=causal, config=str(cfg), error=str(e)[:80]))
                 continue
             out.fill_(float("nan"))
             lse.fill_(float("nan"))
             try:
-                first_run(lambda: kern(q, k, v, out, lse, *extra), f"{B}x{H}/{HK}x{S}x{D} causal={causal} {_name(cfg)}")
+                first_run(lambda: kern(q, k, v, out, lse), f"{B}x{H}/{HK}x{S}x{D} causal={causal} {_name(cfg)}")
             except Exception as e:  # e.g. more shared memory than the SM has
                 rows.append(dict(shape=f"{B}x{H}/{HK}x{S}x{D}", causal=causal, config=str(cfg), error=str(e).splitlines()[0][:80]))
                 continue
@@ -453,7 +452,7 @@ def main() -> None:
             err = (out.float() - ref[0]).abs().max().item()
             lerr = (lse - ref[1]).abs().max().item()
             checks.append((err, lerr))
-            fns.append(lambda kern=kern, extra=extra: kern(q, k, v, out, lse, *extra))
+            fns.append(lambda kern=kern: kern(q, k, v, out, lse))
             names.append(cfg)
         flops = 4.0 * B * H * S * S * D / (2 if causal else 1)
         fns.append(_cudnn(q, k, v, causal))

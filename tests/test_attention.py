@@ -551,11 +551,11 @@ def test_flash_fwd_persistent_walks_many_tiles(walk):
             _check_fwd_kernel(kern, *_inputs((B, Sq, Sk, H, HK, D), torch.bfloat16, "cuda", requires_grad=False), static["causal"])
 
 
-# FwdConfig.dynamic (session 45: the next tile from a global counter) on the persistent walks:
-# the D=128 causal default at <= 4096 keys, the D=64 default, and the 192-row serial tile.
-# The dynamic walk, and the LPT tile order (FwdConfig.lpt) with the static and the dynamic walk. lpt=1
-# (1 MiB of K/V per section of heads) gives these small shapes several sections, the last partial
-# ones among them (6 heads of D=64 over 1000 keys: sections of 4 and 2).
+# The persistent walks with FwdConfig.dynamic (each CTA's next tile from a global counter) and
+# with the LPT tile order (FwdConfig.lpt), static and dynamic: the D=128 causal and D=64 defaults'
+# kernels and the 192-row serial tile. lpt=1 (1 MiB of K/V per section of heads) gives these small
+# shapes several sections, the last partial ones among them (6 heads of D=64 over 1000 keys:
+# sections of 4 and 2).
 _D64 = dict(block_m=128, block_n=128, num_stages=2, threads=256, pipeline="async", post_mask=True, persistent=True, uniform_ws=True, tree_reduce=4)
 _D128 = dict(block_m=128, block_n=128, num_stages=2, threads=256, pipeline="async", lazy_rescale=8.0, persistent=True, uniform_ws=True)
 DYNAMIC_FWD_CONFIGS = {64: [dict(_D64, dynamic=True), dict(_D64, dynamic=True, lpt=1), dict(_D64, lpt=1)],
@@ -615,7 +615,7 @@ def test_dynamic_walk_counters_streams_and_graph():
 
     config, static = next((c, s) for c, s in dynamic_fwd_kernels()
                           if c.dynamic and not c.lpt and c.block_m == 128 and s["headdim"] == 128 and s["groups"] == 1 and s["causal"])
-    launch = A._with_tile_counter(runtime.launcher(K.flash_fwd_kernel.compile(config, "sm_90a", **static)))
+    launch = A._with_tile_counter(runtime.launcher(K.flash_fwd_kernel.compile(config, "sm_90a", **static)), config, torch.device("cuda"))
     cases = [_inputs((2, 1000, 1000, 2, 2, 128), torch.bfloat16, "cuda", requires_grad=False) for _ in range(3)]
     outs = [(torch.full_like(q, float("nan")), torch.full((2, 2, 1000), float("nan"), device="cuda")) for q, _, _ in cases]
     g = torch.cuda.CUDAGraph()

@@ -189,10 +189,7 @@ def _kernel(name: str, dtype: torch.dtype, device: torch.device, headdim: int = 
             config = untuned_config(name, headdim)  # the preprocess (by head dim) and the cast: fixed configs
         if getattr(config, "persistent", False):
             static["ctas"] = runtime.sm_count(device)  # one CTA per SM
-        k = runtime.launcher(_compile(name, config, dtype, device, **static))
-        if getattr(config, "dynamic", False):
-            k = _with_tile_counter(k)
-        _kernels[key] = k
+        k = _kernels[key] = _with_tile_counter(runtime.launcher(_compile(name, config, dtype, device, **static)), config, device)
     return k
 
 
@@ -201,20 +198,25 @@ def _kernel(name: str, dtype: torch.dtype, device: torch.device, headdim: int = 
 _tile_counters = {}
 
 
-def _with_tile_counter(launch):
-    """A dynamic walk's launcher (FwdConfig.dynamic): its tile counter as the last argument. Eager
-    calls share their stream's counter (no memset per call); a call under CUDA graph capture gets a
-    zeroed counter of its own, since a replay may run beside eager launches on the capturing
-    stream's counter. An int32[1] that the kernel finds at 0 and leaves at 0."""
+def _with_tile_counter(launch, config, device):
+    """`launch` itself, or for a dynamic walk (FwdConfig.dynamic) a launcher that passes its tile
+    counter as the last argument: an int32[1] that the kernel finds at 0 and leaves at 0. Eager
+    calls share their stream's counter (a lookup, no memset); a call under CUDA graph capture gets
+    a zeroed counter of its own, since a replay may run beside eager launches on any stream."""
+    if not getattr(config, "dynamic", False):
+        return launch
+    device = torch.device(device)
+    dev = device.index if device.index is not None else torch.cuda.current_device()
+    device = torch.device("cuda", dev)
+
     def run(*args):
-        dev = args[0].device.index
         if torch._C._cuda_isCurrentStreamCapturing():  # torch.cuda.is_current_stream_capturing, less a Python call
-            counter = torch.zeros(1, dtype=torch.int32, device=args[0].device)
+            counter = torch.zeros(1, dtype=torch.int32, device=device)
         else:
             key = (dev, torch._C._cuda_getCurrentRawStream(dev))
             counter = _tile_counters.get(key)
             if counter is None:
-                counter = _tile_counters[key] = torch.zeros(1, dtype=torch.int32, device=args[0].device)
+                counter = _tile_counters[key] = torch.zeros(1, dtype=torch.int32, device=device)
         launch(*args, counter)
 
     return run
@@ -259,9 +261,7 @@ def _tune_inputs(shape, dtype, device):
 
 def _fwd_runner(config, shape, dtype, device):
     q, k, v, static = _tune_inputs(shape, dtype, device)
-    kern = _compile("fwd", config, dtype, device, **static)
-    if getattr(config, "dynamic", False):
-        kern = _with_tile_counter(kern)  # timed as the op runs it
+    kern = _with_tile_counter(_compile("fwd", config, dtype, device, **static), config, device)  # timed as the op runs it
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32, device=device)
     return lambda: kern(q, k, v, out, lse)
