@@ -185,8 +185,12 @@ def fwd_default_config(headdim: int, causal: bool, arch: str = "sm_90a", seqlen:
             if causal:
                 if seqlen is not None and seqlen <= PERSISTENT_CAUSAL_KEYS:
                     # dynamic (each CTA's next tile from a global counter; session 45, H100):
-                    # 1.02-1.04x at 8 x 32 x 4096, 1.01-1.03x GQA 32/8 (A/A 0.96-1.01x)
-                    return FwdConfig(128, 128, 2, 256, "async", lazy_rescale=8.0, persistent=True, uniform_ws=True, dynamic=True)
+                    # 1.02-1.04x at 8 x 32 x 4096, 1.01-1.03x GQA 32/8 (A/A 0.96-1.01x); the LPT
+                    # order in 8-MiB sections (session 47, H100, dynamic alone = 1): 1.01-1.08x at
+                    # 8 x 32 x 4096 (four timings), 1.04x GQA 32/8, 1.03-1.04x at 4 x 32 x 2048,
+                    # 1.01-1.05x at 16 x 32 x 1024 (sections of 4, 16 and 16 heads; lpt=32, 4 and
+                    # 16 lost at 4096: 0.96-1.02x)
+                    return FwdConfig(128, 128, 2, 256, "async", lazy_rescale=8.0, persistent=True, uniform_ws=True, dynamic=True, lpt=8)
                 if seqlen is not None and seqlen <= SHORT_CAUSAL_KEYS:
                     # the same walk with FlashAttention-3's LPT tile order (session 46, H100: 1.06x
                     # the 128 x 128 non-persistent tile at 2 x 32 x 8192, then 1.02-1.04x there, GQA
@@ -220,8 +224,10 @@ def fwd_default_config(headdim: int, causal: bool, arch: str = "sm_90a", seqlen:
             # 1536-2048, 1.00-1.03x (H100, sessions 41-42; without it 0.95-0.96x), 0.97-1.00x above.
             # dynamic (each CTA's next tile from a global counter), causal: 1.03-1.06x at 16 x 32
             # x 2048, MHA and GQA 32/8, 1.02x at 16 x 12 x 1024 (H100, session 46, two calls).
+            # lpt=8, causal (session 47, H100): 1.04-1.05x at 16 x 32 x 2048, 1.02-1.03x GQA 32/8,
+            # 1.00x at 32 x 12 x 1024 (GPT-2 small; one section of 16 heads per 8 MiB there).
             if causal or (seqlen is not None and seqlen <= SHORT_ROWS[64]):
-                return FwdConfig(128, 128, 2, 256, "async", post_mask=True, persistent=True, uniform_ws=True, tree_reduce=4, dynamic=causal)
+                return FwdConfig(128, 128, 2, 256, "async", post_mask=True, persistent=True, uniform_ws=True, tree_reduce=4, dynamic=causal, lpt=8 if causal else 0)
             return FwdConfig(192, 176, 2, 384, post_mask=True)
         # D=256: Q, O and two K/V stages of 128 keys would exceed 227 KB of shared memory.
         return FwdConfig(128, 64, 2, 256)
@@ -256,13 +262,16 @@ FWD_SEARCH_SPACE = [
     FwdConfig(128, 128, 2, 256, "async", post_mask=True, persistent=True),
     # its row reductions as 4 chains (the D=64 causal default since session 40)
     FwdConfig(128, 128, 2, 256, "async", post_mask=True, persistent=True, tree_reduce=4),
-    # the D=128 causal default at <= 4096 keys, with the static walk and with the dynamic one; at
-    # 4097-8192 keys with the LPT order too (sessions 45-46)
+    # the D=128 causal default at <= 4096 keys, with the static walk and with the dynamic one; with
+    # the LPT order in 32-MiB sections (the 4097-8192-key default, session 46) and 8-MiB ones (the
+    # <= 4096-key default, session 47)
     FwdConfig(128, 128, 2, 256, "async", lazy_rescale=8.0, persistent=True, uniform_ws=True),
     FwdConfig(128, 128, 2, 256, "async", lazy_rescale=8.0, persistent=True, uniform_ws=True, dynamic=True),
     FwdConfig(128, 128, 2, 256, "async", lazy_rescale=8.0, persistent=True, uniform_ws=True, dynamic=True, lpt=32),
-    # the D=64 causal default (dynamic since session 46)
+    FwdConfig(128, 128, 2, 256, "async", lazy_rescale=8.0, persistent=True, uniform_ws=True, dynamic=True, lpt=8),
+    # the D=64 causal default (dynamic since session 46, LPT order since 47)
     FwdConfig(128, 128, 2, 256, "async", post_mask=True, persistent=True, uniform_ws=True, tree_reduce=4, dynamic=True),
+    FwdConfig(128, 128, 2, 256, "async", post_mask=True, persistent=True, uniform_ws=True, tree_reduce=4, dynamic=True, lpt=8),
     # Not here: FlashAttention-3's D=64 tile in the persistent walk, FwdConfig(192, 128, 2, 384,
     # "async", post_mask=True, persistent=True) (0.96-1.08x the defaults, session 22): in session 35
     # its GPU test gave a wrong output once (2 x 17 x 33 x 4/2, causal) and the next one hung; 36 of
