@@ -185,11 +185,11 @@ def fwd_default_config(headdim: int, causal: bool, arch: str = "sm_90a", seqlen:
             if causal:
                 if seqlen is not None and seqlen <= PERSISTENT_CAUSAL_KEYS:
                     # dynamic (each CTA's next tile from a global counter; session 45, H100):
-                    # 1.02-1.04x at 8 x 32 x 4096, 1.01-1.03x GQA 32/8 (A/A 0.96-1.01x); the LPT
-                    # order in 8-MiB sections (session 47, H100, dynamic alone = 1): 1.01-1.08x at
-                    # 8 x 32 x 4096 (four timings), 1.04x GQA 32/8, 1.03-1.04x at 4 x 32 x 2048,
-                    # 1.01-1.05x at 16 x 32 x 1024 (sections of 4, 16 and 16 heads; lpt=32, 4 and
-                    # 16 lost at 4096: 0.96-1.02x)
+                    # 1.02-1.04x at 8 x 32 x 4096, 1.01-1.03x GQA 32/8 (A/A 0.96-1.01x). The LPT
+                    # order in 8-MiB sections (session 47, H100, 4-6 timings a shape, against the
+                    # dynamic walk alone): +1.0-8.2% at 8 x 32 x 4096, -0.5-+3.6% GQA 32/8,
+                    # +2.8-5.3% at 4 x 32 x 2048, -0.9-+4.6% at 16 x 32 x 1024; 4-, 16- and 32-MiB
+                    # sections at 4096 keys: -5.2-+5.0%.
                     return FwdConfig(128, 128, 2, 256, "async", lazy_rescale=8.0, persistent=True, uniform_ws=True, dynamic=True, lpt=8)
                 if seqlen is not None and seqlen <= SHORT_CAUSAL_KEYS:
                     # the same walk with FlashAttention-3's LPT tile order (session 46, H100: 1.06x
