@@ -705,10 +705,13 @@ def test_flash_fwd_d64_causal_default(case):
     from tilelang_ops import runtime
     from tilelang_ops.kernels import attention as K
 
+    from tilelang_ops.ops.attention import _with_tile_counter
+
     config, static = d64_causal_default_kernels()[case]
     assert config == K.fwd_default_config(64, True, runtime.arch_for_device(torch.cuda.current_device()))
     dtype, g = getattr(torch, static["dtype"]), static["groups"]
-    kern = runtime.launcher(K.flash_fwd_kernel.compile(config, "sm_90a", **static))
+    # launched as the op launches it: a dynamic walk (the default since session 46) gets its counter
+    kern = _with_tile_counter(runtime.launcher(K.flash_fwd_kernel.compile(config, "sm_90a", **static)), config, "cuda")
     for B, Sq, Sk, HK in ((2, 1024, 1024, 2), (1, 17, 300, 1), (1, 1000, 300, 1), (3, 129, 4097, 1)):
         _check_fwd_kernel(kern, *_inputs((B, Sq, Sk, HK * g, HK, 64), dtype, "cuda", requires_grad=False), True)
 

@@ -224,8 +224,9 @@ def fwd_default_config(headdim: int, causal: bool, arch: str = "sm_90a", seqlen:
             # 1536-2048, 1.00-1.03x (H100, sessions 41-42; without it 0.95-0.96x), 0.97-1.00x above.
             # dynamic (each CTA's next tile from a global counter), causal: 1.03-1.06x at 16 x 32
             # x 2048, MHA and GQA 32/8, 1.02x at 16 x 12 x 1024 (H100, session 46, two calls).
-            # lpt=8, causal (session 47, H100): 1.04-1.05x at 16 x 32 x 2048, 1.02-1.03x GQA 32/8,
-            # 1.00x at 32 x 12 x 1024 (GPT-2 small; one section of 16 heads per 8 MiB there).
+            # lpt=8, causal (session 47, H100, four timings a shape against the dynamic walk alone):
+            # +3.2-10% at 16 x 32 x 2048, +0.7-13% GQA 32/8, -1.8-+5.0% at 32 x 12 x 1024 (GPT-2
+            # small), +0.9-1.7% at 8 x 16 x 4096 (two timings).
             if causal or (seqlen is not None and seqlen <= SHORT_ROWS[64]):
                 return FwdConfig(128, 128, 2, 256, "async", post_mask=True, persistent=True, uniform_ws=True, tree_reduce=4, dynamic=causal, lpt=8 if causal else 0)
             return FwdConfig(192, 176, 2, 384, post_mask=True)
