@@ -71,8 +71,10 @@ def _fwd_cfg_case(cfg, shape, causal, ctas=None):
 
     def run():
         from tilelang_ops import runtime
+        from tilelang_ops.ops.attention import _with_tile_counter
 
-        kern = runtime.launcher(K.flash_fwd_kernel.compile(cfg, "sm_90a", **static))
+        # as the op launches it: a dynamic walk (the causal defaults' since session 46) gets its counter
+        kern = _with_tile_counter(runtime.launcher(K.flash_fwd_kernel.compile(cfg, "sm_90a", **static)), cfg, "cuda")
         q, k, v = (torch.randn(B, s, h, D, dtype=BF, device="cuda") for s, h in ((Sq, H), (Sk, HK), (Sk, HK)))
         out = torch.full_like(q, float("nan"))
         lse = torch.full((B, H, Sq), float("nan"), device="cuda")
