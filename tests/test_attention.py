@@ -704,7 +704,6 @@ def d64_causal_default_kernels():
 def test_flash_fwd_d64_causal_default(case):
     from tilelang_ops import runtime
     from tilelang_ops.kernels import attention as K
-
     from tilelang_ops.ops.attention import _with_tile_counter
 
     config, static = d64_causal_default_kernels()[case]
