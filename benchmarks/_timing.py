@@ -76,12 +76,13 @@ def graph_ms(fn, n: int = 10, rep: int = 10) -> float:
     return statistics.median(a.elapsed_time(b) for a, b in ev) / n
 
 
-def interleaved(timer, fns, rounds: int = 3) -> list[float]:
+def interleaved(timer, fns, rounds: int = 3, log: list | None = None) -> list[float]:
     """Median over `rounds` of timer(fn) per fn, the fns taking turns within each round, each round
     starting one contender later. The H200's clock falls as it heats: timing one side after the
     other favours whichever runs first (8192³, sixth session: ours 782 TFLOP/s timed first, 678 in
-    the graph replays after cuBLAS)."""
-    return list(in_turns(dict(enumerate(fns)), timer, rounds).values())
+    the graph replays after cuBLAS). log: gets (index into fns, round, time) of every timing in
+    the order they ran."""
+    return list(in_turns(dict(enumerate(fns)), timer, rounds, log).values())
 
 
 def host_us(fn, n: int = 2000, warmup: int = 200) -> float:

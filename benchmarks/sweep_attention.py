@@ -370,6 +370,16 @@ def _cudnn(q, k, v, causal, backward=False):
     return lambda: torch.autograd.grad(out, (qt, kt, vt), dout, retain_graph=True)
 
 
+def _rounds(log: list, i: int) -> dict:
+    """Entry i's timings per round (ms) and its place in each round's order, from interleaved's
+    log: a median hides a round that ran slow (session 47 saw one schedule's entry 13% slower
+    than another entry of the same kernel in one sweep)."""
+    order = {}
+    for k, r, _ in log:
+        order.setdefault(r, []).append(k)
+    return dict(rounds_ms=[round(t, 4) for k, _, t in log if k == i], places=[order[r].index(i) for r in sorted(order)])
+
+
 def main_bwd() -> None:
     import torch
 
@@ -407,9 +417,11 @@ def main_bwd() -> None:
         fns.append(_cudnn(q, k, v, causal, backward=True))
         names.append("sdpa_cudnn")
         checks.append(float("nan"))
-        times = interleaved(lambda f: bench(f, warmup=5, rep=30), fns)
-        for cfg, t, err in zip(names, times, checks):
-            rows.append(dict(shape=shape, causal=causal, config=_name(cfg), ms=t, tflops=flops / t / 1e9, vs_default=times[0] / t, max_abs_diff=err))
+        log = []
+        times = interleaved(lambda f: bench(f, warmup=5, rep=30), fns, log=log)
+        for i, (cfg, t, err) in enumerate(zip(names, times, checks)):
+            rows.append(dict(shape=shape, causal=causal, config=_name(cfg), ms=t, tflops=flops / t / 1e9, vs_default=times[0] / t, max_abs_diff=err,
+                             **_rounds(log, i)))
         print(f"done bwd {shape} causal={causal}", flush=True)
         write_json("sweep_attention_bwd", rows)  # each shape as it finishes (a hung candidate ends the process)
     print(table(rows, ["shape", "causal", "config", "ms", "tflops", "vs_default", "max_abs_diff", "error"]))
@@ -458,10 +470,12 @@ def main() -> None:
         fns.append(_cudnn(q, k, v, causal))
         names.append("sdpa_cudnn")
         checks.append((float("nan"), float("nan")))
-        times = interleaved(lambda f: bench(f, warmup=5, rep=30), fns)
-        for cfg, t, (err, lerr) in zip(names, times, checks):
+        log = []
+        times = interleaved(lambda f: bench(f, warmup=5, rep=30), fns, log=log)
+        for i, (cfg, t, (err, lerr)) in enumerate(zip(names, times, checks)):
             rows.append(dict(shape=f"{B}x{H}/{HK}x{S}x{D}", causal=causal, config=_name(cfg),
-                             ms=t, tflops=flops / t / 1e9, vs_default=times[0] / t, max_abs_diff=err, lse_diff=lerr))
+                             ms=t, tflops=flops / t / 1e9, vs_default=times[0] / t, max_abs_diff=err, lse_diff=lerr,
+                             **_rounds(log, i)))
         # each shape's rows as they come (a hung candidate must not take the others' with it)
         print(table([r for r in rows if r["shape"] == f"{B}x{H}/{HK}x{S}x{D}" and r["causal"] == causal],
                     ["shape", "causal", "config", "ms", "tflops", "vs_default", "max_abs_diff", "error"]), flush=True)

@@ -70,7 +70,7 @@ def test_tune_keeps_the_default_unless_the_winner_wins_again(tuned_dir, monkeypa
     assert row["speedup"] == pytest.approx(1.0 / again[lucky] if confirmed else 1.0)
 
 
-@pytest.mark.parametrize("n", [2, 3, 4, 5])
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 7, 9, 12])
 def test_turns_give_each_contender_new_neighbours(n):
     """Benchmarks time their contenders in turns; a plain rotation puts each one right after the
     same peer every round (whose power draw sets the clock it starts at). Each round must be a
@@ -86,6 +86,10 @@ def test_turns_give_each_contender_new_neighbours(n):
     calls = []
     times = tuning.in_turns({f"c{i}": i for i in range(n)}, lambda i: calls.append(i) or float(i), 3)
     assert calls == seq and times == {f"c{i}": float(i) for i in range(n)}
+    # log: every timing, in the order it ran, with its round
+    log = []
+    tuning.in_turns({f"c{i}": i for i in range(n)}, lambda i: float(i), 3, log)
+    assert log == [(f"c{k}", r, float(k)) for r, o in enumerate(orders) for k in o]
 
 
 def test_gemm_entries_tuned_before_the_two_cta_fields_still_apply():

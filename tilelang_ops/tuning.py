@@ -19,7 +19,7 @@ import tempfile
 import threading
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 FORMAT = "tilelang_ops.tuned-configs.v1"
 _lock = threading.Lock()
@@ -205,11 +205,15 @@ def turn_orders(n: int, rounds: int) -> list[tuple]:
     rounds before, then the fewest first places. A plain rotation (a b c d / b c d a / ...) keeps
     every contender right after the same one, and on the H200 whatever follows a low-power peer
     starts at a higher clock (2026-12-04: one forward kernel, timed right after SDPA-flash, ran
-    up to 1.10x its own time right after itself). Above 6 contenders: the rotation."""
+    up to 1.10x its own time right after itself). Above 6 contenders (too many permutations to
+    search): round r starts at contender r and walks in steps of the r-th stride coprime with n,
+    so a contender's predecessor changes from round to round (a rotation kept it)."""
+    import math
     from itertools import permutations
 
     if n > 6:
-        return [tuple((r + j) % n for j in range(n)) for r in range(rounds)]
+        strides = [s for s in range(1, n) if math.gcd(s, n) == 1]  # at least 4 for n > 6
+        return [tuple((r + j * strides[r % len(strides)]) % n for j in range(n)) for r in range(rounds)]
     seen, firsts, prev, orders = set(), set(), None, []
     for _ in range(rounds):
         def cost(p):
@@ -223,18 +227,21 @@ def turn_orders(n: int, rounds: int) -> list[tuple]:
     return orders
 
 
-def in_turns(runs: dict, time_fn, rounds: int = 3) -> dict:
+def in_turns(runs: dict, time_fn, rounds: int = 3, log: Optional[list] = None) -> dict:
     """Median of `rounds` time_fn(fn) per key of runs {key: fn}, the fns taking turns in the
     orders of `turn_orders` (each round a new first, new neighbours), since the H200's clock
     moves with what ran just before. The tuner's confirmation pass and every benchmark comparison
-    (benchmarks/_timing.interleaved) time through this."""
+    (benchmarks/_timing.interleaved) time through this. log: gets (key, round, time) of every
+    timing in the order they ran (a median hides which rounds were slow)."""
     import statistics
 
     keys = list(runs)
     times = {k: [] for k in keys}
-    for order in turn_orders(len(keys), rounds):
+    for r, order in enumerate(turn_orders(len(keys), rounds)):
         for j in order:
             times[keys[j]].append(time_fn(runs[keys[j]]))
+            if log is not None:
+                log.append((keys[j], r, times[keys[j]][-1]))
     return {k: statistics.median(t) for k, t in times.items()}
 
 
