@@ -70,11 +70,9 @@ def _fwd_cfg_case(cfg, shape, causal, ctas=None):
         static["ctas"] = ctas
 
     def run():
-        from tilelang_ops import runtime
-        from tilelang_ops.ops.attention import _with_tile_counter
+        from tilelang_ops.ops.attention import fwd_config_launcher
 
-        # as the op launches it: a dynamic walk (the causal defaults' since session 46) gets its counter
-        kern = _with_tile_counter(runtime.launcher(K.flash_fwd_kernel.compile(cfg, "sm_90a", **static)), cfg, "cuda")
+        kern = fwd_config_launcher(cfg, "cuda", **static)  # a dynamic walk with its tile counter, as the op
         q, k, v = (torch.randn(B, s, h, D, dtype=BF, device="cuda") for s, h in ((Sq, H), (Sk, HK), (Sk, HK)))
         out = torch.full_like(q, float("nan"))
         lse = torch.full((B, H, Sq), float("nan"), device="cuda")

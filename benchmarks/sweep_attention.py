@@ -431,7 +431,6 @@ def main() -> None:
     import torch
 
     from tilelang_ops import runtime
-    from tilelang_ops.kernels import attention as K
     from tilelang_ops.ops import attention as A
 
     from ._timing import bench, first_run, interleaved, table, write_json
@@ -448,7 +447,7 @@ def main() -> None:
         lse = torch.empty((B, H, S), device="cuda")
         for cfg in cfgs:
             try:  # a dynamic walk with its tile counter, as the op launches it
-                kern = A._with_tile_counter(runtime.launcher(K.flash_fwd_kernel.compile(cfg, arch, **static)), cfg, q.device)
+                kern = A.fwd_config_launcher(cfg, q.device, arch, **static)
             except Exception as e:
                 rows.append(dict(shape=f"{B}x{H}/{HK}x{S}x{D}", causal=causal, config=str(cfg), error=str(e)[:80]))
                 continue

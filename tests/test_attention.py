@@ -20,6 +20,7 @@ from torch.library import opcheck
 import tilelang_ops
 from tilelang_ops import reference
 from tilelang_ops.reference import ATTENTION_REL_ERR
+from tilelang_ops.ops.attention import fwd_config_launcher
 
 from .helpers import DEVICES, poisoned_cuda_allocation, rel_err, requires_cuda
 
@@ -492,12 +493,9 @@ def test_flash_fwd_tree_reduce_source():
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("shape, cfg", _async_fwd_cases())
 def test_flash_fwd_async_pipelines_match_reference(shape, cfg, causal):
-    from tilelang_ops import runtime
-    from tilelang_ops.kernels import attention as K
-
     q, k, v = _inputs(shape, torch.bfloat16, "cuda", requires_grad=False)
     config, static = async_fwd_kernel(shape, cfg, causal)
-    _check_fwd_kernel(runtime.launcher(K.flash_fwd_kernel.compile(config, "sm_90a", **static)), q, k, v, causal)
+    _check_fwd_kernel(fwd_config_launcher(config, "cuda", **static), q, k, v, causal)
 
 
 def _check_fwd_kernel(kern, q, k, v, causal, *extra):
@@ -541,14 +539,10 @@ def test_flash_fwd_persistent_walks_many_tiles(walk):
     Q buffer, barrier phases and the coordinates the producer hands over carried from tile to
     tile, the rotation's ragged last round):
     every output row written and right, causal and not."""
-    from tilelang_ops import runtime
-    from tilelang_ops.kernels import attention as K
-
     B, Sq, Sk, H, HK, D, ctas = walk
     for config, static in persistent_fwd_kernels():
         if static["headdim"] == D and static["groups"] == H // HK and static["ctas"] == ctas:
-            kern = runtime.launcher(K.flash_fwd_kernel.compile(config, "sm_90a", **static))
-            _check_fwd_kernel(kern, *_inputs((B, Sq, Sk, H, HK, D), torch.bfloat16, "cuda", requires_grad=False), static["causal"])
+            _check_fwd_kernel(fwd_config_launcher(config, "cuda", **static), *_inputs((B, Sq, Sk, H, HK, D), torch.bfloat16, "cuda", requires_grad=False), static["causal"])
 
 
 # The persistent walks with FwdConfig.dynamic (each CTA's next tile from a global counter) and
@@ -609,13 +603,11 @@ def test_dynamic_walk_counters_streams_and_graph():
     stream while eager launches run on another. Every output written and right; every eager
     counter back at 0. A counter shared between concurrent launches splits their tiles, and the
     tiles one launch misses stay NaN."""
-    from tilelang_ops import runtime
-    from tilelang_ops.kernels import attention as K
     from tilelang_ops.ops import attention as A
 
     config, static = next((c, s) for c, s in dynamic_fwd_kernels()
                           if c.dynamic and not c.lpt and c.block_m == 128 and s["headdim"] == 128 and s["groups"] == 1 and s["causal"])
-    launch = A._with_tile_counter(runtime.launcher(K.flash_fwd_kernel.compile(config, "sm_90a", **static)), config, torch.device("cuda"))
+    launch = fwd_config_launcher(config, "cuda", **static)
     cases = [_inputs((2, 1000, 1000, 2, 2, 128), torch.bfloat16, "cuda", requires_grad=False) for _ in range(3)]
     outs = [(torch.full_like(q, float("nan")), torch.full((2, 2, 1000), float("nan"), device="cuda")) for q, _, _ in cases]
     g = torch.cuda.CUDAGraph()
@@ -672,11 +664,8 @@ def test_flash_fwd_lazy_rescale_growing_max(case):
     """Lazy rescaling where it matters: keys whose scores grow along the sequence, so each row's
     max moves again and again, by more than the threshold (O rescaled) and by less (the stale max
     kept, probabilities up to 2^8), and key blocks a row sees none of (Sq > Sk, causal)."""
-    from tilelang_ops import runtime
-    from tilelang_ops.kernels import attention as K
-
     config, static = lazy_fwd_kernels()[case]
-    kern = runtime.launcher(K.flash_fwd_kernel.compile(config, "sm_90a", **static))
+    kern = fwd_config_launcher(config, "cuda", **static)
     D, causal = static["headdim"], static["causal"]
     for B, Sq, Sk, H in ((2, 1000, 1000, 3), (1, 1100, 700, 2), (1, 17, 4097, 2)):
         q, k, v = _inputs((B, Sq, Sk, H, H, D), torch.bfloat16, "cuda", requires_grad=False)
@@ -704,13 +693,11 @@ def d64_causal_default_kernels():
 def test_flash_fwd_d64_causal_default(case):
     from tilelang_ops import runtime
     from tilelang_ops.kernels import attention as K
-    from tilelang_ops.ops.attention import _with_tile_counter
 
     config, static = d64_causal_default_kernels()[case]
     assert config == K.fwd_default_config(64, True, runtime.arch_for_device(torch.cuda.current_device()))
     dtype, g = getattr(torch, static["dtype"]), static["groups"]
-    # launched as the op launches it: a dynamic walk (the default since session 46) gets its counter
-    kern = _with_tile_counter(runtime.launcher(K.flash_fwd_kernel.compile(config, "sm_90a", **static)), config, "cuda")
+    kern = fwd_config_launcher(config, "cuda", **static)  # a dynamic walk (the default since session 46) with its counter
     for B, Sq, Sk, HK in ((2, 1024, 1024, 2), (1, 17, 300, 1), (1, 1000, 300, 1), (3, 129, 4097, 1)):
         _check_fwd_kernel(kern, *_inputs((B, Sq, Sk, HK * g, HK, 64), dtype, "cuda", requires_grad=False), True)
 

@@ -222,6 +222,15 @@ def _with_tile_counter(launch, config, device):
     return run
 
 
+
+def fwd_config_launcher(config, device, arch: str = "sm_90a", **static):
+    """The forward kernel at `config` (`static`: flash_fwd_kernel's arguments, dtype included)
+    launched as the op launches it, with its tile counter when the walk is dynamic: for the tests,
+    sweeps and sanitizer runs that check or time one config directly."""
+    from ..kernels import attention as K
+
+    return _with_tile_counter(runtime.launcher(K.flash_fwd_kernel.compile(config, arch, **static)), config, device)
+
 def _tune_key(kind):
     def key(shape, dtype, device):
         # A tuned config is stored per length bucket where the default depends on the length
