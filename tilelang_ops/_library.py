@@ -18,6 +18,8 @@ import sys
 import torch
 from torch import _C
 
+from . import fastpath
+
 NAMESPACE = "tileops"
 # FRAGMENT, not DEF: another library may own a TORCH_LIBRARY block for the same namespace.
 _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
@@ -28,6 +30,18 @@ _len_dispatch_stack = _C._len_torch_dispatch_stack
 _function_mode = _C._is_torch_function_mode_enabled
 _functorch_active = _C._are_functorch_transforms_active
 _profiler_on = _C._autograd._profiler_enabled
+
+
+_FAST: bool | None = None
+
+
+def _fast() -> bool:
+    """Whether ops register their CUDA and Autograd kernels through the C++ call path
+    (fastpath.py), decided once, on the first registration."""
+    global _FAST
+    if _FAST is None:
+        _FAST = fastpath.wanted() and fastpath.load() is not None
+    return _FAST
 
 
 def _is_registered(name: str) -> bool:
@@ -117,7 +131,10 @@ class CustomOp:
     def register_kernel(self, device_type: str):
         def wrap(fn):
             key = _BACKEND_KEYS[device_type]
-            _LIB.impl(self.name, fn, key.name)
+            if device_type == "cuda" and _fast():
+                fastpath.register(NAMESPACE, self.name, key.name, fn)  # C++, Python on a new key
+            else:
+                _LIB.impl(self.name, fn, key.name)
             self.impls[key] = fn
             return fn
 
@@ -172,6 +189,9 @@ class CustomOp:
     def _impl_autograd(self, with_grad):
         """The Autograd kernel: `with_grad(keyset, args)` when a gradient will be needed, else the
         no-grad path (the implementation directly, or a redispatch)."""
+        if _fast():  # C++: no Python at all on a call that records no gradient
+            fastpath.register_autograd(NAMESPACE, self.name, with_grad)
+            return
         run = self._run
 
         def autograd_kernel(keyset, *args):

@@ -344,7 +344,23 @@ def launcher(compiled) -> Callable[..., None]:
     ex = compiled.adapter._get_executable()
     # A fresh compile gives a runtime Module; a disk-cache load gives an Executable whose
     # jit() links (once) and returns that Module.
-    return (ex.jit() if hasattr(ex, "jit") else ex).main
+    return recordable((ex.jit() if hasattr(ex, "jit") else ex).main)
+
+
+def recordable(fn) -> Callable[..., None]:
+    """`fn` (a tvm_ffi Function: a kernel's host function) as ops call it: seen by the C++ call
+    path's recorder while it records a call (fastpath.py), else called as it is."""
+    from . import fastpath
+
+    def launch(*args):
+        # The C++ call path's recorder sees every launch of the call it records (fastpath.py).
+        rec = fastpath._recording
+        if rec is not None:
+            rec.launch(fn, args)
+        return fn(*args)
+
+    launch.ffi = fn
+    return launch
 
 
 def compiled_count() -> int:

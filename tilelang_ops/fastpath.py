@@ -1,0 +1,244 @@
+"""The C++ call path: each op's CUDA kernel and autograd kernel in C++ (csrc/fastpath.cpp).
+
+A call of a Python op pays the dispatcher's crossing into Python, its argument checks, its
+allocations from Python and tvm_ffi's argument packing, ~7 µs of a ~15 µs call on the GPU hosts
+(docs/benchmarks.md, #4), for work that is the same on every call of one shape. So the op's CUDA
+kernel is a C++ kernel that keys each call on what the Python implementation's launches can depend
+on (every tensor's dtype, device, sizes, strides, 16-byte alignment and storage aliasing, the other
+arguments' values, the current stream, torch's deterministic flag) and:
+- the first call of a key runs the Python implementation as it is (it fills the op's caches);
+- the second runs it under a recorder: a dispatch mode that sees every aten call (allocations and
+  views only, else no plan) and a hook in every kernel launcher (`runtime.launcher`) that sees each
+  launch's arguments. From those it builds a plan: the allocations to make, and each launch's
+  compiled host function with its arguments as views of an input, an allocation or a tensor the op
+  had cached (a tile counter, a ones vector);
+- every later call replays that plan in C++: no Python at all, the same launches on fresh outputs.
+A call that could not be recorded (any other aten call: an empty input's fill, a copy of a
+non-contiguous input) keeps the Python path for its key; so does any call under CUDA graph capture.
+The Autograd kernel is C++ too: without a gradient to record it goes straight to the CUDA kernel;
+with one, to the op's Python autograd formula as before.
+
+`TILEOPS_FASTPATH=0` keeps every op on the Python path. The extension is built (torch's
+cpp_extension, ~1 min) on the first import on a machine with CUDA, once per torch version, into
+`tuning.cache_dir()/ext`; a failed build warns once and leaves the Python path in place.
+`invalidate()` drops every plan: call it after changing what an op's Python implementation decides
+from (a monkeypatched default config, a tuned config stored in this process).
+"""
+from __future__ import annotations
+
+import os
+import re
+import sys
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+ENV = "TILEOPS_FASTPATH"
+_SRC = Path(__file__).parent / "csrc" / "fastpath.cpp"
+_ext = None
+_load_error: Exception | None = None
+_lock = threading.Lock()
+_keep: dict[int, object] = {}  # tvm_ffi Functions referenced by a plan, kept alive for it
+_indices: dict[str, int] = {}  # op name -> the extension's index of its backend kernel
+
+# torch dtype -> DLPack (code, bits, lanes), as tvm_ffi passes a torch tensor to a kernel
+_DL_DTYPE = {
+    torch.float32: (2, 32, 1), torch.float16: (2, 16, 1), torch.bfloat16: (4, 16, 1),
+    torch.float64: (2, 64, 1), torch.int32: (0, 32, 1), torch.int64: (0, 64, 1),
+    torch.int16: (0, 16, 1), torch.int8: (0, 8, 1), torch.uint8: (1, 8, 1), torch.bool: (6, 8, 1),
+}
+_T, _INT, _BOOL, _FLOAT = 7, 1, 2, 3  # tvm_ffi type indices (csrc/fastpath.cpp)
+_INPUT, _ALLOC, _CONST = 0, 1, 2
+
+
+def wanted() -> bool:
+    """The environment asks for the C++ path (the default) and CUDA is there for it to serve."""
+    return os.environ.get(ENV, "1") != "0" and torch.cuda.is_available()
+
+
+def build_dir() -> Path:
+    from .tuning import cache_dir
+
+    tag = re.sub(r"[^A-Za-z0-9_.]", "_", f"torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}")
+    return cache_dir() / "ext" / f"fastpath-{tag}"
+
+
+def load(verbose: bool = False):
+    """The extension module (built on the first call for this torch), or None if it cannot be
+    built; the reason then in `load_error()`."""
+    global _ext, _load_error
+    with _lock:
+        if _ext is not None or _load_error is not None:
+            return _ext
+        try:
+            import tvm_ffi.libinfo
+            from torch.utils import cpp_extension
+
+            d = build_dir()
+            d.mkdir(parents=True, exist_ok=True)
+            ext = cpp_extension.load(
+                name="tileops_fastpath", sources=[str(_SRC)], build_directory=str(d),
+                extra_cflags=["-O2"], verbose=verbose,
+            )
+            ext.init_ffi(tvm_ffi.libinfo.find_libtvm_ffi())
+            _ext = ext
+        except Exception as e:  # noqa: BLE001 — any failure leaves the Python path, said once
+            _load_error = e
+            warnings.warn(f"tilelang_ops: the C++ call path is off ({type(e).__name__}: {e}); ops run on the Python path", stacklevel=2)
+        return _ext
+
+
+def load_error() -> Exception | None:
+    return _load_error
+
+
+def invalidate() -> None:
+    """Every op's plans are dropped: each key runs the Python implementation again next call."""
+    if _ext is not None:
+        _ext.invalidate()
+
+
+def stats(name: str) -> dict | None:
+    """calls, hits (replayed plans), keys, plans and python_only keys of op `name`'s C++ kernel."""
+    i = _indices.get(name)
+    return None if i is None else _ext.stats(i)
+
+
+def register(namespace: str, name: str, key: str, impl) -> None:
+    """`impl` (the Python implementation) served through the C++ kernel of `name` at dispatch key
+    `key` ("CUDA"; "CPU" in tests)."""
+
+    def handler(args, record):
+        if not record:
+            return impl(*args), None
+        rec = _Recorder(args)
+        with rec:
+            result = impl(*args)
+        return result, rec.plan(result)
+
+    _indices[name] = _ext.register_backend(namespace, name, key, handler)
+
+
+def register_autograd(namespace: str, name: str, with_grad) -> None:
+    """The Autograd kernel of `name`: C++ redispatch without a gradient to record, else
+    `with_grad(keyset, args)`."""
+    _ext.register_autograd(namespace, name, with_grad)
+
+
+# ------------------------------------------------------------------------------------ recording
+_recording: "_Recorder | None" = None  # read by runtime.launcher's wrappers on every launch
+
+
+def recording() -> "_Recorder | None":
+    return _recording
+
+
+_VIEW_LIKE = {"aten::_unsafe_view", "aten::detach", "aten::alias"}
+_ALLOCS = {"aten::empty", "aten::empty_strided", "aten::new_empty", "aten::new_empty_strided", "aten::empty_like"}
+
+
+class _Reject(Exception):
+    """The call does something a plan cannot replay: its key stays on the Python path."""
+
+
+class _Recorder(TorchDispatchMode):
+    """Sees one call of a Python implementation: its aten calls (allocations and views only) and
+    its launches, and turns them into a plan (csrc/fastpath.cpp `parse_plan`)."""
+
+    def __init__(self, args):
+        super().__init__()
+        self.tid = threading.get_ident()
+        self.inputs = [(i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        self.device = self.inputs[0][1].device if self.inputs else None
+        self.allocs: list[torch.Tensor] = []  # held until the plan is made: no address is reused
+        self.consts: list[torch.Tensor] = []
+        self.launches: list = []
+        self.reject: str | None = None
+
+    def __enter__(self):
+        global _recording
+        _recording = self
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        global _recording
+        _recording = None
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func._schema.name
+        if name in _ALLOCS:
+            self.allocs.append(out)
+        elif not (func.is_view or name in _VIEW_LIKE):
+            self.reject = self.reject or f"{func} is not an allocation or a view"
+        return out
+
+    def _ref(self, t: torch.Tensor) -> tuple:
+        """(kind, index, byte offset from that tensor's data pointer) of a launch's tensor."""
+        if t.device != self.device or t.layout != torch.strided:
+            raise _Reject(f"a launch argument on {t.device}")
+        storage, ptr = t.untyped_storage().data_ptr(), t.data_ptr()
+        if storage == 0:
+            raise _Reject("an empty launch argument")
+        same = [(i, a) for i, a in self.inputs if a.untyped_storage().data_ptr() == storage]
+        if same:  # the input it is (offset 0) if there is one, else the first it is a view of
+            i, a = next(((i, a) for i, a in same if a.data_ptr() == ptr), same[0])
+            return _INPUT, i, ptr - a.data_ptr()
+        for j, a in enumerate(self.allocs):
+            if a.untyped_storage().data_ptr() == storage:
+                return _ALLOC, j, ptr - a.data_ptr()
+        for j, c in enumerate(self.consts):
+            if c.untyped_storage().data_ptr() == storage:
+                return _CONST, j, ptr - c.data_ptr()
+        self.consts.append(t)  # a tensor the op keeps across calls: passed as it is
+        return _CONST, len(self.consts) - 1, 0
+
+    def launch(self, fn, args) -> None:
+        if threading.get_ident() != self.tid or self.reject:
+            return
+        try:
+            packed = []
+            for a in args:
+                if isinstance(a, torch.Tensor):
+                    dt = _DL_DTYPE.get(a.dtype)
+                    if dt is None:
+                        raise _Reject(f"dtype {a.dtype}")
+                    packed.append((_T, *self._ref(a), tuple(a.shape), tuple(a.stride()), dt))
+                elif isinstance(a, bool):
+                    packed.append((_BOOL, int(a)))
+                elif isinstance(a, int):
+                    packed.append((_INT, a))
+                elif isinstance(a, float):
+                    packed.append((_FLOAT, a))
+                else:
+                    raise _Reject(f"a launch argument of type {type(a).__name__}")
+            self.launches.append((fn, packed))
+        except _Reject as e:
+            self.reject = str(e)
+
+    def plan(self, result):
+        """The plan for this call (None if anything in it cannot be replayed)."""
+        if self.reject or not self.launches or self.device is None:
+            return None
+        outs = []
+        for t in result if isinstance(result, (tuple, list)) else (result,):
+            if t is None:
+                outs.append((-1, 0, 0, (), ()))
+                continue
+            storage = t.untyped_storage().data_ptr()
+            j = next((j for j, a in enumerate(self.allocs) if a.untyped_storage().data_ptr() == storage), None)
+            if j is None or storage == 0 or t.dtype != self.allocs[j].dtype:
+                return None  # an output that is not a fresh allocation of this call (or a reinterpretation)
+            outs.append((_ALLOC, j, t.storage_offset() - self.allocs[j].storage_offset(), tuple(t.shape), tuple(t.stride())))
+        if any(a.device != self.device or a.storage_offset() != 0 for a in self.allocs):
+            return None
+        allocs = [(tuple(a.shape), tuple(a.stride()), a.dtype) for a in self.allocs]
+        launches = []
+        for fn, packed in self.launches:
+            _keep[id(fn)] = fn
+            launches.append((fn.__chandle__(), packed))
+        return allocs, list(self.consts), launches, outs
