@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import tilelang_ops  # noqa: F401
 from benchmarks._timing import host_us, table, write_json
-from tilelang_ops import runtime
+from tilelang_ops import _library, runtime
 from tilelang_ops.ops import attention, elementwise, gemm, norm, softmax
 
 CUDA = torch._C.DispatchKey.CUDA
@@ -99,7 +99,7 @@ def launch_only_us(op, args) -> float:
     _clear_op_caches()  # kernels stay compiled in runtime's cache: re-resolving only rewraps them
     runtime.launcher = rec
     try:
-        op.op(*args)
+        op.python_impls[CUDA](*args)  # the Python implementation: the C++ path would launch without it
         torch.cuda.synchronize()
     finally:
         runtime.launcher = rec.real
@@ -110,7 +110,7 @@ def launch_only_us(op, args) -> float:
 
 def measure(name, op, args, peer) -> dict:
     call = lambda: op.op(*args)  # noqa: E731
-    impl = op.impls[CUDA]
+    impl = op.python_impls[CUDA]
     r = dict(op=name, op_us=host_us(call), impl_us=host_us(lambda: impl(*args)), launch_us=launch_only_us(op, args))
     r["op_us"] = min(r["op_us"], host_us(call))  # again, after the recording pass re-resolved the kernels
     r["torch_us"] = host_us(peer) if peer else None
@@ -138,8 +138,12 @@ def main(rounds: int = 3, only: list[str] | None = None) -> None:
     for r in rows:
         if r.get("torch_us") and r.get("op_us"):
             r["ratio"] = r["op_us"] / r["torch_us"]
-    write_json("overhead", rows, {"rounds": rounds})
-    print(table(rows, ["op", "op_us", "impl_us", "launch_us", "torch_us", "ratio", "error"]))
+    fast = _library._fast()
+    for r in rows:
+        r["path"] = "C++" if fast else "Python"
+    # TILEOPS_FASTPATH=0 gives the Python path's table, in its own file
+    write_json("overhead" if fast else "overhead_python", rows, {"rounds": rounds, "cpp_path": fast})
+    print(table(rows, ["op", "path", "op_us", "impl_us", "launch_us", "torch_us", "ratio", "error"]))
 
 
 if __name__ == "__main__":

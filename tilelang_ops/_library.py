@@ -95,6 +95,7 @@ class CustomOp:
         self.op = getattr(getattr(torch.ops, NAMESPACE), name).default
         # backend dispatch key -> implementation, for the autograd kernel's direct call
         self.impls = _Impls({_C.DispatchKey.CPU: fn})
+        self.python_impls = {_C.DispatchKey.CPU: fn}  # every backend's Python implementation
         self._run = _no_grad_path(self.op, self.impls)  # (keyset, args) -> result, no autograd
         OPS.append(self)
 
@@ -131,11 +132,14 @@ class CustomOp:
     def register_kernel(self, device_type: str):
         def wrap(fn):
             key = _BACKEND_KEYS[device_type]
+            self.python_impls[key] = fn
             if device_type == "cuda" and _fast():
-                fastpath.register(NAMESPACE, self.name, key.name, fn)  # C++, Python on a new key
+                # The C++ kernel, which calls fn on a key it has no plan for. Not in `impls`: the
+                # grad-recording forward and backward formulas then reach it through the dispatcher.
+                fastpath.register(NAMESPACE, self.name, key.name, fn)
             else:
                 _LIB.impl(self.name, fn, key.name)
-            self.impls[key] = fn
+                self.impls[key] = fn
             return fn
 
         return wrap

@@ -84,6 +84,12 @@ def load(verbose: bool = False):
                 extra_cflags=["-O2"], verbose=verbose,
             )
             ext.init_ffi(tvm_ffi.libinfo.find_libtvm_ffi())
+            if torch.cuda.is_available():
+                s = torch.cuda.Stream()
+                with torch.cuda.stream(s):
+                    seen = ext.current_stream(torch.cuda.current_device())
+                if seen != s.cuda_stream:
+                    raise RuntimeError(f"the extension reads the current CUDA stream as {seen:#x}, torch as {s.cuda_stream:#x}")
             _ext = ext
         except Exception as e:  # noqa: BLE001 — any failure leaves the Python path, said once
             _load_error = e

@@ -339,8 +339,9 @@ struct BackendKernel final : c10::OperatorKernel {
 // The Autograd kernel: without a gradient to record, straight to the backend kernel (no Python);
 // else the op's Python autograd formula (`with_grad(keyset, args)`).
 struct AutogradKernel final : c10::OperatorKernel {
-  py::object with_grad;
-  explicit AutogradKernel(py::object f) : with_grad(std::move(f)) {}
+  // Never released: the dispatcher destroys its kernels at process exit, after the interpreter.
+  py::object& with_grad;
+  explicit AutogradKernel(py::object f) : with_grad(*new py::object(std::move(f))) {}
   void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
     size_t n = op.schema().arguments().size();
     size_t first = stack->size() - n;
@@ -414,6 +415,13 @@ void register_autograd(const std::string& ns, const std::string& name, py::objec
 
 void invalidate() { ++epoch; }
 
+// The stream the kernels are launched on, as this file reads it (fastpath.load checks it against
+// torch.cuda.current_stream before turning the path on).
+int64_t current_stream(int64_t device_index) {
+  c10::Device d(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device_index));
+  return reinterpret_cast<int64_t>(c10::impl::getDeviceGuardImpl(d.type())->getStream(d).native_handle());
+}
+
 // A stand-in kernel for the CPU tests, with a compiled kernel's calling convention (a tvm_ffi
 // function taking tensors as DLTensor pointers or tvm_ffi Tensor objects): out = alpha * x and
 // rowsum[i] = sum_j x[i, j], over float32 2-D tensors of any strides. It reads and writes through
@@ -476,5 +484,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("register_autograd", &register_autograd);
   m.def("invalidate", &invalidate);
   m.def("stats", &stats);
+  m.def("current_stream", &current_stream);
   m.def("register_test_kernel", &register_test_kernel);
 }

@@ -1,0 +1,287 @@
+"""The C++ call path (tilelang_ops/fastpath.py, csrc/fastpath.cpp): a key's later calls replay the
+launches its Python implementation made, re-pointed at each call's tensors.
+
+On the CPU the ops are test ops served at the CPU key, whose "kernel" is a C function of the
+extension with a compiled kernel's calling convention: it reads and writes only through the
+pointers and strides the plan gives it, so a plan pointing at the recorded call's tensors (or
+anywhere else) gives wrong numbers. On the GPU every op of ALL_OPS is called on fresh inputs until
+it replays, and checked against its float64 reference on every call.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+import torch
+
+from tilelang_ops import fastpath, runtime
+
+from .helpers import requires_cuda, rel_err
+
+NS = "tileops_fastpath_test"
+_lib = torch.library.Library(NS, "DEF")
+_names = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def ext():
+    e = fastpath.load()
+    if e is None:
+        if os.environ.get("CI"):  # CI has a compiler: the path must build there
+            raise fastpath.load_error()
+        pytest.skip(f"the C++ call path does not build here: {fastpath.load_error()}")
+    import tvm_ffi
+    import tvm_ffi.libinfo
+
+    e.register_test_kernel(tvm_ffi.libinfo.find_libtvm_ffi(), "tileops.test_scale_rowsum")
+    return e
+
+
+@pytest.fixture
+def kernel(ext):
+    import tvm_ffi
+
+    return runtime.recordable(tvm_ffi.get_global_func("tileops.test_scale_rowsum"))
+
+
+def _op(impl, schema="(Tensor x, float alpha) -> (Tensor, Tensor)"):
+    """A fresh test op served by `impl` through the C++ path: (op, name)."""
+    name = f"op{next(_names)}"
+    _lib.define(name + schema)
+    fastpath.register(NS, name, "CPU", impl)
+    return getattr(getattr(torch.ops, NS), name).default, name
+
+
+def _scale_impl(kernel):
+    def impl(x, alpha):
+        out, rowsum = torch.empty_like(x), x.new_empty(x.shape[0])
+        kernel(x, out, rowsum, alpha)
+        return out, rowsum
+
+    return impl
+
+
+def _check(x, alpha, out, rowsum):
+    torch.testing.assert_close(out, x * alpha)
+    torch.testing.assert_close(rowsum, x.sum(-1))
+
+
+def test_replays_the_recorded_launches_on_each_calls_tensors(kernel):
+    op, name = _op(_scale_impl(kernel))
+    for _ in range(6):
+        x = torch.randn(9, 13)[2:7, 3:10]  # a strided view, at another address each call
+        _check(x, 1.5, *op(x, 1.5))
+    s = fastpath.stats(name)
+    # first call: Python; second: Python, recorded; the rest replayed
+    assert (s["calls"], s["hits"], s["keys"], s["plans"]) == (6, 4, 1, 1)
+
+
+def test_key_covers_scalars_strides_alignment_and_aliasing(kernel):
+    scale = _scale_impl(kernel)
+    op, name = _op(lambda x, y, alpha: scale(x, alpha), "(Tensor x, Tensor y, float alpha) -> (Tensor, Tensor)")
+    base = torch.randn(64, 64)
+
+    def calls(x, y, alpha):
+        for _ in range(3):
+            _check(x, alpha, *op(x, y, alpha))
+
+    # y is not launched with, but its aliasing is in the key: x is y gets a key of its own
+    calls(base[:8, :8], torch.randn(3), 2.0)
+    calls(base[:8, :8], torch.randn(3), 3.0)  # another alpha
+    calls(base[:8, :8].t(), torch.randn(3), 2.0)  # other strides
+    calls(base[:8, 1:9], torch.randn(3), 2.0)  # 4 bytes off 16-byte alignment
+    x = base[:8, :8]
+    calls(x, x, 2.0)  # y aliases x
+    assert fastpath.stats(name)["keys"] == 5 and fastpath.stats(name)["hits"] == 5
+
+
+def test_outputs_as_views_of_one_allocation(kernel):
+    def impl(x, alpha):
+        buf = x.new_empty(x.shape[0], x.shape[1] + 1)
+        out, rowsum = buf[:, 1:], buf[:, 0]
+        kernel(x, out, rowsum, alpha)
+        return out, rowsum
+
+    op, name = _op(impl)
+    for _ in range(4):
+        x = torch.randn(5, 7)
+        out, rowsum = op(x, 0.5)
+        _check(x, 0.5, out, rowsum)
+        assert out.untyped_storage().data_ptr() == rowsum.untyped_storage().data_ptr()
+        assert out.stride() == (8, 1) and rowsum.stride() == (8,)
+    assert fastpath.stats(name)["hits"] == 2
+
+
+def test_a_tensor_the_op_keeps_is_passed_as_it_is(kernel):
+    kept = {}
+
+    def impl(x, alpha):  # the kernel reads a tensor cached across calls (as a tile counter is)
+        if "w" not in kept:
+            kept["w"] = torch.randn(x.shape)
+        w = kept["w"]
+        out, rowsum = torch.empty_like(x), x.new_empty(x.shape[0])
+        kernel(w, out, rowsum, alpha)
+        return out, rowsum
+
+    op, name = _op(impl)
+    for i in range(4):
+        x = torch.randn(3, 4)
+        kept.get("w", torch.empty(0)).mul_(2)  # new contents, same tensor
+        out, rowsum = op(x, 1.0)
+        _check(kept["w"], 1.0, out, rowsum)
+    assert fastpath.stats(name)["hits"] == 2
+
+
+def test_a_call_doing_other_aten_work_stays_on_the_python_path(kernel):
+    def impl(x, alpha):
+        x = x.contiguous() if not x.is_contiguous() else x.clone()  # a copy: not replayable
+        out, rowsum = torch.empty_like(x), x.new_empty(x.shape[0])
+        kernel(x, out, rowsum, alpha)
+        return out, rowsum
+
+    op, name = _op(impl)
+    for _ in range(6):
+        x = torch.randn(4, 6)
+        _check(x, 2.0, *op(x, 2.0))
+    s = fastpath.stats(name)
+    assert (s["hits"], s["plans"], s["python_only"]) == (0, 0, 1)
+
+
+def test_errors_raise_from_python_with_their_type(kernel):
+    def impl(x, alpha):
+        if x.shape[-1] > 8:
+            raise ValueError(f"x: last dim {x.shape[-1]} > 8")
+        return _scale_impl(kernel)(x, alpha)
+
+    op, name = _op(impl)
+    for _ in range(4):
+        with pytest.raises(ValueError, match="x: last dim 9 > 8"):
+            op(torch.randn(2, 9), 1.0)
+    x = torch.randn(2, 8)
+    for _ in range(3):
+        _check(x, 1.0, *op(x, 1.0))
+    assert fastpath.stats(name)["plans"] == 1
+
+
+def test_invalidate_makes_every_key_decide_again(kernel):
+    scale = {"by": 1.0}
+
+    def impl(x, alpha):
+        return _scale_impl(kernel)(x, alpha * scale["by"])
+
+    op, name = _op(impl)
+    x = torch.randn(3, 3)
+    for _ in range(3):
+        _check(x, 1.0, *op(x, 1.0))
+    scale["by"] = 3.0  # what the implementation decides from changed: plans are stale
+    fastpath.invalidate()
+    _check(x, 3.0, *op(x, 1.0))
+    assert fastpath.stats(name)["keys"] == 1 and fastpath.stats(name)["plans"] == 0
+
+
+def test_autograd_kernel_records_gradients_in_python_and_skips_python_without(kernel):
+    impl = _scale_impl(kernel)
+    op, name = _op(impl)
+    seen = []
+
+    def with_grad(keyset, args):
+        seen.append(type(keyset).__name__)
+        x, alpha = args
+        return x * alpha, x.sum(-1)
+
+    fastpath.register_autograd(NS, name, with_grad)
+    x = torch.randn(4, 5, requires_grad=True)
+    out, rowsum = op(x, 2.0)
+    (out.sum() + rowsum.sum()).backward()
+    torch.testing.assert_close(x.grad, torch.full_like(x, 3.0))
+    assert seen == ["DispatchKeySet"]
+    with torch.no_grad():
+        for _ in range(3):
+            _check(x.detach(), 2.0, *op(x, 2.0))
+    assert seen == ["DispatchKeySet"] and fastpath.stats(name)["hits"] == 1
+
+
+# ------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@requires_cuda
+def test_the_path_is_on_for_the_ops():
+    from tilelang_ops import _library
+
+    assert _library._fast(), f"the C++ call path is off on this GPU host: {fastpath.load_error()}"
+
+
+def _all_stats():
+    return {n: fastpath.stats(n) for n in fastpath._indices}
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("case", __import__("tilelang_ops.ops", fromlist=["ALL_OPS"]).ALL_OPS, ids=lambda c: c.name)
+def test_every_op_replays_on_fresh_inputs(case):
+    """Five calls, fresh inputs each, every result against the float64 reference: the first two
+    run the Python implementation, the last three replay its plan."""
+    shape = case.shapes[min(1, len(case.shapes) - 1)]
+    dtype = case.dtypes[-1]
+    before = _all_stats()
+    for _ in range(5):
+        inputs = case.make_inputs(shape, dtype, torch.device("cuda"))
+        out = case.op(*inputs)
+        ref = case.reference(*inputs)
+        outs, refs = (out, ref) if isinstance(out, tuple) else ((out,), (ref,))
+        for o, r in zip(outs, refs):
+            torch.testing.assert_close(o.double(), r.double(), atol=case.atol[dtype], rtol=case.rtol[dtype])
+    after = _all_stats()
+    hits = sum(after[n]["hits"] - before.get(n, {"hits": 0})["hits"] for n in after)
+    assert hits >= 3, f"{case.name}: no replayed call ({ {n: after[n] for n in after if after[n] != before.get(n)} })"
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("causal", [False, True])
+def test_training_steps_replay_forward_and_backward(causal):
+    """flash_attn, layer_norm and a fused Linear, forward and backward, four steps on fresh
+    inputs, each against float32 references: the backward formulas reach the C++ kernels too."""
+    ops = torch.ops.tileops
+    dev, bf = "cuda", torch.bfloat16
+    for _ in range(4):
+        q, k, v = (torch.randn(2, 100, 4, 64, device=dev, dtype=bf, requires_grad=True) for _ in range(3))
+        x = torch.randn(37, 96, device=dev, dtype=bf, requires_grad=True)
+        w = torch.randn(96, device=dev, dtype=bf, requires_grad=True)
+        lw = (torch.randn(64, 96, device=dev, dtype=bf) * 0.1).requires_grad_()
+        out = ops.flash_attn(q, k, v, causal)
+        y = ops.layer_norm(x, w, None)[0]
+        z = ops.linear(y, lw, None, "gelu_tanh")
+        g1, g2 = torch.randn_like(out), torch.randn_like(z)
+        torch.autograd.backward([out, z], [g1, g2])
+        leaves = (q, k, v, x, w, lw)
+        ours = [t.grad for t in leaves]
+        ref_leaves = [t.detach().float().requires_grad_() for t in leaves]
+        rq, rk, rv, rx, rw, rlw = ref_leaves
+        rout = torch.nn.functional.scaled_dot_product_attention(rq.transpose(1, 2), rk.transpose(1, 2), rv.transpose(1, 2), is_causal=causal).transpose(1, 2)
+        ry = torch.nn.functional.layer_norm(rx, (96,), rw, None)
+        rz = torch.nn.functional.gelu(ry.to(bf).float() @ rlw.t(), approximate="tanh")
+        torch.autograd.backward([rout, rz], [g1.float(), g2.float()])
+        assert rel_err(out, rout) < 1e-2 and rel_err(z, rz) < 2e-2
+        for t, r in zip(ours, ref_leaves):
+            assert rel_err(t, r.grad) < 2e-2
+    stats = _all_stats()
+    for n in ("flash_attn_backward", "layer_norm_backward"):
+        assert stats[n]["hits"] >= 1, (n, stats[n])
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_a_side_stream_gets_its_own_plan():
+    x = torch.randn(8, 4097, device="cuda", dtype=torch.bfloat16)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(4):
+            y = torch.ops.tileops.softmax(x, -1)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.testing.assert_close(y.float(), torch.softmax(x.float(), -1), atol=2e-3, rtol=2e-2)
+    for _ in range(4):
+        y = torch.ops.tileops.softmax(x, -1)
+    torch.testing.assert_close(y.float(), torch.softmax(x.float(), -1), atol=2e-3, rtol=2e-2)
+    assert fastpath.stats("softmax")["keys"] >= 2
