@@ -12,6 +12,12 @@ an autograd formula. `python -m benchmarks.overhead` on a CUDA machine.
 """
 from __future__ import annotations
 
+import os
+import sys
+
+if "--python-path" in sys.argv:  # before tilelang_ops registers its ops: the Python path's table
+    os.environ["TILEOPS_FASTPATH"] = "0"
+
 import torch
 import torch.nn.functional as F
 
@@ -151,4 +157,5 @@ if __name__ == "__main__":
 
     p = argparse.ArgumentParser()
     p.add_argument("--only", nargs="+", help="only the rows whose name contains one of these (e.g. layer_norm)")
+    p.add_argument("--python-path", action="store_true", help="every op on its Python path (TILEOPS_FASTPATH=0)")
     main(only=p.parse_args().only)
