@@ -79,6 +79,8 @@ def load(verbose: bool = False):
 
             d = build_dir()
             d.mkdir(parents=True, exist_ok=True)
+            if not (d / "tileops_fastpath.so").exists():
+                print(f"tilelang_ops: building the C++ call path into {d} (once per torch version, ~30 s)", file=sys.stderr)
             ext = cpp_extension.load(
                 name="tileops_fastpath", sources=[str(_SRC)], build_directory=str(d),
                 extra_cflags=["-O2"], verbose=verbose,

@@ -108,6 +108,9 @@ def store(key: str, config: dict, **meta: Any) -> None:
         os.replace(tmp, path)  # readers see the old file or the new one, never a partial one
     with _lock:
         _loaded = current
+    from . import fastpath
+
+    fastpath.invalidate()  # a replayed plan would keep the config it was recorded with
 
 
 def clear() -> None:
