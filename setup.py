@@ -7,6 +7,7 @@ setup(
     long_description=open("README.md").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["tilelang_ops", "tilelang_ops.*"]),
+    package_data={"tilelang_ops": ["csrc/*.cpp"]},  # the C++ call path, built on first import with CUDA
     python_requires=">=3.10",
     install_requires=["tilelang==0.1.15", "torch>=2.11", "tqdm"],
     extras_require={"test": ["pytest>=8", "hypothesis>=6"], "hf": ["transformers>=4.56"]},
