@@ -180,26 +180,93 @@ def test_invalidate_makes_every_key_decide_again(kernel):
     assert fastpath.stats(name)["keys"] == 1 and fastpath.stats(name)["plans"] == 0
 
 
-def test_autograd_kernel_records_gradients_in_python_and_skips_python_without(kernel):
+def _grad_op(kernel):
+    """A test op with an autograd formula, registered as _library registers one: the Python path
+    (a torch.autograd.Function whose forward calls setup_context under the recorder's eye) until a
+    key's setup is recorded, then the C++ Function. out = alpha * x is differentiable, rowsum is
+    marked non-differentiable; setup saves x and out (unused, to test saving) and alpha."""
     impl = _scale_impl(kernel)
     op, name = _op(impl)
-    seen = []
+    calls = {"python": 0, "backward": 0}
 
-    def with_grad(keyset, args):
-        seen.append(type(keyset).__name__)
-        x, alpha = args
-        return x * alpha, x.sum(-1)
+    def setup(ctx, inputs, output):
+        x, alpha = inputs
+        ctx.save_for_backward(x, output[0], None)
+        ctx.alpha = alpha
+        ctx.mark_non_differentiable(output[1])
 
-    fastpath.register_autograd(NS, name, with_grad)
-    x = torch.randn(4, 5, requires_grad=True)
-    out, rowsum = op(x, 2.0)
-    (out.sum() + rowsum.sum()).backward()
-    torch.testing.assert_close(x.grad, torch.full_like(x, 3.0))
-    assert seen == ["DispatchKeySet"]
-    with torch.no_grad():
+    def backward(ctx, g_out, g_rowsum):
+        calls["backward"] += 1
+        x, out, none = ctx.saved_tensors
+        assert none is None and g_rowsum is None and ctx.needs_input_grad == (True, False)
+        torch.testing.assert_close(out, x * ctx.alpha)
+        return g_out * ctx.alpha, None
+
+    class F(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, alpha):
+            calls["python"] += 1
+            ctx.set_materialize_grads(False)  # as _library's forward
+            out = impl(x, alpha)
+            rec = fastpath.setup_recorder
+            setup(ctx if rec is None else rec.wrap(ctx, (x, alpha), out), (x, alpha), out)
+            return out
+
+        @staticmethod
+        def backward(ctx, g_out, g_rowsum):
+            return backward(ctx, g_out, g_rowsum)
+
+    fastpath.register_autograd(NS, name, lambda keyset, args: F.apply(*args), backward)
+    return op, name, calls
+
+
+def test_autograd_replays_the_recorded_setup_in_cpp(kernel):
+    op, name, calls = _grad_op(kernel)
+    for i in range(5):
+        x = torch.randn(4, 5, requires_grad=True)
+        out, rowsum = op(x, 2.0)
+        assert out.requires_grad and not rowsum.requires_grad
+        _check(x.detach(), 2.0, out.detach(), rowsum)
+        w = torch.randn_like(out)
+        (out * w).sum().backward()
+        torch.testing.assert_close(x.grad, w * 2.0)
+    s = fastpath.grad_stats(name)
+    assert (s["calls"], s["hits"], s["specs"]) == (5, 3, 1)
+    assert calls == {"python": 2, "backward": 5}  # the C++ Function ran the last three forwards
+    with torch.no_grad():  # no gradient to record: the backend kernel, no formula
         for _ in range(3):
             _check(x.detach(), 2.0, *op(x, 2.0))
-    assert seen == ["DispatchKeySet"] and fastpath.stats(name)["hits"] == 1
+    assert fastpath.grad_stats(name)["calls"] == 5
+
+
+def test_autograd_setup_saving_a_derived_tensor_stays_on_the_python_path(kernel):
+    op, name, calls = _grad_op(kernel)
+
+    def setup(ctx, inputs, output):
+        rec = fastpath.setup_recorder
+        ctx = ctx if rec is None else rec.wrap(ctx, inputs, output)
+        ctx.save_for_backward(inputs[0] * 1, output[0], None)  # not an input or an output
+
+    class F(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, alpha):
+            out = _scale_impl(kernel)(x, alpha)
+            setup(ctx, (x, alpha), out)
+            ctx.alpha = alpha
+            return out
+
+        @staticmethod
+        def backward(ctx, g_out, g_rowsum):
+            return g_out * ctx.alpha, None
+
+    op2, name2 = _op(_scale_impl(kernel))
+    fastpath.register_autograd(NS, name2, lambda keyset, args: F.apply(*args), None)
+    for _ in range(5):
+        x = torch.randn(3, 3, requires_grad=True)
+        op2(x, 3.0)[0].sum().backward()
+        torch.testing.assert_close(x.grad, torch.full_like(x, 3.0))
+    s = fastpath.grad_stats(name2)
+    assert (s["hits"], s["specs"], s["python_only"]) == (0, 0, 1)
 
 
 # ------------------------------------------------------------------------------------- GPU

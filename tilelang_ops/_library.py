@@ -168,7 +168,9 @@ class CustomOp:
             ctx.set_materialize_grads(False)
             out = run(keyset, args)
             if setup_context is not None:
-                setup_context(ctx, args + defaults[len(args):], out)
+                full = args + defaults[len(args):]
+                rec = fastpath.setup_recorder  # the C++ call path learning what this call saves
+                setup_context(ctx if rec is None else rec.wrap(ctx, full, out), full, out)
             return out
 
         def backward_(ctx, *grads):
@@ -182,20 +184,23 @@ class CustomOp:
 
         fn_cls = type(f"{self.name}_autograd", (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(backward_)})
         self.apply_with_grad = _fast_apply(fn_cls)
+        if _fast():  # C++: a key's recorded setup replays without Python until the backward
+            fastpath.register_autograd(NAMESPACE, self.name, self.apply_with_grad, backward, setup_context is not None)
+            return
         self._impl_autograd(self.apply_with_grad)
 
-    def register_autograd_via(self, other: "CustomOp", select):
+    def register_autograd_via(self, other: "CustomOp", output: int):
         """Autograd by delegation to `other`, an op with the same arguments and an autograd
-        formula: when a gradient is needed, the result is `select(other's outputs)`, recorded by
-        other's autograd; otherwise this op's own kernel runs."""
-        self._impl_autograd(lambda keyset, args: select(other.apply_with_grad(keyset, args)))
+        formula: when a gradient is needed, the result is other's output number `output`, recorded
+        by other's autograd; otherwise this op's own kernel runs."""
+        if _fast():
+            fastpath.register_autograd_via(NAMESPACE, self.name, other.name, output)
+            return
+        self._impl_autograd(lambda keyset, args: other.apply_with_grad(keyset, args)[output])
 
     def _impl_autograd(self, with_grad):
         """The Autograd kernel: `with_grad(keyset, args)` when a gradient will be needed, else the
         no-grad path (the implementation directly, or a redispatch)."""
-        if _fast():  # C++: no Python at all on a call that records no gradient
-            fastpath.register_autograd(NAMESPACE, self.name, with_grad)
-            return
         run = self._run
 
         def autograd_kernel(keyset, *args):

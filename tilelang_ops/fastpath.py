@@ -43,6 +43,7 @@ _load_error: Exception | None = None
 _lock = threading.Lock()
 _keep: dict[int, object] = {}  # tvm_ffi Functions referenced by a plan, kept alive for it
 _indices: dict[str, int] = {}  # op name -> the extension's index of its backend kernel
+_grad_indices: dict[str, int] = {}  # op name -> index of its Autograd kernel
 
 # torch dtype -> DLPack (code, bits, lanes), as tvm_ffi passes a torch tensor to a kernel
 _DL_DTYPE = {
@@ -130,10 +131,36 @@ def register(namespace: str, name: str, key: str, impl) -> None:
     _indices[name] = _ext.register_backend(namespace, name, key, handler)
 
 
-def register_autograd(namespace: str, name: str, with_grad) -> None:
-    """The Autograd kernel of `name`: C++ redispatch without a gradient to record, else
-    `with_grad(keyset, args)`."""
-    _ext.register_autograd(namespace, name, with_grad)
+def register_autograd(namespace: str, name: str, with_grad, backward, has_setup: bool = True) -> None:
+    """The Autograd kernel of `name`: without a gradient to record, C++ straight to the backend
+    kernel; with one, `with_grad(keyset, args)` (the op's Python autograd path, which calls
+    setup_context) until a key's setup is recorded, then a C++ autograd Function that saves what
+    setup_context saved and calls `backward(ctx, *grads)` from its backward. has_setup=False: the
+    op has no setup_context (nothing saved, no attributes): recorded as such at once."""
+
+    def grad_handler(keyset, args, record):
+        global setup_recorder
+        if not record:
+            return with_grad(keyset, args), None
+        rec = setup_recorder = _SetupRecorder()
+        try:
+            result = with_grad(keyset, args)
+        finally:
+            setup_recorder = None
+        return result, rec.spec(result, has_setup)
+
+    _grad_indices[name] = _ext.register_autograd(namespace, name, grad_handler, backward, _Ctx)
+
+
+def register_autograd_via(namespace: str, name: str, other: str, output: int) -> None:
+    """`name`'s gradient is recorded by `other` (same arguments), whose output `output` it returns."""
+    _ext.register_autograd_via(namespace, name, other, output)
+
+
+def grad_stats(name: str) -> dict | None:
+    """calls (grad-recording), hits (the C++ Function), specs and python_only keys of `name`."""
+    i = _grad_indices.get(name)
+    return None if i is None else _ext.grad_stats(i)
 
 
 # ------------------------------------------------------------------------------------ recording
@@ -250,3 +277,89 @@ class _Recorder(TorchDispatchMode):
             _keep[id(fn)] = fn
             launches.append((fn.__chandle__(), packed))
         return allocs, list(self.consts), launches, outs
+
+
+# --------------------------------------------------------------------------- recording a setup
+setup_recorder: "_SetupRecorder | None" = None  # read by _library's autograd forward
+
+
+class _SetupRecorder:
+    """Sees one call of an op's setup_context (through `wrap`): what it saved, as inputs or outputs
+    of the call, the attributes it set and the outputs it marked non-differentiable."""
+
+    def __init__(self):
+        self.saved: list | None = None
+        self.attrs: dict = {}
+        self.non_diff: list = []
+        self.reject: str | None = None
+        self.outputs: tuple = ()
+        self.seen = False
+
+    def wrap(self, ctx, args, output):
+        self.seen = True
+        self.args = args
+        self.outputs = output if isinstance(output, tuple) else (output,)
+        return _CtxProxy(ctx, self)
+
+    def _where(self, t):
+        if t is None:
+            return None
+        for i, a in enumerate(self.args):
+            if t is a:
+                return (_INPUT, i)
+        for j, o in enumerate(self.outputs):
+            if t is o:
+                return (_ALLOC, j)
+        self.reject = "saved a tensor that is neither an input nor an output"
+        return None
+
+    def spec(self, result, has_setup: bool):
+        if not has_setup and not self.seen:
+            outs = result if isinstance(result, tuple) else (result,)
+            return [], [False] * len(outs), {}
+        if self.reject or not self.seen:
+            return None
+        ids = [id(t) for t in self.non_diff]
+        return list(self.saved or []), [id(o) in ids for o in self.outputs], dict(self.attrs)
+
+
+_ATTR_TYPES = (bool, int, float, str, type(None), torch.dtype)
+
+
+class _CtxProxy:
+    """The autograd ctx as setup_context sees it while a recorder watches."""
+
+    def __init__(self, ctx, rec):
+        object.__setattr__(self, "_ctx", ctx)
+        object.__setattr__(self, "_rec", rec)
+
+    def save_for_backward(self, *tensors):
+        self._rec.saved = [self._rec._where(t) for t in tensors]
+        self._ctx.save_for_backward(*tensors)
+
+    def mark_non_differentiable(self, *tensors):
+        self._rec.non_diff.extend(tensors)
+        self._ctx.mark_non_differentiable(*tensors)
+
+    def set_materialize_grads(self, value):  # the C++ Function never materializes
+        self._ctx.set_materialize_grads(value)
+
+    def __setattr__(self, name, value):
+        if isinstance(value, _ATTR_TYPES):
+            self._rec.attrs[name] = value
+        else:
+            self._rec.reject = f"ctx.{name} is a {type(value).__name__}"
+        setattr(self._ctx, name, value)
+
+    def __getattr__(self, name):
+        return getattr(self._ctx, name)
+
+
+class _Ctx:
+    """The ctx a backward formula gets from the C++ Function: saved_tensors, needs_input_grad (one
+    per op argument) and the attributes setup_context set."""
+
+    def __init__(self, saved_tensors, needs_input_grad, attrs):
+        self.saved_tensors = saved_tensors
+        self.needs_input_grad = needs_input_grad
+        self.__dict__.update(attrs)

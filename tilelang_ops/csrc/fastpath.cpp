@@ -15,6 +15,7 @@
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/csrc/autograd/custom_function.h>
 
 #include <dlfcn.h>
 
@@ -336,14 +337,102 @@ struct BackendKernel final : c10::OperatorKernel {
   }
 };
 
+// ---- autograd: the op's Python formula, recorded setup
+// What the op's setup_context did for a key (fastpath._SetupRecorder): which inputs (schema
+// argument index) or outputs it saved, the attributes it set, which outputs it marked
+// non-differentiable. Never freed: it holds Python objects, and a node may outlive invalidate().
+struct GradSpec {
+  std::vector<std::pair<int, int>> saved;  // (kInput / kAlloc for an output / -1 for None, index)
+  std::vector<bool> non_diff;               // per output
+  py::object attrs;                         // dict
+};
+struct GradOp {
+  std::string name;
+  py::object grad_handler;  // grad_handler(keyset, args, record) -> (result, spec or None)
+  py::object backward;      // backward(ctx, *grads) -> one gradient (or None) per argument
+  py::object ctx_cls;       // ctx_cls(saved_tensors, needs_input_grad, attrs)
+  std::vector<size_t> tensor_args;  // schema positions of Tensor / Tensor? arguments
+  size_t n_args = 0;
+  std::mutex mu;
+  std::unordered_map<std::vector<int64_t>, Entry, KeyHash> entries;  // Entry.plan unused
+  std::unordered_map<std::vector<int64_t>, GradSpec*, KeyHash> specs;
+  int64_t epoch_seen = 0;
+  int64_t hits = 0, calls = 0;
+};
+std::vector<GradOp*> grad_ops;
+
+struct ForwardData {  // what PyFormula::forward needs besides the tensors
+  GradOp* g; GradSpec* spec; const c10::OperatorHandle* op; c10::DispatchKeySet ks; torch::jit::Stack* stack;
+};
+
+// A C++ custom autograd Function whose backward is the op's Python formula.
+struct PyFormula : torch::autograd::Function<PyFormula> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, at::TensorList tensors, ForwardData* d) {
+    size_t n = d->g->n_args, first = d->stack->size() - n;
+    std::vector<c10::IValue> args((*d->stack).begin() + first, (*d->stack).end());
+    {
+      at::AutoDispatchBelowADInplaceOrView guard;
+      d->op->redispatchBoxed(d->ks & c10::after_autograd_keyset, d->stack);
+    }
+    size_t m = d->op->schema().returns().size();
+    torch::autograd::variable_list outs;
+    for (size_t i = d->stack->size() - m; i < d->stack->size(); ++i) outs.push_back((*d->stack)[i].toTensor());
+    torch::jit::drop(*d->stack, m);
+    torch::autograd::variable_list to_save, non_diff;
+    for (const auto& [kind, idx] : d->spec->saved)
+      to_save.push_back(kind == kInput ? (args[idx].isTensor() ? args[idx].toTensor() : at::Tensor()) : kind == kAlloc ? outs[idx] : at::Tensor());
+    for (size_t j = 0; j < outs.size(); ++j)
+      if (d->spec->non_diff[j]) non_diff.push_back(outs[j]);
+    ctx->save_for_backward(std::move(to_save));
+    if (!non_diff.empty()) ctx->mark_non_differentiable(non_diff);
+    ctx->set_materialize_grads(false);
+    ctx->saved_data["g"] = reinterpret_cast<int64_t>(d->g);
+    ctx->saved_data["spec"] = reinterpret_cast<int64_t>(d->spec);
+    return outs;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
+    auto* g = reinterpret_cast<GradOp*>(ctx->saved_data["g"].toInt());
+    auto* spec = reinterpret_cast<GradSpec*>(ctx->saved_data["spec"].toInt());
+    auto saved = ctx->get_saved_variables();
+    torch::autograd::variable_list result(g->tensor_args.size() + 1);  // + ForwardData*'s slot
+    py::gil_scoped_acquire gil;
+    py::tuple st(saved.size());
+    for (size_t i = 0; i < saved.size(); ++i) st[i] = saved[i].defined() ? py::reinterpret_steal<py::object>(THPVariable_Wrap(saved[i])) : py::none();
+    py::tuple needs(g->n_args);
+    for (size_t i = 0; i < g->n_args; ++i) needs[i] = py::bool_(false);
+    for (size_t k = 0; k < g->tensor_args.size(); ++k) needs[g->tensor_args[k]] = py::bool_(ctx->needs_input_grad(k));
+    py::object c = g->ctx_cls(st, needs, spec->attrs);
+    py::tuple gs(grads.size());
+    for (size_t i = 0; i < grads.size(); ++i) gs[i] = grads[i].defined() ? py::reinterpret_steal<py::object>(THPVariable_Wrap(grads[i])) : py::none();
+    py::object r = g->backward(c, *gs);
+    py::tuple rt = py::isinstance<py::tuple>(r) ? r.cast<py::tuple>() : py::make_tuple(r);
+    for (size_t k = 0; k < g->tensor_args.size(); ++k) {
+      size_t p = g->tensor_args[k];
+      if (p < rt.size() && !rt[p].is_none()) result[k] = THPVariable_Unpack(rt[p].ptr());
+    }
+    return result;
+  }
+};
+
+void push_result(const c10::OperatorHandle& op, torch::jit::Stack* stack, const py::object& result) {
+  const auto& returns = op.schema().returns();
+  if (returns.size() == 1) {
+    stack->push_back(torch::jit::toIValue(result, returns[0].type()));
+  } else {
+    auto tup = result.cast<py::tuple>();
+    for (size_t i = 0; i < returns.size(); ++i) stack->push_back(torch::jit::toIValue(tup[i], returns[i].type()));
+  }
+}
+
 // The Autograd kernel: without a gradient to record, straight to the backend kernel (no Python);
-// else the op's Python autograd formula (`with_grad(keyset, args)`).
+// with one, the C++ Function above once a key's setup is recorded, else the op's Python autograd
+// path (`grad_handler`). Under functorch transforms always the Python path (its Function.apply).
 struct AutogradKernel final : c10::OperatorKernel {
-  // Never released: the dispatcher destroys its kernels at process exit, after the interpreter.
-  py::object& with_grad;
-  explicit AutogradKernel(py::object f) : with_grad(*new py::object(std::move(f))) {}
+  GradOp* g;
+  explicit AutogradKernel(GradOp* op) : g(op) {}
   void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
-    size_t n = op.schema().arguments().size();
+    size_t n = g->n_args;
     size_t first = stack->size() - n;
     bool grad = false;
     if (c10::GradMode::is_enabled()) {
@@ -356,18 +445,86 @@ struct AutogradKernel final : c10::OperatorKernel {
       op.redispatchBoxed(ks & c10::after_autograd_keyset, stack);
       return;
     }
+    std::vector<int64_t> key;
+    c10::Device device(c10::DeviceType::CPU);
+    GradSpec* spec = nullptr;
+    bool record = false, keyed = !at::functorch::functorchTLSAccessor() && make_key(*stack, first, n, key, device);
+    if (keyed) {
+      std::lock_guard<std::mutex> lock(g->mu);
+      int64_t e = epoch.load();
+      if (g->epoch_seen != e) { g->entries.clear(); g->specs.clear(); g->epoch_seen = e; }
+      ++g->calls;
+      auto it = g->specs.find(key);
+      if (it != g->specs.end()) {
+        spec = it->second;
+        ++g->hits;
+      } else {
+        auto ent = g->entries.find(key);
+        if (ent == g->entries.end()) g->entries.emplace(key, Entry{});
+        else record = !ent->second.python_only;
+      }
+    }
+    if (spec != nullptr) {
+      std::vector<at::Tensor> tensors;
+      for (size_t p : g->tensor_args) {
+        const c10::IValue& v = (*stack)[first + p];
+        tensors.push_back(v.isTensor() ? v.toTensor() : at::Tensor());
+      }
+      ForwardData d{g, spec, &op, ks, stack};
+      auto outs = PyFormula::apply(at::TensorList(tensors), &d);  // its forward consumed the arguments
+      for (auto& o : outs) stack->push_back(std::move(o));
+      return;
+    }
     py::gil_scoped_acquire gil;
     py::tuple args(n);
     for (size_t i = 0; i < n; ++i) args[i] = torch::jit::toPyObject((*stack)[first + i]);
-    py::object result = with_grad(py::cast(ks), args);
-    torch::jit::drop(*stack, n);
-    const auto& returns = op.schema().returns();
-    if (returns.size() == 1) {
-      stack->push_back(torch::jit::toIValue(result, returns[0].type()));
-    } else {
-      auto tup = result.cast<py::tuple>();
-      for (size_t i = 0; i < returns.size(); ++i) stack->push_back(torch::jit::toIValue(tup[i], returns[i].type()));
+    py::tuple r = g->grad_handler(py::cast(ks), args, record).cast<py::tuple>();
+    if (keyed && (record || !r[1].is_none())) {
+      std::lock_guard<std::mutex> lock(g->mu);
+      if (!r[1].is_none()) {
+        auto t = r[1].cast<py::tuple>();
+        auto* sp = new GradSpec();
+        for (auto sv : t[0]) {
+          if (sv.is_none()) { sp->saved.emplace_back(-1, 0); continue; }
+          auto st = sv.cast<py::tuple>();
+          sp->saved.emplace_back(st[0].cast<int>(), st[1].cast<int>());
+        }
+        for (auto b : t[1]) sp->non_diff.push_back(b.cast<bool>());
+        sp->attrs = py::reinterpret_borrow<py::object>(t[2]);
+        g->specs[key] = sp;
+      } else if (++g->entries[key].misses >= kMaxRecordTries) {
+        g->entries[key].python_only = true;
+      }
     }
+    torch::jit::drop(*stack, n);
+    push_result(op, stack, r[0]);
+  }
+};
+
+// flash_attn's autograd: a gradient is recorded by another op with the same arguments
+// (flash_attn_with_lse), of whose outputs this op returns one.
+struct AutogradViaKernel final : c10::OperatorKernel {
+  c10::OperatorHandle other;
+  size_t pick;
+  AutogradViaKernel(c10::OperatorHandle o, size_t p) : other(std::move(o)), pick(p) {}
+  void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+    size_t n = op.schema().arguments().size(), first = stack->size() - n;
+    bool grad = false;
+    if (c10::GradMode::is_enabled()) {
+      for (size_t i = 0; i < n && !grad; ++i) {
+        const c10::IValue& v = (*stack)[first + i];
+        grad = v.isTensor() && v.toTensor().defined() && v.toTensor().requires_grad();
+      }
+    }
+    if (!grad) {
+      op.redispatchBoxed(ks & c10::after_autograd_keyset, stack);
+      return;
+    }
+    other.callBoxed(stack);
+    size_t m = other.schema().returns().size();
+    c10::IValue keep = (*stack)[stack->size() - m + pick];
+    torch::jit::drop(*stack, m);
+    stack->push_back(std::move(keep));
   }
 };
 
@@ -407,10 +564,44 @@ int64_t register_backend(const std::string& ns, const std::string& name, const s
   return static_cast<int64_t>(states.size() - 1);
 }
 
-void register_autograd(const std::string& ns, const std::string& name, py::object with_grad) {
+// The Autograd kernel of `name`; returns its index (grad_stats).
+int64_t register_autograd(const std::string& ns, const std::string& name, py::object grad_handler, py::object backward, py::object ctx_cls) {
+  auto* g = new GradOp();
+  g->name = name;
+  g->grad_handler = std::move(grad_handler);
+  g->backward = std::move(backward);
+  g->ctx_cls = std::move(ctx_cls);
+  auto handle = c10::Dispatcher::singleton().findSchemaOrThrow((ns + "::" + name).c_str(), "");
+  const auto& arguments = handle.schema().arguments();
+  g->n_args = arguments.size();
+  for (size_t i = 0; i < arguments.size(); ++i) {
+    auto t = arguments[i].type();
+    if (auto o = t->cast<c10::OptionalType>()) t = o->getElementType();
+    if (t->cast<c10::TensorType>()) g->tensor_args.push_back(i);
+  }
   auto* lib = new torch::Library(torch::Library::IMPL, ns, c10::DispatchKey::Autograd, __FILE__, __LINE__);
-  lib->impl(name.c_str(), torch::CppFunction::makeFromBoxedFunctor(std::make_unique<AutogradKernel>(std::move(with_grad))));
+  lib->impl(name.c_str(), torch::CppFunction::makeFromBoxedFunctor(std::make_unique<AutogradKernel>(g)));
   libraries.push_back(lib);
+  grad_ops.push_back(g);
+  return static_cast<int64_t>(grad_ops.size() - 1);
+}
+
+void register_autograd_via(const std::string& ns, const std::string& name, const std::string& other, int64_t pick) {
+  auto handle = c10::Dispatcher::singleton().findSchemaOrThrow((ns + "::" + other).c_str(), "");
+  auto* lib = new torch::Library(torch::Library::IMPL, ns, c10::DispatchKey::Autograd, __FILE__, __LINE__);
+  lib->impl(name.c_str(), torch::CppFunction::makeFromBoxedFunctor(std::make_unique<AutogradViaKernel>(handle, static_cast<size_t>(pick))));
+  libraries.push_back(lib);
+}
+
+py::dict grad_stats(int64_t index) {
+  GradOp& g = *grad_ops.at(index);
+  std::lock_guard<std::mutex> lock(g.mu);
+  int64_t python_only = 0;
+  for (const auto& kv : g.entries) python_only += kv.second.python_only;
+  py::dict d;
+  d["calls"] = g.calls; d["hits"] = g.hits; d["specs"] = static_cast<int64_t>(g.specs.size());
+  d["python_only"] = python_only;
+  return d;
 }
 
 void invalidate() { ++epoch; }
@@ -482,6 +673,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("init_ffi", &init_ffi);
   m.def("register_backend", &register_backend);
   m.def("register_autograd", &register_autograd);
+  m.def("register_autograd_via", &register_autograd_via);
+  m.def("grad_stats", &grad_stats);
   m.def("invalidate", &invalidate);
   m.def("stats", &stats);
   m.def("current_stream", &current_stream);

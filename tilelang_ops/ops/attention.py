@@ -552,7 +552,7 @@ def _(q, k, v, causal=False, softmax_scale=None):
     return q.new_empty(q.shape)
 
 
-flash_attn.register_autograd_via(flash_attn_with_lse, lambda out_lse: out_lse[0])
+flash_attn.register_autograd_via(flash_attn_with_lse, 0)  # out of (out, lse)
 
 
 # ------------------------------------------------------------------------------- packed QKV
@@ -684,4 +684,4 @@ def _(qkv, causal=False, softmax_scale=None):
     return qkv.new_empty((B, S, H, D))
 
 
-flash_attn_qkvpacked.register_autograd_via(flash_attn_qkvpacked_with_lse, lambda out_lse: out_lse[0])
+flash_attn_qkvpacked.register_autograd_via(flash_attn_qkvpacked_with_lse, 0)
