@@ -96,6 +96,16 @@ def test_key_covers_scalars_strides_alignment_and_aliasing(kernel):
     assert fastpath.stats(name)["keys"] == 5 and fastpath.stats(name)["hits"] == 5
 
 
+def test_scalar_type_arguments_reach_python_as_dtypes(kernel):
+    scale = _scale_impl(kernel)
+    seen = []
+    op, name = _op(lambda x, alpha, dt: seen.append(dt) or scale(x, alpha), "(Tensor x, float alpha, ScalarType? dt) -> (Tensor, Tensor)")
+    for dt in (torch.bfloat16, torch.bfloat16, None, torch.float32):
+        x = torch.randn(3, 4)
+        _check(x, 2.0, *op(x, 2.0, dt))
+    assert seen == [torch.bfloat16, torch.bfloat16, None, torch.float32]
+
+
 def test_outputs_as_views_of_one_allocation(kernel):
     def impl(x, alpha):
         buf = x.new_empty(x.shape[0], x.shape[1] + 1)

@@ -175,6 +175,13 @@ _VIEW_LIKE = {"aten::_unsafe_view", "aten::detach", "aten::alias"}
 _ALLOCS = {"aten::empty", "aten::empty_strided", "aten::new_empty", "aten::new_empty_strided", "aten::empty_like"}
 
 
+def _no_tensors(*trees) -> bool:
+    """No tensor in or out (torch.promote_types dispatches as an aten op): nothing to replay."""
+    from torch.utils._pytree import tree_leaves
+
+    return not any(isinstance(t, torch.Tensor) for t in tree_leaves(trees))
+
+
 class _Reject(Exception):
     """The call does something a plan cannot replay: its key stays on the Python path."""
 
@@ -208,7 +215,7 @@ class _Recorder(TorchDispatchMode):
         name = func._schema.name
         if name in _ALLOCS:
             self.allocs.append(out)
-        elif not (func.is_view or name in _VIEW_LIKE):
+        elif not (func.is_view or name in _VIEW_LIKE or _no_tensors(args, kwargs, out)):
             self.reject = self.reject or f"{func} is not an allocation or a view"
         return out
 

@@ -12,6 +12,7 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 #include <torch/csrc/Dtype.h>
+#include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -271,12 +272,28 @@ std::shared_ptr<Plan> parse_plan(const py::handle& p) {
   return plan;
 }
 
+// The call's arguments as Python objects, as torch's Python bindings give them: a ScalarType
+// argument (an int on the stack) as a torch.dtype.
+py::tuple args_to_py(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first, size_t n) {
+  const auto& arguments = op.schema().arguments();
+  py::tuple args(n);
+  for (size_t i = 0; i < n; ++i) {
+    const c10::IValue& v = stack[first + i];
+    auto t = arguments[i].real_type();  // type() says int for a ScalarType
+    if (auto o = t->cast<c10::OptionalType>()) t = o->getElementType();
+    if (v.isInt() && t->kind() == c10::TypeKind::ScalarTypeType)
+      args[i] = py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(torch::getTHPDtype(static_cast<c10::ScalarType>(v.toInt()))));
+    else
+      args[i] = torch::jit::toPyObject(v);
+  }
+  return args;
+}
+
 // The Python implementation on this call; with `record`, it also returns a plan for the key.
 void call_python(OpState& st, const c10::OperatorHandle& op, torch::jit::Stack* stack, size_t first, size_t n,
                  const std::vector<int64_t>* key, bool record) {
   py::gil_scoped_acquire gil;
-  py::tuple args(n);
-  for (size_t i = 0; i < n; ++i) args[i] = torch::jit::toPyObject((*stack)[first + i]);
+  py::tuple args = args_to_py(op, *stack, first, n);
   py::tuple r = st.handler(args, record).cast<py::tuple>();
   py::object result = r[0];
   if (key != nullptr) {
@@ -425,6 +442,18 @@ void push_result(const c10::OperatorHandle& op, torch::jit::Stack* stack, const 
   }
 }
 
+// Under a functorch transform (grad, vmap) a C++ autograd Function is refused; Python's handles it.
+bool functorch_active() {
+  const auto& tls = at::functorch::functorchTLSAccessor();
+  if (!tls) return false;  // functorch never used on this thread
+  try {
+    tls->checkSupportsCppAutogradFunction();  // throws while a transform is active
+    return false;
+  } catch (const c10::Error&) {
+    return true;
+  }
+}
+
 // The Autograd kernel: without a gradient to record, straight to the backend kernel (no Python);
 // with one, the C++ Function above once a key's setup is recorded, else the op's Python autograd
 // path (`grad_handler`). Under functorch transforms always the Python path (its Function.apply).
@@ -448,7 +477,7 @@ struct AutogradKernel final : c10::OperatorKernel {
     std::vector<int64_t> key;
     c10::Device device(c10::DeviceType::CPU);
     GradSpec* spec = nullptr;
-    bool record = false, keyed = !at::functorch::functorchTLSAccessor() && make_key(*stack, first, n, key, device);
+    bool record = false, keyed = !functorch_active() && make_key(*stack, first, n, key, device);
     if (keyed) {
       std::lock_guard<std::mutex> lock(g->mu);
       int64_t e = epoch.load();
@@ -476,8 +505,7 @@ struct AutogradKernel final : c10::OperatorKernel {
       return;
     }
     py::gil_scoped_acquire gil;
-    py::tuple args(n);
-    for (size_t i = 0; i < n; ++i) args[i] = torch::jit::toPyObject((*stack)[first + i]);
+    py::tuple args = args_to_py(op, *stack, first, n);
     py::tuple r = g->grad_handler(py::cast(ks), args, record).cast<py::tuple>();
     if (keyed && (record || !r[1].is_none())) {
       std::lock_guard<std::mutex> lock(g->mu);
