@@ -249,6 +249,56 @@ def test_autograd_replays_the_recorded_setup_in_cpp(kernel):
     assert fastpath.grad_stats(name)["calls"] == 5
 
 
+def test_autograd_with_a_none_tensor_argument(kernel):
+    # a Tensor? argument given None is not an input of the C++ Function (it has no device)
+    scale = _scale_impl(kernel)
+    op, name = _op(lambda x, y, alpha: scale(x, alpha), "(Tensor x, Tensor? y, float alpha) -> (Tensor, Tensor)")
+
+    class F(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, y, alpha):
+            ctx.set_materialize_grads(False)
+            out = scale(x, alpha)
+            rec = fastpath.setup_recorder
+            c = ctx if rec is None else rec.wrap(ctx, (x, y, alpha), out)
+            c.alpha = alpha
+            c.mark_non_differentiable(out[1])
+            return out
+
+        @staticmethod
+        def backward(ctx, g_out, g_rowsum):
+            assert ctx.needs_input_grad[1] is False and ctx.needs_input_grad[2] is False
+            return g_out * ctx.alpha, None, None
+
+    fastpath.register_autograd(NS, name, lambda keyset, args: F.apply(*args), F.backward)
+    for _ in range(4):
+        x = torch.randn(3, 4, requires_grad=True)
+        op(x, None, 2.0)[0].sum().backward()
+        torch.testing.assert_close(x.grad, torch.full_like(x, 2.0))
+    assert fastpath.grad_stats(name)["hits"] == 2
+
+
+def test_fake_tensors_take_the_python_path(kernel):
+    # torch.compile traces with fake tensors (their data pointer raises): never keyed
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    scale = _scale_impl(kernel)
+    op, name = _op(scale)
+    torch.library.register_fake(f"{NS}::{name}", lambda x, alpha: (torch.empty_like(x), x.new_empty(x.shape[0])), lib=_lib)
+
+    def with_grad(keyset, args):
+        with torch._C._AutoDispatchBelowAutograd():
+            return op.redispatch(keyset & torch._C._after_autograd_keyset, *args)
+
+    fastpath.register_autograd(NS, name, with_grad, None, has_setup=False)
+    with FakeTensorMode():
+        for _ in range(3):
+            x = torch.randn(5, 6, requires_grad=True)
+            out, rowsum = op(x, 2.0)
+            assert out.shape == (5, 6) and rowsum.shape == (5,)
+    assert fastpath.grad_stats(name)["calls"] == 0 and fastpath.stats(name)["calls"] == 0
+
+
 def test_autograd_setup_saving_a_derived_tensor_stays_on_the_python_path(kernel):
     op, name, calls = _grad_op(kernel)
 

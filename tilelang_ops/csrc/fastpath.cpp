@@ -120,6 +120,10 @@ void push_tensor_key(std::vector<int64_t>& key, const at::Tensor& t, std::vector
   storages.push_back(s);
 }
 
+const c10::DispatchKeySet kNotPlain({c10::DispatchKey::Python, c10::DispatchKey::Functionalize,
+                                     c10::DispatchKey::FuncTorchBatched, c10::DispatchKey::FuncTorchGradWrapper,
+                                     c10::DispatchKey::PythonTLSSnapshot});
+
 // The call's key, or false where an argument is of a kind no plan covers.
 bool make_key(const torch::jit::Stack& stack, size_t first, size_t n, std::vector<int64_t>& key, c10::Device& device) {
   std::vector<const c10::StorageImpl*> storages;
@@ -129,7 +133,9 @@ bool make_key(const torch::jit::Stack& stack, size_t first, size_t n, std::vecto
     if (v.isTensor()) {
       const at::Tensor& t = v.toTensor();
       if (!t.defined()) { key.push_back(-101); continue; }
-      if (t.layout() != c10::kStrided || !t.has_storage()) return false;
+      // fake, functional and functorch-wrapped tensors (torch.compile's tracing, torch.func) and
+      // anything but plain strided memory: the Python path, which dispatches them as before
+      if (t.layout() != c10::kStrided || !t.has_storage() || t.is_meta() || t.key_set().has_any(kNotPlain)) return false;
       key.push_back(-100);
       push_tensor_key(key, t, storages);
       if (!have_device) { device = t.device(); have_device = true; }
@@ -380,6 +386,7 @@ std::vector<GradOp*> grad_ops;
 
 struct ForwardData {  // what PyFormula::forward needs besides the tensors
   GradOp* g; GradSpec* spec; const c10::OperatorHandle* op; c10::DispatchKeySet ks; torch::jit::Stack* stack;
+  std::vector<int64_t> pos;  // the argument positions of the tensors (a None Tensor? is not an input)
 };
 
 // A C++ custom autograd Function whose backward is the op's Python formula.
@@ -405,27 +412,29 @@ struct PyFormula : torch::autograd::Function<PyFormula> {
     ctx->set_materialize_grads(false);
     ctx->saved_data["g"] = reinterpret_cast<int64_t>(d->g);
     ctx->saved_data["spec"] = reinterpret_cast<int64_t>(d->spec);
+    ctx->saved_data["pos"] = d->pos;
     return outs;
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
     auto* g = reinterpret_cast<GradOp*>(ctx->saved_data["g"].toInt());
     auto* spec = reinterpret_cast<GradSpec*>(ctx->saved_data["spec"].toInt());
+    auto pos = ctx->saved_data["pos"].toIntVector();  // the inputs' argument positions
     auto saved = ctx->get_saved_variables();
-    torch::autograd::variable_list result(g->tensor_args.size() + 1);  // + ForwardData*'s slot
+    torch::autograd::variable_list result(pos.size() + 1);  // + ForwardData*'s slot
     py::gil_scoped_acquire gil;
     py::tuple st(saved.size());
     for (size_t i = 0; i < saved.size(); ++i) st[i] = saved[i].defined() ? py::reinterpret_steal<py::object>(THPVariable_Wrap(saved[i])) : py::none();
     py::tuple needs(g->n_args);
     for (size_t i = 0; i < g->n_args; ++i) needs[i] = py::bool_(false);
-    for (size_t k = 0; k < g->tensor_args.size(); ++k) needs[g->tensor_args[k]] = py::bool_(ctx->needs_input_grad(k));
+    for (size_t k = 0; k < pos.size(); ++k) needs[pos[k]] = py::bool_(ctx->needs_input_grad(k));
     py::object c = g->ctx_cls(st, needs, spec->attrs);
     py::tuple gs(grads.size());
     for (size_t i = 0; i < grads.size(); ++i) gs[i] = grads[i].defined() ? py::reinterpret_steal<py::object>(THPVariable_Wrap(grads[i])) : py::none();
     py::object r = g->backward(c, *gs);
     py::tuple rt = py::isinstance<py::tuple>(r) ? r.cast<py::tuple>() : py::make_tuple(r);
-    for (size_t k = 0; k < g->tensor_args.size(); ++k) {
-      size_t p = g->tensor_args[k];
+    for (size_t k = 0; k < pos.size(); ++k) {
+      size_t p = static_cast<size_t>(pos[k]);
       if (p < rt.size() && !rt[p].is_none()) result[k] = THPVariable_Unpack(rt[p].ptr());
     }
     return result;
@@ -495,11 +504,14 @@ struct AutogradKernel final : c10::OperatorKernel {
     }
     if (spec != nullptr) {
       std::vector<at::Tensor> tensors;
+      ForwardData d{g, spec, &op, ks, stack, {}};
       for (size_t p : g->tensor_args) {
         const c10::IValue& v = (*stack)[first + p];
-        tensors.push_back(v.isTensor() ? v.toTensor() : at::Tensor());
+        if (v.isTensor() && v.toTensor().defined()) {
+          tensors.push_back(v.toTensor());
+          d.pos.push_back(static_cast<int64_t>(p));
+        }
       }
-      ForwardData d{g, spec, &op, ks, stack};
       auto outs = PyFormula::apply(at::TensorList(tensors), &d);  // its forward consumed the arguments
       for (auto& o : outs) stack->push_back(std::move(o));
       return;
