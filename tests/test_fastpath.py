@@ -45,6 +45,22 @@ def kernel(ext):
     return runtime.recordable(tvm_ffi.get_global_func("tileops.test_scale_rowsum"))
 
 
+def test_a_built_module_is_imported_only_for_its_own_source(ext, tmp_path, monkeypatch):
+    # a second process imports the built module directly (~10 ms) if its stamp matches the
+    # source, torch and Python it was built for; else it builds again
+    import shutil
+
+    src = fastpath.build_dir()
+    for f in ("tileops_fastpath.so", "tileops_fastpath.stamp"):
+        shutil.copy(src / f, tmp_path / f)
+    monkeypatch.setattr(fastpath, "build_dir", lambda: tmp_path)
+    assert fastpath._import_built() is not None
+    (tmp_path / "tileops_fastpath.stamp").write_text("another source")
+    assert fastpath._import_built() is None
+    (tmp_path / "tileops_fastpath.stamp").unlink()
+    assert fastpath._import_built() is None
+
+
 def _op(impl, schema="(Tensor x, float alpha) -> (Tensor, Tensor)"):
     """A fresh test op served by `impl` through the C++ path: (op, name)."""
     name = f"op{next(_names)}"

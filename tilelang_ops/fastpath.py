@@ -75,29 +75,79 @@ def load(verbose: bool = False):
         if _ext is not None or _load_error is not None:
             return _ext
         try:
-            import tvm_ffi.libinfo
-            from torch.utils import cpp_extension
-
-            d = build_dir()
-            d.mkdir(parents=True, exist_ok=True)
-            if not (d / "tileops_fastpath.so").exists():
-                print(f"tilelang_ops: building the C++ call path into {d} (once per torch version, ~30 s)", file=sys.stderr)
-            ext = cpp_extension.load(
-                name="tileops_fastpath", sources=[str(_SRC)], build_directory=str(d),
-                extra_cflags=["-O2"], verbose=verbose,
-            )
-            ext.init_ffi(tvm_ffi.libinfo.find_libtvm_ffi())
-            if torch.cuda.is_available():
-                s = torch.cuda.Stream()
-                with torch.cuda.stream(s):
-                    seen = ext.current_stream(torch.cuda.current_device())
-                if seen != s.cuda_stream:
-                    raise RuntimeError(f"the extension reads the current CUDA stream as {seen:#x}, torch as {s.cuda_stream:#x}")
-            _ext = ext
+            # no tvm_ffi import and no CUDA call here: this runs when tilelang_ops is imported
+            _ext = _import_built() or _build(verbose)
         except Exception as e:  # noqa: BLE001 — any failure leaves the Python path, said once
             _load_error = e
             warnings.warn(f"tilelang_ops: the C++ call path is off ({type(e).__name__}: {e}); ops run on the Python path", stacklevel=2)
         return _ext
+
+
+_CFLAGS = ["-O2"]
+
+
+def _stamp() -> str:
+    """What the built module depends on: the source, the flags, torch and Python."""
+    import hashlib
+
+    return hashlib.sha256(_SRC.read_bytes() + repr((_CFLAGS, torch.__version__, sys.version)).encode()).hexdigest()
+
+
+def _import_built():
+    """The module built earlier for this source and torch, imported directly (~10 ms; going
+    through cpp_extension.load costs ~0.6 s a process even when nothing is rebuilt), or None."""
+    import importlib.util
+
+    d = build_dir()
+    so, stamp = d / "tileops_fastpath.so", d / "tileops_fastpath.stamp"
+    try:
+        if not so.exists() or stamp.read_text() != _stamp():
+            return None
+    except OSError:
+        return None
+    spec = importlib.util.spec_from_file_location("tileops_fastpath", so)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _build(verbose: bool):
+    from torch.utils import cpp_extension
+
+    d = build_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    print(f"tilelang_ops: building the C++ call path into {d} (once per torch version, ~30 s)", file=sys.stderr)
+    # cpp_extension locks the build directory: concurrent first imports build once
+    ext = cpp_extension.load(name="tileops_fastpath", sources=[str(_SRC)], build_directory=str(d), extra_cflags=_CFLAGS, verbose=verbose)
+    tmp = d / f"tileops_fastpath.stamp.{os.getpid()}"
+    tmp.write_text(_stamp())
+    os.replace(tmp, d / "tileops_fastpath.stamp")  # atomic: a reader sees no stamp or a whole one
+    return ext
+
+
+_ready: bool | None = None  # None: not checked yet
+
+
+def ready() -> bool:
+    """Whether plans may be made: once, when the first is (tvm_ffi is loaded and CUDA is up by
+    then), the extension finds tvm_ffi's C API and reads torch's current CUDA stream right."""
+    global _ready
+    if _ready is None:
+        try:
+            import tvm_ffi.libinfo
+
+            _ext.init_ffi(tvm_ffi.libinfo.find_libtvm_ffi())
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                s = torch.cuda.Stream()
+                with torch.cuda.stream(s):
+                    seen = _ext.current_stream(torch.cuda.current_device())
+                if seen != s.cuda_stream:
+                    raise RuntimeError(f"the extension reads the current CUDA stream as {seen:#x}, torch as {s.cuda_stream:#x}")
+            _ready = True
+        except Exception as e:  # noqa: BLE001
+            _ready = False
+            warnings.warn(f"tilelang_ops: the C++ call path replays nothing ({type(e).__name__}: {e}); ops run on the Python path", stacklevel=2)
+    return _ready
 
 
 def load_error() -> Exception | None:
@@ -121,7 +171,7 @@ def register(namespace: str, name: str, key: str, impl) -> None:
     `key` ("CUDA"; "CPU" in tests)."""
 
     def handler(args, record):
-        if not record:
+        if not record or _ready is False:
             return impl(*args), None
         rec = _Recorder(args)
         with rec:
@@ -140,7 +190,7 @@ def register_autograd(namespace: str, name: str, with_grad, backward, has_setup:
 
     def grad_handler(keyset, args, record):
         global setup_recorder
-        if not record:
+        if not record or _ready is False:
             return with_grad(keyset, args), None
         rec = setup_recorder = _SetupRecorder()
         try:
@@ -264,7 +314,7 @@ class _Recorder(TorchDispatchMode):
 
     def plan(self, result):
         """The plan for this call (None if anything in it cannot be replayed)."""
-        if self.reject or not self.launches or self.device is None:
+        if self.reject or not self.launches or self.device is None or not ready():
             return None
         outs = []
         for t in result if isinstance(result, (tuple, list)) else (result,):

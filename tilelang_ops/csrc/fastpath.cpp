@@ -593,7 +593,6 @@ void init_ffi(const std::string& libtvm_ffi) {
 
 // Registers the backend kernel of `name` for `key` ("CUDA"; "CPU" in tests); returns its index.
 int64_t register_backend(const std::string& ns, const std::string& name, const std::string& key, py::object handler) {
-  if (ffi_call == nullptr) throw std::runtime_error("init_ffi() first");
   auto* st = new OpState();
   st->name = name;
   st->handler = std::move(handler);
@@ -695,7 +694,7 @@ void register_test_kernel(const std::string& libtvm_ffi, const std::string& name
   if (!create || !set_global || create(nullptr, &test_kernel_call, nullptr, &f) != 0) throw std::runtime_error("TVMFFIFunctionCreate failed");
   struct { const char* data; size_t size; } bytes{name.data(), name.size()};
   if (set_global(&bytes, f, 1) != 0) throw std::runtime_error("TVMFFIFunctionSetGlobal failed");
-  ffi_decref(f);
+  reinterpret_cast<DecRefFn>(dlsym(h, "TVMFFIObjectDecRef"))(f);  // the registry holds it now
 }
 
 py::dict stats(int64_t index) {
