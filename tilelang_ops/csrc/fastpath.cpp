@@ -89,6 +89,9 @@ struct KeyHash {
 // After this many calls of one key that could not be recorded, the key stays on the Python path
 // (recording runs the call under a dispatch mode: slower than the plain Python path).
 constexpr int kMaxRecordTries = 3;
+// Keys kept per op (a plan is ~1 KB): beyond, new keys run on the Python path. Bounds the memory of
+// a process that sees ever new shapes (a server with free sequence lengths).
+constexpr size_t kMaxKeys = 4096;
 
 struct OpState {
   std::string name;
@@ -339,7 +342,7 @@ struct BackendKernel final : c10::OperatorKernel {
       return;
     }
     std::shared_ptr<Plan> plan;
-    bool record = false;
+    bool record = false, full = false;
     {
       std::lock_guard<std::mutex> lock(st->mu);
       int64_t e = epoch.load();
@@ -347,7 +350,8 @@ struct BackendKernel final : c10::OperatorKernel {
       ++st->calls;
       auto it = st->entries.find(key);
       if (it == st->entries.end()) {
-        st->entries.emplace(key, Entry{});  // first call: run as is (it may fill the op's caches)
+        full = st->entries.size() >= kMaxKeys;
+        if (!full) st->entries.emplace(key, Entry{});  // first call: run as is (it may fill the op's caches)
       } else if (it->second.plan) {
         plan = it->second.plan;
         ++st->hits;
@@ -356,7 +360,7 @@ struct BackendKernel final : c10::OperatorKernel {
       }
     }
     if (plan && replay(*plan, *stack, first, n, device)) return;
-    call_python(*st, op, stack, first, n, &key, record);
+    call_python(*st, op, stack, first, n, full ? nullptr : &key, record);
   }
 };
 
@@ -451,6 +455,18 @@ void push_result(const c10::OperatorHandle& op, torch::jit::Stack* stack, const 
   }
 }
 
+// A call with no gradient to record goes straight on to the backend kernel (true: done).
+bool without_grad(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack, size_t first, size_t n) {
+  if (c10::GradMode::is_enabled()) {
+    for (size_t i = 0; i < n; ++i) {
+      const c10::IValue& v = (*stack)[first + i];
+      if (v.isTensor() && v.toTensor().defined() && v.toTensor().requires_grad()) return false;
+    }
+  }
+  op.redispatchBoxed(ks & c10::after_autograd_keyset, stack);
+  return true;
+}
+
 // Under a functorch transform (grad, vmap) a C++ autograd Function is refused; Python's handles it.
 bool functorch_active() {
   const auto& tls = at::functorch::functorchTLSAccessor();
@@ -472,17 +488,7 @@ struct AutogradKernel final : c10::OperatorKernel {
   void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
     size_t n = g->n_args;
     size_t first = stack->size() - n;
-    bool grad = false;
-    if (c10::GradMode::is_enabled()) {
-      for (size_t i = 0; i < n && !grad; ++i) {
-        const c10::IValue& v = (*stack)[first + i];
-        grad = v.isTensor() && v.toTensor().defined() && v.toTensor().requires_grad();
-      }
-    }
-    if (!grad) {
-      op.redispatchBoxed(ks & c10::after_autograd_keyset, stack);
-      return;
-    }
+    if (without_grad(op, ks, stack, first, n)) return;
     std::vector<int64_t> key;
     c10::Device device(c10::DeviceType::CPU);
     GradSpec* spec = nullptr;
@@ -498,8 +504,9 @@ struct AutogradKernel final : c10::OperatorKernel {
         ++g->hits;
       } else {
         auto ent = g->entries.find(key);
-        if (ent == g->entries.end()) g->entries.emplace(key, Entry{});
-        else record = !ent->second.python_only;
+        if (ent != g->entries.end()) record = !ent->second.python_only;
+        else if (g->entries.size() < kMaxKeys) g->entries.emplace(key, Entry{});
+        else keyed = false;
       }
     }
     if (spec != nullptr) {
@@ -549,17 +556,7 @@ struct AutogradViaKernel final : c10::OperatorKernel {
   AutogradViaKernel(c10::OperatorHandle o, size_t p) : other(std::move(o)), pick(p) {}
   void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
     size_t n = op.schema().arguments().size(), first = stack->size() - n;
-    bool grad = false;
-    if (c10::GradMode::is_enabled()) {
-      for (size_t i = 0; i < n && !grad; ++i) {
-        const c10::IValue& v = (*stack)[first + i];
-        grad = v.isTensor() && v.toTensor().defined() && v.toTensor().requires_grad();
-      }
-    }
-    if (!grad) {
-      op.redispatchBoxed(ks & c10::after_autograd_keyset, stack);
-      return;
-    }
+    if (without_grad(op, ks, stack, first, n)) return;
     other.callBoxed(stack);
     size_t m = other.schema().returns().size();
     c10::IValue keep = (*stack)[stack->size() - m + pick];
