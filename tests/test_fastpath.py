@@ -122,6 +122,34 @@ def test_scalar_type_arguments_reach_python_as_dtypes(kernel):
     assert seen == [torch.bfloat16, torch.bfloat16, None, torch.float32]
 
 
+def test_keys_per_op_are_bounded(kernel):
+    # a process seeing ever new shapes keeps at most 4096 keys an op; the rest run on Python
+    op, name = _op(_scale_impl(kernel))
+    x = torch.randn(2, 3)
+    for i in range(4100):
+        op(x, float(i))
+    for _ in range(3):
+        _check(x, -1.0, *op(x, -1.0))
+    s = fastpath.stats(name)
+    assert s["keys"] == 4096 and s["hits"] == 0 and s["calls"] == 4103
+
+
+@pytest.mark.slow
+def test_concurrent_first_imports_build_once(tmp_path):
+    # four processes importing at once on a machine without the built module: one builds, the
+    # others wait for it; all load it, and the stamp is whole
+    import subprocess
+    import sys
+
+    code = "from tilelang_ops import fastpath; assert fastpath.load() is not None, fastpath.load_error()"
+    env = {**os.environ, "TILEOPS_CACHE_DIR": str(tmp_path)}
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.PIPE) for _ in range(4)]
+    errors = [p.communicate(timeout=600)[1].decode() for p in procs]
+    assert all(p.returncode == 0 for p in procs), errors
+    (d,) = (tmp_path / "ext").iterdir()
+    assert (d / "tileops_fastpath.stamp").read_text() == fastpath._stamp()
+
+
 def test_outputs_as_views_of_one_allocation(kernel):
     def impl(x, alpha):
         buf = x.new_empty(x.shape[0], x.shape[1] + 1)
