@@ -449,3 +449,17 @@ def test_cuda_graph_capture_without_weight_then_eager():
     torch.cuda.synchronize()
     _close(y, _ref(x, None, None), torch.float32)
 
+
+
+def test_tunables_search_their_defaults_and_serve_every_row_count():
+    # `tileops tune --op layer_norm[_backward]`: the default is among the candidates at every
+    # preset and dtype, and one config per (row length, dtype) serves every row count
+    from tilelang_ops.ops import TUNABLES
+
+    for name in ("layer_norm", "layer_norm_backward"):
+        t = TUNABLES[name]
+        for shape in t.presets["default"]:
+            for dtype in t.dtypes:
+                space = t.search_space(shape, dtype)
+                assert len(space) >= 4 and t.default(shape, dtype) in space, (name, shape, dtype)
+        assert t.key((1, 768), torch.bfloat16, None) == t.key((16384, 768), torch.bfloat16, None) == ({"n": 768}, "any")

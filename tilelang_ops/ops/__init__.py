@@ -154,7 +154,7 @@ ALL_OPS = [
 
 
 # What `tileops tune` can tune, by op name.
-TUNABLES = {t.op: t for t in [elementwise.TUNABLE, gemm.TUNABLE, attention.TUNABLES["fwd"], attention.TUNABLES["bwd"], attention.TUNABLES["dq"], *softmax.TUNABLES.values()]}
+TUNABLES = {t.op: t for t in [elementwise.TUNABLE, gemm.TUNABLE, attention.TUNABLES["fwd"], attention.TUNABLES["bwd"], attention.TUNABLES["dq"], *softmax.TUNABLES.values(), *norm.TUNABLES.values()]}
 
 # Kernel families whose REPRESENTATIVE lists `tileops export` / `tileops check` compile.
 KERNEL_FAMILIES = ["elementwise", "gemm", "attention", "softmax", "norm"]

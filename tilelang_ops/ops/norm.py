@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from .. import reference, runtime
+from .. import reference, runtime, tuning
 from .._library import custom_op
 from ._checks import TL_DTYPE, check_rows, check_same, check_tensor, ready
 
@@ -124,7 +124,8 @@ def _fwd_kernel(n, dtype, wdtype, odtype, eps, device, rdtype=None):
     k = _kernels.get(key)
     if k is None:
         extra = {} if rdtype is None else {"rdtype": TL_DTYPE[rdtype]}
-        compiled = compile_kernel("fwd", n, runtime.arch_for_device(device), dtype=dtype, wdtype=wdtype, odtype=odtype, eps=float(eps), **extra)
+        cfg = tuning.resolve_config(TUNABLES["layer_norm"], (TUNE_ROWS, n), dtype, device)  # tuned ▸ default
+        compiled = compile_kernel("fwd", n, runtime.arch_for_device(device), cfg, dtype=dtype, wdtype=wdtype, odtype=odtype, eps=float(eps), **extra)
         k = _kernels[key] = runtime.launcher(compiled)
     return k
 
@@ -142,15 +143,57 @@ def _bwd_kernel(n, dtype, wdtype, dydtype, device, rdtype=None, dh=False, single
     key = ("bwd", n, dtype, wdtype, dydtype, device.index, rdtype, dh, single)
     k = _kernels.get(key)
     if k is None:
-        from ..kernels import norm as K
-
-        cfg = K.default_config(n, TL_DTYPE[dtype], True)
+        cfg = tuning.resolve_config(TUNABLES["layer_norm_backward"], (TUNE_ROWS, n), dtype, device)  # tuned ▸ default
         extra = {} if rdtype is None else {"rdtype": TL_DTYPE[rdtype], "dh": dh}
         if single:
             extra["single"] = True
         compiled = compile_kernel("bwd", n, runtime.arch_for_device(device), cfg, dtype=dtype, wdtype=wdtype, dydtype=dydtype, **extra)
         k = _kernels[key] = (runtime.launcher(compiled), runtime.sm_count(device) * cfg.ctas_per_sm, cfg.block_m)
     return k
+
+
+# `tileops tune --op layer_norm / layer_norm_backward`: one config per (row length, dtype) serves
+# every row count (rows are symbolic), timed at TUNE_ROWS rows; add_layer_norm's kernels (the same
+# loops with a residual) take layer_norm's. Presets: the shapes the default table was measured at.
+TUNE_ROWS = 16384
+
+
+def _norm_runner(backward: bool):
+    def runner(config, shape, dtype, device):
+        m, n = shape
+        kern = runtime.launcher(compile_kernel("bwd" if backward else "fwd", n, runtime.arch_for_device(device), config, dtype=dtype, wdtype=dtype, **({"dydtype": dtype} if backward else {"odtype": dtype, "eps": 1e-5})))
+        x, w, b = torch.randn(m, n, dtype=dtype, device=device), torch.randn(n, dtype=dtype, device=device), torch.randn(n, dtype=dtype, device=device)
+        mean, rstd = torch.randn(m, device=device), torch.rand(m, device=device) + 0.5
+        out = torch.empty_like(x)
+        if not backward:
+            return lambda: kern(x, w, b, out, mean, rstd)
+        partials = torch.empty(2, bwd_grid(m, runtime.sm_count(device) * config.ctas_per_sm, config.block_m), n, device=device)
+        return lambda: kern(torch.randn_like(x), x, w, mean, rstd, out, partials, torch.empty_like(w), torch.empty_like(b))
+
+    return runner
+
+
+def _norm_tunable(backward: bool) -> tuning.Tunable:
+    def space(shape, dtype):
+        from ..kernels import norm as K
+
+        return K.search_space(shape[1], TL_DTYPE[dtype])
+
+    def default(shape, dtype):
+        from ..kernels import norm as K
+
+        return K.default_config(shape[1], TL_DTYPE[dtype], backward)
+
+    return tuning.Tunable(
+        op="layer_norm_backward" if backward else "layer_norm",
+        presets={"default": [(TUNE_ROWS, 768), (TUNE_ROWS, 4096)]},
+        dtypes=DTYPES[::-1],  # bf16 first: what `tune` defaults to
+        key=lambda shape, dtype, device: ({"n": shape[1]}, "any"),
+        search_space=space, default=default, runner=_norm_runner(backward),
+    )
+
+
+TUNABLES = {t.op: t for t in (_norm_tunable(False), _norm_tunable(True))}
 
 
 def _affine(weight, bias, x: torch.Tensor) -> tuple:
