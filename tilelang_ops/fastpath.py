@@ -16,13 +16,17 @@ arguments' values, the current stream, torch's deterministic flag) and:
 A call that could not be recorded (any other aten call: an empty input's fill, a copy of a
 non-contiguous input) keeps the Python path for its key; so does any call under CUDA graph capture.
 The Autograd kernel is C++ too: without a gradient to record it goes straight to the CUDA kernel;
-with one, to the op's Python autograd formula as before.
+with one, the op's Python autograd path runs for a key's first two calls, the second under a
+recorder of its setup_context (what it saved, as inputs or outputs, and the attributes it set);
+later calls are a C++ autograd Function that saves the same, its backward calling the op's Python
+backward formula.
 
 `TILEOPS_FASTPATH=0` keeps every op on the Python path. The extension is built (torch's
-cpp_extension, ~1 min) on the first import on a machine with CUDA, once per torch version, into
-`tuning.cache_dir()/ext`; a failed build warns once and leaves the Python path in place.
-`invalidate()` drops every plan: call it after changing what an op's Python implementation decides
-from (a monkeypatched default config, a tuned config stored in this process).
+cpp_extension, ~30 s) on the first import on a machine with CUDA, once per torch version, into
+`tuning.cache_dir()/ext`, then imported directly by later processes; a failed build warns once and
+leaves the Python path in place. `invalidate()` drops every plan: call it after changing what an
+op's Python implementation decides from (a monkeypatched default config, a tuned config stored in
+this process).
 """
 from __future__ import annotations
 
