@@ -298,6 +298,17 @@ py::tuple args_to_py(const c10::OperatorHandle& op, const torch::jit::Stack& sta
   return args;
 }
 
+// A Python result onto the stack, as the op's schema returns it.
+void push_result(const c10::OperatorHandle& op, torch::jit::Stack* stack, const py::object& result) {
+  const auto& returns = op.schema().returns();
+  if (returns.size() == 1) {
+    stack->push_back(torch::jit::toIValue(result, returns[0].type()));
+  } else {
+    auto tup = result.cast<py::tuple>();
+    for (size_t i = 0; i < returns.size(); ++i) stack->push_back(torch::jit::toIValue(tup[i], returns[i].type()));
+  }
+}
+
 // The Python implementation on this call; with `record`, it also returns a plan for the key.
 void call_python(OpState& st, const c10::OperatorHandle& op, torch::jit::Stack* stack, size_t first, size_t n,
                  const std::vector<int64_t>* key, bool record) {
@@ -312,13 +323,7 @@ void call_python(OpState& st, const c10::OperatorHandle& op, torch::jit::Stack* 
     else if (record && ++e.misses >= kMaxRecordTries) e.python_only = true;
   }
   torch::jit::drop(*stack, n);
-  const auto& returns = op.schema().returns();
-  if (returns.size() == 1) {
-    stack->push_back(torch::jit::toIValue(result, returns[0].type()));
-  } else {
-    auto tup = result.cast<py::tuple>();
-    for (size_t i = 0; i < returns.size(); ++i) stack->push_back(torch::jit::toIValue(tup[i], returns[i].type()));
-  }
+  push_result(op, stack, result);
 }
 
 bool capturing(const c10::Device& device) {
@@ -444,16 +449,6 @@ struct PyFormula : torch::autograd::Function<PyFormula> {
     return result;
   }
 };
-
-void push_result(const c10::OperatorHandle& op, torch::jit::Stack* stack, const py::object& result) {
-  const auto& returns = op.schema().returns();
-  if (returns.size() == 1) {
-    stack->push_back(torch::jit::toIValue(result, returns[0].type()));
-  } else {
-    auto tup = result.cast<py::tuple>();
-    for (size_t i = 0; i < returns.size(); ++i) stack->push_back(torch::jit::toIValue(tup[i], returns[i].type()));
-  }
-}
 
 // A call with no gradient to record goes straight on to the backend kernel (true: done).
 bool without_grad(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack, size_t first, size_t n) {
