@@ -7,9 +7,11 @@ set -uo pipefail
 FINAL_OUT=${OUT:-gpu_out}; OUT=$FINAL_OUT/run; mkdir -p "$OUT"; export OUT
 # the device tool returns at most 8 files: everything is packed into results.tgz at the end
 trap 'tar -C "$FINAL_OUT" -czf "$FINAL_OUT/results.tgz" run && rm -rf "$OUT"' EXIT
-# A kernel cache warmed on the CPU machine travels as .tl-carry/tlcache.tar.xz (xz: ~20x smaller).
-if [[ -f .tl-carry/tlcache.tar.xz ]]; then
-  mkdir -p /tmp/tlcache && tar -C /tmp/tlcache -xJf .tl-carry/tlcache.tar.xz && export TILELANG_CACHE_DIR=/tmp/tlcache
+# A kernel cache warmed on the CPU machine travels as .tl-carry/tlcache.tar.xz (xz: ~20x smaller);
+# TL_CARRY=.tl-carry-X: another such folder (a call's own selection, when both would not fit).
+carry=${TL_CARRY:-.tl-carry}
+if [[ -f $carry/tlcache.tar.xz ]]; then
+  mkdir -p /tmp/tlcache && tar -C /tmp/tlcache -xJf "$carry/tlcache.tar.xz" && export TILELANG_CACHE_DIR=/tmp/tlcache
 fi
 export TILELANG_CACHE_DIR=${TILELANG_CACHE_DIR:-$PWD/.tl-cache}
 tests=(); benches=(); seen=0

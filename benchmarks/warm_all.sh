@@ -15,6 +15,8 @@ python -m benchmarks.warm_gemm_cache | tail -1
 python -m benchmarks.sweep_gemm --warm ${SWEEP_GROUPS:-} | tail -1  # SWEEP_GROUPS="--group g ...": only those
 python -m benchmarks.sweep_softmax --warm --jobs 2 | tail -1
 python -m benchmarks.warm_attention_cache -j 2 ${TUNE:+--tune} | tail -1
+# TUNE_SHAPES=benchmarks/tune_two_shapes.json: every config `tileops tune --shapes` that file times
+if [[ -n ${TUNE_SHAPES:-} ]]; then python -m benchmarks.warm_tune "$TUNE_SHAPES" | tail -1; fi
 python -m benchmarks.warm_norm_cache -j 2 --sweep | tail -1
 python -m benchmarks.warm_gemm_cache --only train | tail -1  # examples/train_gpt.py's fused MLP (attention: --train)
 python -m benchmarks.warm_attention_cache --train | tail -1
