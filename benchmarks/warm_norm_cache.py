@@ -1,6 +1,6 @@
 """Pre-compile, on a machine without a GPU, every LayerNorm kernel the GPU tests and bench_norm use.
 
-    TILELANG_CACHE_DIR=/work/main/.tl-cache python -m benchmarks.warm_norm_cache [-j 2] [--sweep] [--tune | --tune-only]
+    TILELANG_CACHE_DIR=/work/main/.tl-cache python -m benchmarks.warm_norm_cache [-j 2] [--sweep]
 
 The device-parametrized tests of tests/test_norm.py run on "cuda" too on the GPU host; the kernels
 they need are found by running those tests here on the CPU with the reference recording each
@@ -62,7 +62,7 @@ def _short(dtype: str) -> str:
     return dtype.replace("torch.", "")
 
 
-def _jobs(sweep: bool, tune: bool = False) -> list[tuple]:
+def _jobs(sweep: bool) -> list[tuple]:
     import torch
 
     from benchmarks import bench_norm
@@ -89,15 +89,6 @@ def _jobs(sweep: bool, tune: bool = False) -> list[tuple]:
         jobs.add(("fwd", n, _short(str(dt)), _short(str(wdt)), _short(str(od)), 1e-5, "", False))
         jobs.add(("bwd", n, _short(str(dt)), _short(str(wdt)), _short(str(od)), 0.0, "", False))
     out = [(j, None) for j in sorted(jobs)]
-    if tune:  # `tileops tune --op layer_norm --op layer_norm_backward` at its presets, in its default dtype
-        from tilelang_ops.ops import norm as N
-
-        for name, t in N.TUNABLES.items():
-            a = _short(str(t.dtypes[0]))
-            for shape in t.presets["default"]:
-                for cfg in t.search_space(shape, t.dtypes[0]):
-                    fwd = name == "layer_norm"
-                    out.append((("fwd" if fwd else "bwd", shape[1], a, a, a, 1e-5 if fwd else 0.0, "", False), cfg))
     if sweep:
         for m, n, dt, od in bench_norm.SWEEP_CASES:
             a, o = _short(str(dt)), _short(str(od))
@@ -124,13 +115,9 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("-j", type=int, default=2)
     p.add_argument("--sweep", action="store_true", help="also bench_norm --sweep's configs")
-    p.add_argument("--tune", action="store_true", help="also the search spaces `tileops tune` times (ops.norm.TUNABLES)")
-    p.add_argument("--tune-only", action="store_true", help="only those")
     args = p.parse_args(argv)
     t0 = time.time()
-    jobs = _jobs(args.sweep, args.tune or args.tune_only)
-    if args.tune_only:
-        jobs = [j for j in jobs if j[1] is not None and not args.sweep]
+    jobs = _jobs(args.sweep)
     print(f"{len(jobs)} norm kernels", flush=True)
     with ProcessPoolExecutor(args.j) as ex:
         for i, name in enumerate(ex.map(_compile, jobs)):

@@ -450,7 +450,6 @@ def test_cuda_graph_capture_without_weight_then_eager():
     _close(y, _ref(x, None, None), torch.float32)
 
 
-
 def test_tunables_search_their_defaults_and_serve_every_row_count():
     # `tileops tune --op layer_norm[_backward]`: the default is among the candidates at every
     # preset and dtype, and one config per (row length, dtype) serves every row count

@@ -221,10 +221,6 @@ def grad_stats(name: str) -> dict | None:
 _recording: "_Recorder | None" = None  # read by runtime.launcher's wrappers on every launch
 
 
-def recording() -> "_Recorder | None":
-    return _recording
-
-
 _VIEW_LIKE = {"aten::_unsafe_view", "aten::detach", "aten::alias"}
 _ALLOCS = {"aten::empty", "aten::empty_strided", "aten::new_empty", "aten::new_empty_strided", "aten::empty_like"}
 

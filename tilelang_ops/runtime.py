@@ -359,7 +359,6 @@ def recordable(fn) -> Callable[..., None]:
             rec.launch(fn, args)
         return fn(*args)
 
-    launch.ffi = fn
     return launch
 
 

@@ -94,7 +94,6 @@ constexpr int kMaxRecordTries = 3;
 constexpr size_t kMaxKeys = 4096;
 
 struct OpState {
-  std::string name;
   py::object handler;  // handler(args, record) -> (result, plan or None)
   std::mutex mu;
   std::unordered_map<std::vector<int64_t>, Entry, KeyHash> entries;
@@ -127,8 +126,9 @@ const c10::DispatchKeySet kNotPlain({c10::DispatchKey::Python, c10::DispatchKey:
                                      c10::DispatchKey::FuncTorchBatched, c10::DispatchKey::FuncTorchGradWrapper,
                                      c10::DispatchKey::PythonTLSSnapshot});
 
-// The call's key, or false where an argument is of a kind no plan covers.
-bool make_key(const torch::jit::Stack& stack, size_t first, size_t n, std::vector<int64_t>& key, c10::Device& device) {
+// The call's key, or false where an argument is of a kind no plan covers; also the device of its
+// first tensor and, on CUDA, the current stream there (read once a call: key, capture, launch).
+bool make_key(const torch::jit::Stack& stack, size_t first, size_t n, std::vector<int64_t>& key, c10::Device& device, void*& stream) {
   std::vector<const c10::StorageImpl*> storages;
   bool have_device = false;
   for (size_t i = 0; i < n; ++i) {
@@ -164,8 +164,8 @@ bool make_key(const torch::jit::Stack& stack, size_t first, size_t n, std::vecto
   if (!have_device) return false;
   key.push_back(at::globalContext().deterministicAlgorithms());
   if (device.type() != c10::DeviceType::CPU) {
-    auto* impl = c10::impl::getDeviceGuardImpl(device.type());
-    key.push_back(reinterpret_cast<int64_t>(impl->getStream(device).native_handle()));
+    stream = c10::impl::getDeviceGuardImpl(device.type())->getStream(device).native_handle();
+    key.push_back(reinterpret_cast<int64_t>(stream));
   }
   return true;
 }
@@ -180,7 +180,7 @@ void* tensor_ptr(const TensorRef& r, const torch::jit::Stack& stack, size_t firs
 // Runs `plan` on the call's arguments; false (nothing pushed, nothing left in flight that matters:
 // the outputs are fresh) when a launch reports an error, so the Python path reruns the call and
 // raises its own error.
-bool replay(const Plan& plan, torch::jit::Stack& stack, size_t first, size_t n, const c10::Device& device) {
+bool replay(const Plan& plan, torch::jit::Stack& stack, size_t first, size_t n, const c10::Device& device, void* stream) {
   std::vector<at::Tensor> allocs;
   allocs.reserve(plan.allocs.size());
   for (const auto& a : plan.allocs)
@@ -188,10 +188,7 @@ bool replay(const Plan& plan, torch::jit::Stack& stack, size_t first, size_t n, 
   DLDev dev{device.type() == c10::DeviceType::CUDA ? 2 : 1, device.type() == c10::DeviceType::CUDA ? device.index() : 0};
   void* prev_stream = nullptr;
   bool set_stream = device.type() == c10::DeviceType::CUDA;
-  if (set_stream) {
-    void* s = c10::impl::getDeviceGuardImpl(device.type())->getStream(device).native_handle();
-    ffi_set_stream(dev.type, dev.id, s, &prev_stream);
-  }
+  if (set_stream) ffi_set_stream(dev.type, dev.id, stream, &prev_stream);
   bool ok = true;
   DLTensorABI tensors[32];
   FFIAny args[48];
@@ -326,11 +323,10 @@ void call_python(OpState& st, const c10::OperatorHandle& op, torch::jit::Stack* 
   push_result(op, stack, result);
 }
 
-bool capturing(const c10::Device& device) {
+bool capturing(const c10::Device& device, void* stream) {
   if (device.type() != c10::DeviceType::CUDA || cu_stream_is_capturing == nullptr) return false;
   int status = 0;
-  void* s = c10::impl::getDeviceGuardImpl(device.type())->getStream(device).native_handle();
-  return cu_stream_is_capturing(s, &status) != 0 || status != 0;
+  return cu_stream_is_capturing(stream, &status) != 0 || status != 0;
 }
 
 struct BackendKernel final : c10::OperatorKernel {
@@ -342,7 +338,8 @@ struct BackendKernel final : c10::OperatorKernel {
     std::vector<int64_t> key;
     key.reserve(64);
     c10::Device device(c10::DeviceType::CPU);
-    if (!make_key(*stack, first, n, key, device) || capturing(device)) {
+    void* stream = nullptr;
+    if (!make_key(*stack, first, n, key, device, stream) || capturing(device, stream)) {
       call_python(*st, op, stack, first, n, nullptr, false);
       return;
     }
@@ -364,7 +361,7 @@ struct BackendKernel final : c10::OperatorKernel {
         record = !it->second.python_only;  // second call: record (caches are filled by now)
       }
     }
-    if (plan && replay(*plan, *stack, first, n, device)) return;
+    if (plan && replay(*plan, *stack, first, n, device, stream)) return;
     call_python(*st, op, stack, first, n, full ? nullptr : &key, record);
   }
 };
@@ -379,7 +376,6 @@ struct GradSpec {
   py::object attrs;                         // dict
 };
 struct GradOp {
-  std::string name;
   py::object grad_handler;  // grad_handler(keyset, args, record) -> (result, spec or None)
   py::object backward;      // backward(ctx, *grads) -> one gradient (or None) per argument
   py::object ctx_cls;       // ctx_cls(saved_tensors, needs_input_grad, attrs)
@@ -486,8 +482,9 @@ struct AutogradKernel final : c10::OperatorKernel {
     if (without_grad(op, ks, stack, first, n)) return;
     std::vector<int64_t> key;
     c10::Device device(c10::DeviceType::CPU);
+    void* stream = nullptr;
     GradSpec* spec = nullptr;
-    bool record = false, keyed = !functorch_active() && make_key(*stack, first, n, key, device);
+    bool record = false, keyed = !functorch_active() && make_key(*stack, first, n, key, device, stream);
     if (keyed) {
       std::lock_guard<std::mutex> lock(g->mu);
       int64_t e = epoch.load();
@@ -563,8 +560,7 @@ struct AutogradViaKernel final : c10::OperatorKernel {
 c10::DispatchKey parse_key(const std::string& k) {
   if (k == "CUDA") return c10::DispatchKey::CUDA;
   if (k == "CPU") return c10::DispatchKey::CPU;
-  if (k == "Autograd") return c10::DispatchKey::Autograd;
-  throw std::invalid_argument("dispatch key " + k + " is not one the fast path registers (CUDA, CPU, Autograd)");
+  throw std::invalid_argument("dispatch key " + k + " is not a backend the fast path serves (CUDA, CPU)");
 }
 
 }  // namespace
@@ -586,7 +582,6 @@ void init_ffi(const std::string& libtvm_ffi) {
 // Registers the backend kernel of `name` for `key` ("CUDA"; "CPU" in tests); returns its index.
 int64_t register_backend(const std::string& ns, const std::string& name, const std::string& key, py::object handler) {
   auto* st = new OpState();
-  st->name = name;
   st->handler = std::move(handler);
   auto* lib = new torch::Library(torch::Library::IMPL, ns, parse_key(key), __FILE__, __LINE__);
   lib->impl(name.c_str(), torch::CppFunction::makeFromBoxedFunctor(std::make_unique<BackendKernel>(st)));
@@ -598,7 +593,6 @@ int64_t register_backend(const std::string& ns, const std::string& name, const s
 // The Autograd kernel of `name`; returns its index (grad_stats).
 int64_t register_autograd(const std::string& ns, const std::string& name, py::object grad_handler, py::object backward, py::object ctx_cls) {
   auto* g = new GradOp();
-  g->name = name;
   g->grad_handler = std::move(grad_handler);
   g->backward = std::move(backward);
   g->ctx_cls = std::move(ctx_cls);

@@ -222,7 +222,6 @@ def _with_tile_counter(launch, config, device):
     return run
 
 
-
 def fwd_config_launcher(config, device, arch: str = "sm_90a", **static):
     """The forward kernel at `config` (`static`: flash_fwd_kernel's arguments, dtype included)
     launched as the op launches it, with its tile counter when the walk is dynamic: for the tests,
@@ -230,6 +229,7 @@ def fwd_config_launcher(config, device, arch: str = "sm_90a", **static):
     from ..kernels import attention as K
 
     return _with_tile_counter(runtime.launcher(K.flash_fwd_kernel.compile(config, arch, **static)), config, device)
+
 
 def _tune_key(kind):
     def key(shape, dtype, device):
