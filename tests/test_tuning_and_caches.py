@@ -117,6 +117,39 @@ def test_cache_cli_info_and_clear(tuned_dir, capsys):
     assert not tuning.tuned_path().exists()
 
 
+def test_tune_cli_times_each_config_and_prints_the_table(tuned_dir, monkeypatch, capsys):
+    # the command as a GPU host runs it, less the GPU: the clock and the runners are stand-ins,
+    # so a config's "time" is its block size and the smallest block must win and be stored
+    import torch
+
+    from tilelang_ops.ops import TUNABLES
+
+    add = TUNABLES["add"]
+    timed = []
+
+    def clock(fn, warm_ms=0.0):
+        assert warm_ms >= 100.0  # cli._tune_clock warms each config first
+        timed.append(fn())
+        return float(fn())
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "stand-in GPU")
+    monkeypatch.setattr("tilelang_ops.runtime.arch_for_device", lambda device: "sm_90a")
+    monkeypatch.setattr(tuning, "time_cuda", clock)
+    add = dataclasses.replace(add, runner=lambda cfg, shape, dtype, device: (lambda: cfg.block))
+    monkeypatch.setitem(TUNABLES, "add", add)
+    shapes = tuned_dir / "shapes.json"
+    shapes.write_text(json.dumps({"add": [[1 << 20]]}))
+    assert cli.main(["tune", "--op", "add", "--shapes", str(shapes)]) == 0
+    space = add.search_space((1 << 20,), add.dtypes[0])
+    assert len(timed) >= len(space)
+    out = capsys.readouterr().out
+    best = min(space, key=lambda c: c.block)
+    assert "best config" in out and f"stored in {tuning.tuned_path()}" in out
+    (entry,) = tuning.entries(reload=True).values()
+    assert entry["config"] == dataclasses.asdict(best)
+
+
 def _spawn(code: str, env: dict, *args) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", code, *args], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

@@ -198,6 +198,8 @@ def _tune_clock(fn) -> float:
     """`tileops tune`'s clock: time_cuda after at least 100 ms of fn, so that a config is not timed
     at the clock the previous one left (on the power-capped H200 a kernel timed right after a
     lighter one reads faster; docs/benchmarks.md, thirtieth session)."""
+    from . import tuning
+
     return tuning.time_cuda(fn, warm_ms=100.0)
 
 

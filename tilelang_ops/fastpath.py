@@ -250,6 +250,13 @@ class _Recorder(TorchDispatchMode):
         self.launches: list = []
         self.reject: str | None = None
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ in torch._dynamo.disable by default, which
+        # imports torch._dynamo on the first call: 1-4 s in a key's second call. Nothing is
+        # compiled inside a recording (it runs one eager call of the op's implementation).
+        return False
+
     def __enter__(self):
         global _recording
         _recording = self
