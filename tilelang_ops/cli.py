@@ -164,15 +164,17 @@ def cmd_tune(args) -> int:
     if not torch.cuda.is_available():
         print("tileops tune needs a CUDA GPU: it times kernels on the device it will run on.")
         return 2
-    names = args.op or sorted(TUNABLES)
+    shapes_by_op = None
+    if args.shapes.endswith(".json"):
+        with open(args.shapes) as f:
+            shapes_by_op = {k: [tuple(s) for s in v] for k, v in json.load(f).items()}
+    # no --op: every tunable op, or with a shapes file the ops it names
+    names = args.op or sorted(shapes_by_op or TUNABLES)
     unknown = [n for n in names if n not in TUNABLES]
     if unknown:
         print(f"unknown op(s) {unknown}; tunable ops: {sorted(TUNABLES)}")
         return 2
-    if args.shapes.endswith(".json"):
-        with open(args.shapes) as f:
-            shapes_by_op = {k: [tuple(s) for s in v] for k, v in json.load(f).items()}
-    else:
+    if shapes_by_op is None:
         shapes_by_op = {n: TUNABLES[n].presets.get(args.shapes) for n in names}
     jobs = []
     for n in names:
@@ -250,7 +252,7 @@ def main(argv=None) -> int:
     p.set_defaults(func=cmd_export)
     p = sub.add_parser("tune", help="time each op's search space on this GPU and store the best configs")
     p.add_argument("--op", action="append", help="op to tune (repeatable; default: all tunable ops)")
-    p.add_argument("--shapes", default="default", help="a preset name or a JSON file {op: [[dims...], ...]}")
+    p.add_argument("--shapes", default="default", help="a preset name or a JSON file {op: [[dims...], ...]} (without --op: the ops it names)")
     p.add_argument("--dtype", action="append", help="torch dtype name (repeatable; default: the op's first)")
     p.set_defaults(func=cmd_tune)
     p = sub.add_parser("cache", help="show or clear the kernel and tuned-config caches")
