@@ -23,6 +23,14 @@ def main(path: str) -> int:
     runtime.sm_count = lambda device: 132
     runtime.launcher = lambda compiled: (lambda *args: None)
     torch.cuda.current_device = lambda: 0  # a dynamic walk's launcher names its device (CPU torch has none)
+    # the search spaces as a Hopper GPU sees them: softmax's includes its TMA and cluster
+    # schedules only where the device reports compute capability 9 (session 49: without this the
+    # host compiled ~70 softmax kernels the carry lacked)
+    from tilelang_ops.ops import softmax as softmax_ops
+
+    torch.cuda.is_available = lambda: True
+    torch.cuda.get_device_capability = lambda device=None: (9, 0)
+    softmax_ops._sms = lambda device: 132
     meta = torch.device("meta")
     failed = 0
     t0 = time.time()
