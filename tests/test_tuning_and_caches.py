@@ -146,6 +146,7 @@ def test_tune_cli_times_each_config_and_prints_the_table(tuned_dir, monkeypatch,
     out = capsys.readouterr().out
     best = min(space, key=lambda c: c.block)
     assert "best config" in out and f"stored in {tuning.tuned_path()}" in out
+    assert "tuned: add  1048576" in out  # the shape's row as soon as it is stored
     (entry,) = tuning.entries(reload=True).values()
     assert entry["config"] == dataclasses.asdict(best)
 

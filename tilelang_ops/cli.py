@@ -189,9 +189,11 @@ def cmd_tune(args) -> int:
     rows = []
     with tqdm(total=total, desc="tuning", unit="cfg") as bar:
         for t, s, d in jobs:
-            rows += tuning.tune(t, [s], d, torch.device("cuda"), _tune_clock, progress=bar)
-    table = [(r["op"], r["shape"], r["dtype"], r["best"], f"{r['best_ms']:.4f}", r["default"], f"{r['default_ms']:.4f}", f"{r['speedup']:.2f}x") for r in rows]
-    print(_rows_table(table, ("op", "shape", "dtype", "best config", "ms", "default config", "ms", "speedup")))
+            for r in tuning.tune(t, [s], d, torch.device("cuda"), _tune_clock, progress=bar):
+                rows.append((r["op"], r["shape"], r["dtype"], r["best"], f"{r['best_ms']:.4f}", r["default"], f"{r['default_ms']:.4f}", f"{r['speedup']:.2f}x"))
+                # each shape's result as it is stored: a run cut short still shows what it found
+                bar.write("tuned: " + "  ".join(rows[-1]))
+    print(_rows_table(rows, ("op", "shape", "dtype", "best config", "ms", "default config", "ms", "speedup")))
     print(f"stored in {tuning.tuned_path()}")
     return 0
 
