@@ -3,8 +3,9 @@ the GPU host loads them from the carried cache instead of compiling them (~10-60
 
     TILELANG_CACHE_DIR=$PWD/.tl-cache python -m benchmarks.warm_tune benchmarks/tune_two_shapes.json
 
-Each op's tune runner is called as `tileops tune` calls it, on meta tensors and with the launcher,
-the target and the SM count stood in for: it compiles its config's kernel(s) and launches nothing.
+Each op's tune runner is called as `tileops tune` calls it, on meta tensors under
+`host_standin.install_standin` (the target, the SM count and the launcher stood in for): it
+compiles its config's kernel(s) and launches nothing.
 """
 from __future__ import annotations
 
@@ -16,21 +17,10 @@ import torch
 
 
 def main(path: str) -> int:
-    from tilelang_ops import runtime
+    from benchmarks.host_standin import install_standin
     from tilelang_ops.ops import TUNABLES
 
-    runtime.arch_for_device = lambda device: "sm_90a"
-    runtime.sm_count = lambda device: 132
-    runtime.launcher = lambda compiled: (lambda *args: None)
-    torch.cuda.current_device = lambda: 0  # a dynamic walk's launcher names its device (CPU torch has none)
-    # the search spaces as a Hopper GPU sees them: softmax's includes its TMA and cluster
-    # schedules only where the device reports compute capability 9 (session 49: without this the
-    # host compiled ~70 softmax kernels the carry lacked)
-    from tilelang_ops.ops import softmax as softmax_ops
-
-    torch.cuda.is_available = lambda: True
-    torch.cuda.get_device_capability = lambda device=None: (9, 0)
-    softmax_ops._sms = lambda device: 132
+    install_standin(compile_kernels=True)  # sm_90a, 132 SMs, no-op launches; search spaces as on Hopper
     meta = torch.device("meta")
     failed = 0
     t0 = time.time()

@@ -775,7 +775,7 @@ def test_weight_gradients_with_few_tiles_split_k():
 def test_tune_space_leaves_out_newer_schedules(monkeypatch):
     """`tileops tune` on an Ampere GPU must not try the Hopper-only (wgmma/TMA/setmaxnreg) schedules."""
     for arch, want_pingpong in (("sm_80", False), ("sm_90a", True), ("sm_100a", True)):
-        monkeypatch.setattr(G, "_default_arch", lambda arch=arch: arch)
+        monkeypatch.setattr(G.runtime, "default_arch", lambda arch=arch: arch)
         space = G._tune_space(("nn", 4096, 4096, 4096), None)
         assert space and any(c.pipeline == "pingpong" for c in space) == want_pingpong, arch
         assert not any(c.split_k > 1 for c in space)  # weight gradients only, and Hopper on:
@@ -806,7 +806,7 @@ def test_m_buckets_select_configs(monkeypatch):
     compiled = []
     monkeypatch.setattr(G.runtime, "arch_for_device", lambda d: "sm_90a")
     monkeypatch.setattr(G.tuning, "resolve_config", lambda tunable, shape, dtype, device: tunable.default(shape, dtype))
-    monkeypatch.setattr(G, "_default_arch", lambda: "sm_90a")
+    monkeypatch.setattr(G.runtime, "default_arch", lambda: "sm_90a")
     monkeypatch.setattr(K.matmul_kernel.__class__, "compile", lambda self, cfg, arch, **st: compiled.append(cfg) or ("kernel", cfg))
     monkeypatch.setattr(G.runtime, "launcher", lambda kernel: kernel)
     monkeypatch.setattr(G, "_kernels", {})
@@ -829,7 +829,7 @@ def test_pingpong_grid_is_the_device_sm_count(monkeypatch):
     seen = []
     monkeypatch.setattr(G.runtime, "arch_for_device", lambda d: "sm_90a")
     monkeypatch.setattr(G.tuning, "resolve_config", lambda tunable, shape, dtype, device: tunable.default(shape, dtype))
-    monkeypatch.setattr(G, "_default_arch", lambda: "sm_90a")
+    monkeypatch.setattr(G.runtime, "default_arch", lambda: "sm_90a")
     monkeypatch.setattr(K.matmul_kernel.__class__, "compile", lambda self, cfg, arch, **st: seen.append((cfg, st)) or "kernel")
     monkeypatch.setattr(G.runtime, "launcher", lambda kernel: kernel)
     monkeypatch.setattr(G, "_kernels", {})

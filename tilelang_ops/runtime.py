@@ -204,6 +204,14 @@ def arch_for_device(device) -> str:
     return arch
 
 
+def default_arch() -> str:
+    """The current CUDA device's arch, or sm_90a (the target) on a machine without one: what the
+    tuner's search spaces and default tables are built for."""
+    import torch
+
+    return arch_for_device(torch.cuda.current_device()) if torch.cuda.is_available() else "sm_90a"
+
+
 def sm_of(arch: str) -> int:
     """The SM number of an arch string: "sm_90a" -> 90, "sm_100a" -> 100."""
     return int("".join(ch for ch in arch[3:] if ch.isdigit()))

@@ -246,8 +246,7 @@ def _tune_key(kind):
 
 def _tune_default(kind):
     def default(shape, dtype):
-        arch = runtime.arch_for_device(torch.cuda.current_device()) if torch.cuda.is_available() else "sm_90a"
-        return untuned_config(kind, shape[4], bool(shape[5]), arch, shape[1])
+        return untuned_config(kind, shape[4], bool(shape[5]), runtime.default_arch(), shape[1])
 
     return default
 

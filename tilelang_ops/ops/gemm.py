@@ -45,10 +45,6 @@ TUNED: dict[tuple, object] = {}
 _last: dict[str, tuple] = {}
 
 
-def _default_arch() -> str:
-    return runtime.arch_for_device(torch.cuda.current_device()) if torch.cuda.is_available() else "sm_90a"
-
-
 def _bucket(m: int) -> int:
     # Same thresholds as kernels.gemm.m_bucket / M_BUCKET_BOUNDS (inlined: this is the hot path).
     return 0 if m <= 1536 else (1 if m <= 6144 else 2)
@@ -63,7 +59,7 @@ def config_for(layout: str, n: int, k: int, dtype: torch.dtype, arch: str | None
     """
     from ..kernels import gemm as K
 
-    arch = arch or _default_arch()
+    arch = arch or runtime.default_arch()
     bucket = 2 if m is None else _bucket(m)
     cfg = TUNED.get((arch, layout, rows, n, k, dtype, bucket)) or TUNED.get((arch, layout, rows, n, k, dtype))
     return _servable(cfg if cfg is not None else K.default_config(arch, n, layout, rows if layout == "tn" else k, bucket), layout, batched)
@@ -113,13 +109,13 @@ def _tune_default(shape, dtype):
 
     layout, m, n, k = shape
     st = _tune_static(shape)
-    return K.default_config(_default_arch(), st["n"], layout, st["rows"] if layout == "tn" else st["k"], _bucket(k if layout == "tn" else m))
+    return K.default_config(runtime.default_arch(), st["n"], layout, st["rows"] if layout == "tn" else st["k"], _bucket(k if layout == "tn" else m))
 
 
 def _tune_space(shape, dtype):
     from ..kernels import gemm as K
 
-    sm = runtime.sm_of(_default_arch())
+    sm = runtime.sm_of(runtime.default_arch())
     space = K.SEARCH_SPACE + (K.TN_SPLIT_SPACE if shape[0] == "tn" else [])
     return [c for c in space if K.matmul_kernel.min_sm_for(c) <= sm]  # Hopper-only schedules left out elsewhere
 

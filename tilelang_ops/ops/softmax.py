@@ -260,8 +260,7 @@ def _make_tunable(kind: str, backward: bool) -> tuning.Tunable:
     def space(shape, dtype):
         from ..kernels import softmax as K
 
-        sm = 10 * torch.cuda.get_device_capability()[0] if torch.cuda.is_available() else 0  # tune runs on the current device
-        return K.search_space(shape[1], TL_DTYPE[dtype], kind, backward, sm)
+        return K.search_space(shape[1], TL_DTYPE[dtype], kind, backward, runtime.sm_of(runtime.default_arch()))
 
     def runner(cfg, shape, dtype, device):
         kernels = _compile(cfg, kind, backward, shape[1], dtype, device)
