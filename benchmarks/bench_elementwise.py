@@ -17,7 +17,7 @@ def main() -> None:
         b = torch.randn_like(a)
         from tilelang_ops.ops.elementwise import _add_kernel
 
-        kern = _add_kernel(dtype, a.device)
+        kern = _add_kernel(dtype, a.device, a.numel())
         out = torch.empty_like(a)
         rows.append(
             dict(

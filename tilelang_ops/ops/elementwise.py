@@ -27,8 +27,17 @@ def _check_add(a, b) -> None:
         raise ValueError(f"a: {a.numel()} elements exceed the kernel's int32 index range ({INT32_MAX})")
 
 
-# (dtype, device index) -> compiled kernel. Resolved once, so a call is a dict lookup and a launch.
+# (dtype, device index, bucket) -> compiled kernel. Resolved once, so a call is a dict lookup and a launch.
 _kernels: dict[tuple, object] = {}
+
+# Two tuning buckets: up to 2^22 elements a call is short enough (tens of µs) for the last wave and
+# the launch to weigh, beyond it the kernel is a steady DRAM stream. A config tuned at one length
+# then never overwrites the other's.
+SHORT = 1 << 22
+
+
+def _bucket(n: int) -> str:
+    return "n<=4M" if n <= SHORT else "n>4M"
 
 
 def _compile_add(config, dtype: torch.dtype, device: torch.device):
@@ -37,12 +46,12 @@ def _compile_add(config, dtype: torch.dtype, device: torch.device):
     return K.add_kernel.compile(config, runtime.arch_for_device(device), dtype=TL_DTYPE[dtype])
 
 
-def _add_kernel(dtype: torch.dtype, device: torch.device):
-    key = (dtype, device.index)
+def _add_kernel(dtype: torch.dtype, device: torch.device, n: int = 1 << 26):
+    long = n > SHORT
+    key = (dtype, device.index, long)
     k = _kernels.get(key)
     if k is None:
-        # one config serves every length (the kernel is bandwidth-bound; tuned at 2^26 elements)
-        config = tuning.resolve_config(TUNABLE, (1 << 26,), dtype, device)
+        config = tuning.resolve_config(TUNABLE, (n,), dtype, device)
         k = _kernels[key] = runtime.launcher(_compile_add(config, dtype, device))
     return k
 
@@ -68,9 +77,9 @@ def _add_space(shape, dtype):
 
 TUNABLE = tuning.Tunable(
     op="add",
-    presets={"default": [(1 << 26,)]},
+    presets={"default": [(1 << 22,), (1 << 26,)]},
     dtypes=DTYPES,
-    key=lambda shape, dtype, device: ({}, "any"),
+    key=lambda shape, dtype, device: ({}, _bucket(shape[0])),
     search_space=_add_space,
     default=_add_default,
     runner=_add_runner,
@@ -90,9 +99,9 @@ def _(a, b):
     if a.numel() == 0:
         return out
     if a.dim() == 1:  # skip three view() calls (~1 µs each) on the common flat case
-        _add_kernel(a.dtype, a.device)(aligned16(a), aligned16(b), out)
+        _add_kernel(a.dtype, a.device, a.numel())(aligned16(a), aligned16(b), out)
     else:
-        _add_kernel(a.dtype, a.device)(aligned16(a).view(-1), aligned16(b).view(-1), out.view(-1))
+        _add_kernel(a.dtype, a.device, a.numel())(aligned16(a).view(-1), aligned16(b).view(-1), out.view(-1))
     return out
 
 
