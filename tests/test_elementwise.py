@@ -1,6 +1,8 @@
 """torch.ops.tileops.add: reference, opcheck, fake, compile, bad input, and the GPU kernel."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given
@@ -40,7 +42,7 @@ def test_add_matches_reference(device, dtype, shape):
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n", [1, 17, 2047, 2048, 2049, 4097, 1 << 20, 3 * (1 << 20) + 5])
+@pytest.mark.parametrize("n", [1, 17, 2047, 2048, 2049, 4097, 1 << 20, 3 * (1 << 20) + 5, (1 << 22) + 1, 5 * (1 << 22) + 3])
 def test_add_cuda_poisoned_output(dtype, n):
     a = torch.randn(n, dtype=dtype, device="cuda")
     b = torch.randn(n, dtype=dtype, device="cuda")
@@ -51,6 +53,29 @@ def test_add_cuda_poisoned_output(dtype, n):
     _close(out, a, b)
     # bit-exact with the CPU reference path (both round once from float32)
     assert torch.equal(out.cpu(), torch.ops.tileops.add(a.cpu(), b.cpu()))
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_add_tuned_config_per_length_bucket(tmp_path, monkeypatch):
+    # a config tuned for long calls serves long calls only; short ones keep the default
+    from tilelang_ops import runtime, tuning
+    from tilelang_ops.kernels import elementwise as K
+    from tilelang_ops.ops import elementwise as E
+
+    monkeypatch.setenv("TILEOPS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(tuning, "_loaded", None)
+    monkeypatch.setattr(E, "_kernels", {})
+    dev = torch.device("cuda", torch.cuda.current_device())
+    default, tuned = K.default_config("float32"), K.AddConfig(1024, 128)
+    assert tuned != default
+    key = tuning.entry_key("add", "float32", {}, "n>4M", torch.cuda.get_device_name(dev), runtime.arch_for_device(dev))
+    tuning.store(key, dataclasses.asdict(tuned))
+    for n in (E.SHORT - 5, E.SHORT + 7):
+        a, b = torch.randn(n, device=dev), torch.randn(n, device=dev)
+        _close(torch.ops.tileops.add(a, b), a, b)
+    served = {k.split("|")[5]: cfg for (op, k), cfg in tuning.SERVED.items() if op == "add" and "|float32|" in k}
+    assert served["n>4M"] == tuned and served["n<=4M"] == default
 
 
 @pytest.mark.gpu
