@@ -33,9 +33,22 @@ C = None  # SoftmaxConfig, bound lazily (the --warm path imports no CUDA)
 EIGHT_M = 8 * 2**20
 
 
-def candidates() -> dict:
+def candidates(kind: str = "softmax") -> dict:
     """(m, n, backward) -> [configs]; the heuristic default is added by `plan()` when missing."""
+    from tilelang_ops.kernels import softmax as K
     from tilelang_ops.kernels.softmax import SoftmaxConfig as S
+
+    if kind == "log_softmax":
+        # log_softmax keeps the heuristic (MEASURED is softmax's): time softmax's measured
+        # long-row configs on it, and what `tileops tune` found for it (session 49, H100)
+        shapes = [(256, 32768, False), (128, 65536, False), (4096, 32768, False), (32, 262144, False),
+                  (256, 32768, True), (128, 65536, True), (4096, 32768, True)]
+        extra = {False: [S("tmas", 1, 128, 32768, 0, 4)], True: [S("rows", 1, 1024), S("rows", 1, 512)]}
+        out = {}
+        for m, n, bwd in shapes:
+            cfgs = [K.default_config(n, "bfloat16", "softmax", bwd, m)] + extra[bwd]
+            out[(m, n, bwd)] = [c for c in dict.fromkeys(cfgs) if K.fits(c, n, "bfloat16", kind, bwd)]
+        return out
 
     # tmas = the chunk in shared memory by bulk copies, `stages` sub-chunks, half of them in flight.
     # Tenth session: exps as one FFMA + MUFU (x log2e - max log2e). Earlier candidates (clusters
@@ -51,24 +64,24 @@ def candidates() -> dict:
     }
 
 
-def plan(dtype: str = "bfloat16") -> list[tuple]:
+def plan(dtype: str = "bfloat16", kind: str = "softmax") -> list[tuple]:
     """[(m, n, backward, cfg, is_default)] in shape order, the heuristic/MEASURED default first."""
     from tilelang_ops.kernels import softmax as K
 
     rows = []
-    for (m, n, bwd), cfgs in candidates().items():
-        default = K.default_config(n, dtype, "softmax", bwd, m)
+    for (m, n, bwd), cfgs in candidates(kind).items():
+        default = K.default_config(n, dtype, kind, bwd, m)
         ordered = [default] + [c for c in cfgs if c != default]
         rows += [(m, n, bwd, c, c == default) for c in ordered]
     return rows
 
 
-def kernels_of(plan_rows, dtype: str = "bfloat16") -> list[tuple]:
+def kernels_of(plan_rows, dtype: str = "bfloat16", kind: str = "softmax") -> list[tuple]:
     from tilelang_ops.kernels import softmax as K
 
     seen, out = set(), []
     for m, n, bwd, cfg, _ in plan_rows:
-        for kd, c, st in K.schedule_kernels(cfg, n, dtype, "softmax", bwd):
+        for kd, c, st in K.schedule_kernels(cfg, n, dtype, kind, bwd):
             key = (kd.name, c, tuple(sorted(st.items())))
             if key not in seen:
                 seen.add(key)
@@ -121,7 +134,7 @@ def _compile_one(args):
     return kd_name, cfg, st, time.time() - t, getattr(k, "_tilelang_cache_path", None)
 
 
-def warm(arch: str, jobs: int, manifest: str | None = None) -> None:
+def warm(arch: str, jobs: int, manifest: str | None = None, kind: str = "softmax") -> None:
     """Compile every candidate kernel into $TILELANG_CACHE_DIR (works without a GPU)."""
     from concurrent.futures import ProcessPoolExecutor
 
@@ -131,10 +144,11 @@ def warm(arch: str, jobs: int, manifest: str | None = None) -> None:
 
     from .probe_softmax import clocked, probes
 
-    ks = kernels_of(plan())
+    ks = kernels_of(plan(kind=kind), kind=kind)
     names = {(kd.name, c, tuple(sorted(st.items()))) for kd, c, st in ks}
-    ks += [e for e in default_kernels() if (e[0].name, e[1], tuple(sorted(e[2].items()))) not in names]
-    ks += [(K.tma_fwd, cfg, st) for _, _, cfg, st in probes() + clocked()]  # benchmarks/probe_softmax.py
+    if kind == "softmax":  # the defaults at the bench and test shapes, and the probes
+        ks += [e for e in default_kernels() if (e[0].name, e[1], tuple(sorted(e[2].items()))) not in names]
+        ks += [(K.tma_fwd, cfg, st) for _, _, cfg, st in probes() + clocked()]  # benchmarks/probe_softmax.py
     print(f"compiling {len(ks)} kernels for {arch} with {jobs} processes", flush=True)
     t0 = time.time()
     dirs = set()
@@ -158,7 +172,7 @@ def _tbps(nbytes: int, ms: float) -> float:
     return nbytes / (ms * 1e-3) / 1e12
 
 
-def _measure(m, n, entries, rep, rows, best, sms) -> None:
+def _measure(m, n, entries, rep, rows, best, sms, kind="softmax") -> None:
     """Time `entries` [(backward, cfg, is_default)] at (m, n); append to rows, update best.
     The copy and every correct candidate are timed in turns (`_timing.interleaved`): timed one
     after another, whichever ran first read ~3% low (256x32768, session 10: the default, always
@@ -167,7 +181,7 @@ def _measure(m, n, entries, rep, rows, best, sms) -> None:
 
     from tilelang_ops.kernels import softmax as K
     from tilelang_ops.ops import softmax as ops
-    from tilelang_ops.reference import SOFTMAX_ATOL, SOFTMAX_RTOL
+    from tilelang_ops.reference import LOG_SOFTMAX_ATOL, LOG_SOFTMAX_RTOL, SOFTMAX_ATOL, SOFTMAX_RTOL
     from tilelang_ops.runtime import config_str
 
     from ._timing import bench, interleaved
@@ -178,17 +192,20 @@ def _measure(m, n, entries, rep, rows, best, sms) -> None:
     x = torch.randn(m, n, device=dev, dtype=dtype) * 3
     elt = x.numel() * x.element_size()
     out = torch.empty_like(x)
-    y = torch.softmax(x, -1)
+    fwd_ref = torch.log_softmax if kind == "log_softmax" else torch.softmax
+    bwd_ref = torch._log_softmax_backward_data if kind == "log_softmax" else torch._softmax_backward_data
+    atol, rtol = (LOG_SOFTMAX_ATOL, LOG_SOFTMAX_RTOL) if kind == "log_softmax" else (SOFTMAX_ATOL, SOFTMAX_RTOL)
+    y = fwd_ref(x, -1)
     dy = torch.randn_like(x)
-    ref_f = torch.softmax(x.float(), -1)
-    ref_b = torch._softmax_backward_data(dy.float(), y.float(), -1, torch.float32)
+    ref_f = fwd_ref(x.float(), -1)
+    ref_b = bwd_ref(dy.float(), y.float(), -1, torch.float32)
     checked = []  # (r, fn, kernels, a, b, o, cfg)
     for bwd, cfg, is_def in entries:
         name = config_str(cfg)
         direction = "bwd" if bwd else "fwd"
         a, b = (dy, y) if bwd else (x, None)
         try:
-            kernels = ops._compile(cfg, "softmax", bwd, n, dtype, dev)
+            kernels = ops._compile(cfg, kind, bwd, n, dtype, dev)
             o = torch.empty_like(x)
             o.fill_(float("nan"))  # poison: an unwritten element fails the check
             fn = lambda cfg=cfg, kernels=kernels, bwd=bwd, a=a, b=b, o=o: ops._run(cfg, kernels, bwd, a, b, o)  # noqa: E731
@@ -199,7 +216,7 @@ def _measure(m, n, entries, rep, rows, best, sms) -> None:
                 ok = err < 3e-2
             else:
                 err = (res.float() - ref_f).abs().max().item()
-                ok = bool(torch.isclose(res.float(), ref_f, atol=SOFTMAX_ATOL[dtype], rtol=SOFTMAX_RTOL[dtype]).all())
+                ok = bool(torch.isclose(res.float(), ref_f, atol=atol[dtype], rtol=rtol[dtype]).all())
         except Exception as e:  # compile/launch failure: report, keep going (a sticky CUDA error ends the phase)
             print(f"  {m}x{n} {direction} {name}: {type(e).__name__}: {e}", flush=True)
             torch.cuda.synchronize()  # raises if the context is gone: the caller stops the phase
@@ -226,7 +243,7 @@ def _measure(m, n, entries, rep, rows, best, sms) -> None:
             best[key] = r
 
 
-def run(rep: int, only: str | None) -> None:
+def run(rep: int, only: str | None, kind: str = "softmax") -> None:
     import torch
 
     import tilelang_ops  # noqa: F401
@@ -238,7 +255,7 @@ def run(rep: int, only: str | None) -> None:
     t0 = time.time()
     rows, best = [], {}
     by_shape: dict = {}
-    for m, n, bwd, cfg, is_def in plan():
+    for m, n, bwd, cfg, is_def in plan(kind=kind):
         if only is None or only == f"{m}x{n}":
             by_shape.setdefault((m, n), []).append((bwd, cfg, is_def))
     # Cluster (csplit) configs run last: should one fault the CUDA context, the rest is measured.
@@ -247,13 +264,13 @@ def run(rep: int, only: str | None) -> None:
             for (m, n), entries in by_shape.items():
                 todo = [e for e in entries if keep(e[1])]
                 if todo:
-                    _measure(m, n, todo, rep, rows, best, sms)
+                    _measure(m, n, todo, rep, rows, best, sms, kind)
                     print(f"  {phase} {m}x{n} done ({time.time() - t0:.0f} s)", flush=True)
         except Exception as e:
             print(f"!! {phase} phase stopped: {type(e).__name__}: {e}", flush=True)
             break
         finally:
-            path = write_json("sweep_softmax", rows, {"dtype": "bfloat16", "best": [dict(v, key=list(k)) for k, v in best.items()]})
+            path = write_json("sweep_softmax" if kind == "softmax" else f"sweep_{kind}", rows, {"dtype": "bfloat16", "kind": kind, "best": [dict(v, key=list(k)) for k, v in best.items()]})
     rows.sort(key=lambda r: (list(by_shape).index(tuple(map(int, r["shape"].split("x")))), r["dir"] != "fwd"))
     print(table(rows, ["shape", "dir", "config", "ok", "ms", "TB/s", "% copy", "stats ms", "apply ms"]))
     print("\n* = current default. Best per shape (correct configs only):")
@@ -282,17 +299,18 @@ def main(argv=None) -> None:
     p.add_argument("--list", action="store_true", help="print the candidate kernels and exit")
     p.add_argument("--rep", type=int, default=30)
     p.add_argument("--only", help="one shape, e.g. 128x65536")
+    p.add_argument("--kind", default="softmax", choices=("softmax", "log_softmax"))
     args = p.parse_args(argv)
     if args.list:
         from tilelang_ops.runtime import config_str
 
-        for m, n, bwd, cfg, d in plan():
+        for m, n, bwd, cfg, d in plan(kind=args.kind):
             print(m, n, "bwd" if bwd else "fwd", config_str(cfg), "*" if d else "")
-        print(len(kernels_of(plan())), "kernels")
+        print(len(kernels_of(plan(kind=args.kind), kind=args.kind)), "kernels")
     elif args.warm:
-        warm(args.arch, args.jobs, args.manifest)
+        warm(args.arch, args.jobs, args.manifest, args.kind)
     else:
-        run(args.rep, args.only)
+        run(args.rep, args.only, args.kind)
 
 
 if __name__ == "__main__":
