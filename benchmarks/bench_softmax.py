@@ -3,6 +3,7 @@
     python -m benchmarks.bench_softmax              # the table (< 3 min on an H200)
     python -m benchmarks.bench_softmax --sweep      # also time every fitting SEARCH_SPACE config (slow)
     python -m benchmarks.bench_softmax --no-compiled  # skip the torch.compile baseline
+    python -m benchmarks.bench_softmax --kind log_softmax  # log_softmax and its backward
 
 Bytes moved: forward reads x and writes y (2 * M*N*elt), backward reads dy and y and writes dx
 (3 * M*N*elt). The ceiling is `out.copy_(x)` (read + write) on the same tensor size; "% copy" is
@@ -33,11 +34,17 @@ def _compiled(fn):
     return torch.compile(fn, dynamic=False, fullgraph=True)
 
 
-def _torch_bwd(dy, y):
-    return torch._softmax_backward_data(dy, y, -1, y.dtype)
+# kind -> (ours, ours backward, torch, torch backward)
+KINDS = {
+    "softmax": (torch.ops.tileops.softmax, torch.ops.tileops.softmax_backward, torch.softmax,
+                lambda dy, y: torch._softmax_backward_data(dy, y, -1, y.dtype)),
+    "log_softmax": (torch.ops.tileops.log_softmax, torch.ops.tileops.log_softmax_backward, torch.log_softmax,
+                    lambda dy, y: torch._log_softmax_backward_data(dy, y, -1, y.dtype)),
+}
 
 
-def run_shape(m: int, n: int, dtype: torch.dtype, with_compiled: bool) -> list[dict]:
+def run_shape(m: int, n: int, dtype: torch.dtype, with_compiled: bool, kind: str = "softmax") -> list[dict]:
+    op, op_bwd, ref, ref_bwd = KINDS[kind]
     x = torch.randn(m, n, device="cuda", dtype=dtype) * 3
     elt = x.element_size() * m * n
     out = torch.empty_like(x)
@@ -45,21 +52,21 @@ def run_shape(m: int, n: int, dtype: torch.dtype, with_compiled: bool) -> list[d
     rows = []
 
     # forward (copy, ours, eager and compiled take turns: see _timing.interleaved)
-    fns = [lambda: out.copy_(x), lambda: torch.ops.tileops.softmax(x, -1), lambda: torch.softmax(x, -1)]
+    fns = [lambda: out.copy_(x), lambda: op(x, -1), lambda: ref(x, -1)]
     if with_compiled:
-        f = _compiled(lambda t: torch.softmax(t, -1))
+        f = _compiled(lambda t: ref(t, -1))
         fns.append(lambda: f(x))
     copy_ms, ours, eager, *comp = interleaved(timer, fns)
     copy_bw = _tbps(2 * elt, copy_ms)
     rows.append(_row(m, n, "fwd", 2 * elt, copy_bw, ours, eager, comp[0] if comp else None))
 
     # backward
-    y = torch.softmax(x, -1)
+    y = ref(x, -1)
     dy = torch.randn_like(x)
     del out
-    fns = [lambda: torch.ops.tileops.softmax_backward(dy, y, -1), lambda: _torch_bwd(dy, y)]
+    fns = [lambda: op_bwd(dy, y, -1), lambda: ref_bwd(dy, y)]
     if with_compiled:
-        g = _compiled(_torch_bwd)
+        g = _compiled(ref_bwd)
         fns.append(lambda: g(dy, y))
     ours, eager, *comp = interleaved(timer, fns)
     comp = comp[0] if comp else None
@@ -109,21 +116,22 @@ def main(argv=None) -> None:
     p.add_argument("--sweep", action="store_true", help="also time every SEARCH_SPACE config (slow: compiles each)")
     p.add_argument("--no-compiled", action="store_true", help="skip the torch.compile baseline")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--kind", default="softmax", choices=sorted(KINDS))
     args = p.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     t0 = time.time()
     rows = []
     for m, n in SHAPES:
-        rows += run_shape(m, n, dtype, not args.no_compiled)
+        rows += run_shape(m, n, dtype, not args.no_compiled, args.kind)
         print(f"  {m}x{n} done ({time.time() - t0:.0f} s)", flush=True)
-    extra = {"dtype": args.dtype}
+    extra = {"dtype": args.dtype, "kind": args.kind}
     if args.sweep:
         sweep = [r for m, n in SHAPES for r in sweep_shape(m, n, dtype)]
         print(table(sweep, ["shape", "op", "config", "TB/s", "ms"]))  # * = the default config
         extra["sweep"] = sweep
-    path = write_json("softmax", rows, extra)
+    path = write_json("softmax" if args.kind == "softmax" else args.kind, rows, extra)
     print(f"wrote {path}; {time.time() - t0:.0f} s total")
-    print(f"softmax {args.dtype}, L2 flushed before each run; % copy = ours TB/s / out.copy_(x) TB/s")
+    print(f"{args.kind} {args.dtype}, L2 flushed before each run; % copy = ours TB/s / out.copy_(x) TB/s")
     print(table(rows, ["shape", "dir", "copy TB/s", "ours TB/s", "% copy", "torch TB/s", "compiled TB/s", "x torch", "x compiled"]))
 
 
