@@ -491,6 +491,10 @@ EXTRA_SCHEDULES = [
     (("tmas", 1, 256, 65536, 0, 4), 65536, False),
     (("tmas", 1, 128, 32768, 0, 8), 262144, False),
     (("tmaw", 1, 128, 1024, 0, 1), 2048, False),  # one slice per sub-chunk
+    # what `tileops tune` stored for log_softmax at 256x32768 (session 49, H100: 1.48x and 1.28x
+    # over its row-length heuristic)
+    (("tmas", 1, 128, 32768, 0, 4), 32768, False),
+    (("rows", 1, 1024, 0, 0), 32768, True),
 ]
 
 
