@@ -46,9 +46,8 @@ def _compile_add(config, dtype: torch.dtype, device: torch.device):
     return K.add_kernel.compile(config, runtime.arch_for_device(device), dtype=TL_DTYPE[dtype])
 
 
-def _add_kernel(dtype: torch.dtype, device: torch.device, n: int = 1 << 26):
-    long = n > SHORT
-    key = (dtype, device.index, long)
+def _add_kernel(dtype: torch.dtype, device: torch.device, n: int):
+    key = (dtype, device.index, _bucket(n))
     k = _kernels.get(key)
     if k is None:
         config = tuning.resolve_config(TUNABLE, (n,), dtype, device)
