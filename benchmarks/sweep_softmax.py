@@ -39,14 +39,14 @@ def candidates(kind: str = "softmax") -> dict:
     from tilelang_ops.kernels.softmax import SoftmaxConfig as S
 
     if kind == "log_softmax":
-        # log_softmax keeps the heuristic (MEASURED is softmax's): time softmax's measured
-        # long-row configs on it, and what `tileops tune` found for it (session 49, H100)
+        # session 51 made these MEASURED_LOG: its default, softmax's measured long-row config and
+        # what `tileops tune` found for log_softmax (session 49, H100), in turns
         shapes = [(256, 32768, False), (128, 65536, False), (4096, 32768, False), (32, 262144, False),
                   (256, 32768, True), (128, 65536, True), (4096, 32768, True)]
         extra = {False: [S("tmas", 1, 128, 32768, 0, 4)], True: [S("rows", 1, 1024), S("rows", 1, 512)]}
         out = {}
         for m, n, bwd in shapes:
-            cfgs = [K.default_config(n, "bfloat16", "softmax", bwd, m)] + extra[bwd]
+            cfgs = [K.default_config(n, "bfloat16", kind, bwd, m), K.default_config(n, "bfloat16", "softmax", bwd, m)] + extra[bwd]
             out[(m, n, bwd)] = [c for c in dict.fromkeys(cfgs) if K.fits(c, n, "bfloat16", kind, bwd)]
         return out
 
@@ -90,19 +90,22 @@ def kernels_of(plan_rows, dtype: str = "bfloat16", kind: str = "softmax") -> lis
 
 
 def default_kernels() -> list[tuple]:
-    """Kernels the defaults use at bench_softmax's shapes (bf16 softmax) and at the GPU tests'
+    """Kernels the defaults use at bench_softmax's shapes (bf16, both kinds), at the measured
+    tables' entries and at the GPU tests'
     shapes (every dtype and kind, fwd and bwd), plus tests' EXTRA_SCHEDULES, so GPU runs of
     those hit the cache. Re-run --warm after pasting MEASURED entries: the defaults change."""
     from tilelang_ops.kernels import softmax as K
 
+    LOOP_MANY = K.LOOP_ROWS_PER_SM * K.H200_SMS + 1
     from .bench_softmax import SHAPES
 
-    want = [(m, n, "bfloat16", "softmax", bwd) for m, n in SHAPES for bwd in (False, True)]
+    want = [(m, n, "bfloat16", k, bwd) for m, n in SHAPES for k in K.KINDS for bwd in (False, True)]
+    rows = {"few": 3, "some": 2 * K.H200_SMS + 1, "many": LOOP_MANY}  # test_cuda_measured_defaults_through_the_op
+    want += [(rows[b], n, d, k, dr == "bwd") for k, t in K.TABLES.items() for dr, n, b in t for d in ("bfloat16", "float16")]
     try:
         from tests.test_softmax import GPU_SHAPES
 
-        big = 4 * K.H200_SMS + 1  # test_cuda_loop_path_many_long_rows
-        shapes = list(GPU_SHAPES) + [(big, 40000), (big, 65536)]
+        shapes = list(GPU_SHAPES) + [(LOOP_MANY, 40000), (LOOP_MANY, 65536)]  # test_cuda_loop_path_many_long_rows
         want += [(m, n, d, k, bwd) for m, n in shapes for d in K.DTYPES for k in K.KINDS for bwd in (False, True)]
         from tests.test_softmax import _FUZZ_N  # hypothesis fuzz (M <= 81: the "few" bucket) and opcheck rows
 
@@ -275,7 +278,8 @@ def run(rep: int, only: str | None, kind: str = "softmax") -> None:
     print(table(rows, ["shape", "dir", "config", "ok", "ms", "TB/s", "% copy", "stats ms", "apply ms"]))
     print("\n* = current default. Best per shape (correct configs only):")
     print(table(list(best.values()), ["shape", "dir", "config", "TB/s", "% copy"]))
-    print("\n# MEASURED entries for tilelang_ops/kernels/softmax.py (paste those that beat the default):")
+    table_name = "MEASURED" if kind == "softmax" else "MEASURED_LOG"
+    print(f"\n# {table_name} entries for tilelang_ops/kernels/softmax.py (paste those that beat the default):")
     for (m, n, direction), r in best.items():
         default = next((x for x in rows if x["shape"] == r["shape"] and x["dir"] == direction and x["default"]), None)
         args = ", ".join(f'"{v}"' if isinstance(v, str) else str(v) for v in r["cfg"])

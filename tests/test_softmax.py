@@ -218,26 +218,30 @@ def test_non_contiguous_input_is_copied(device):
     ],
 )
 def test_schedule_choice(n, m, kind, backward, schedule):
-    """The heuristic; MEASURED (bf16/fp16 softmax on 132-SM Hopper) may override it."""
+    """The heuristic; MEASURED / MEASURED_LOG (bf16/fp16 on 132-SM Hopper) may override it."""
     from tilelang_ops.kernels import softmax as K
 
     for dtype in ("bfloat16", "float32", "float16"):
         cfg = K.heuristic_config(n, dtype, kind, backward, m, sms=132)
         assert cfg.schedule == schedule
         assert K.fits(cfg, n, dtype, kind, backward), cfg  # defaults are inside the tuner's filter
-        if dtype == "float32" or kind == "log_softmax":
-            assert K.default_config(n, dtype, kind, backward, m, sms=132) == cfg  # MEASURED never applies
+        if dtype == "float32":
+            assert K.default_config(n, dtype, kind, backward, m, sms=132) == cfg  # the tables never apply
     assert K.default_config(n, "bfloat16", kind, backward, m, sms=108) == K.heuristic_config(n, "bfloat16", kind, backward, m, sms=108)
 
 
 def test_measured_table_is_sane():
     from tilelang_ops.kernels import softmax as K
 
-    for (direction, n, bucket), cfg in K.MEASURED.items():
-        assert direction in ("fwd", "bwd") and bucket in ("few", "some", "many"), (direction, bucket)
-        assert cfg.schedule in K.SCHEDULES, cfg
-        for dtype in ("bfloat16", "float16"):
-            assert K.fits(cfg, n, dtype, "softmax", direction == "bwd"), (direction, n, cfg)
+    assert set(K.TABLES) == set(K.KINDS)
+    for kind, table in K.TABLES.items():
+        for (direction, n, bucket), cfg in table.items():
+            assert direction in ("fwd", "bwd") and bucket in ("few", "some", "many"), (direction, bucket)
+            assert cfg.schedule in K.SCHEDULES, cfg
+            for dtype in ("bfloat16", "float16"):
+                assert K.fits(cfg, n, dtype, kind, direction == "bwd"), (kind, direction, n, cfg)
+                m = {"few": 1, "some": 2 * K.H200_SMS, "many": None}[bucket]
+                assert K.default_config(n, dtype, kind, direction == "bwd", m, sms=132) == cfg
 
 
 @pytest.mark.parametrize("backward", [False, True], ids=["fwd", "bwd"])
@@ -321,14 +325,15 @@ def test_tunables_have_candidates():
 
 
 def test_hopper_search_space_holds_the_measured_defaults():
-    """`tileops tune` on an sm_90 GPU can reach every MEASURED default (clusters, bulk copies);
+    """`tileops tune` on an sm_90 GPU can reach every measured default (clusters, bulk copies);
     on older GPUs it offers none of them (they need sm_90)."""
     from tilelang_ops.kernels import softmax as K
 
-    for (direction, n, _), cfg in K.MEASURED.items():
-        space = K.search_space(n, "bfloat16", "softmax", direction == "bwd", 90)
-        assert cfg in space, (direction, n, cfg)
-        assert all(c.schedule in ("rows", "loop", "split") for c in K.search_space(n, "bfloat16", "softmax", direction == "bwd", 80))
+    for kind, table in K.TABLES.items():
+        for (direction, n, _), cfg in table.items():
+            space = K.search_space(n, "bfloat16", kind, direction == "bwd", 90)
+            assert cfg in space, (kind, direction, n, cfg)
+            assert all(c.schedule in ("rows", "loop", "split") for c in K.search_space(n, "bfloat16", kind, direction == "bwd", 80))
 
 
 BAD_INPUTS = [
@@ -547,6 +552,45 @@ def test_cuda_gradients(dtype, name, shape):
     with poisoned_cuda_allocation(y.numel() * y.element_size()):
         dx = bwd(g, y, -1)
     assert rel_err(dx, ref(g.double(), y.double(), -1)) < GRAD_RTOL[dtype]
+
+
+def _measured_cases():
+    from tilelang_ops.kernels import softmax as K
+
+    return [(kind, d, n, b) for kind, table in K.TABLES.items() for (d, n, b) in table]
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", _measured_cases(), ids=lambda c: "-".join(map(str, c)))
+def test_cuda_measured_defaults_through_the_op(dtype, case):
+    """Every MEASURED / MEASURED_LOG entry, reached through the op at a row count of its bucket
+    (on a 132-SM Hopper; elsewhere the heuristic serves): poisoned output, the reference."""
+    from tilelang_ops import tuning
+    from tilelang_ops.kernels import softmax as K
+
+    kind, direction, n, bucket = case
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    m = {"few": 3, "some": 2 * sms + 1, "many": K.LOOP_ROWS_PER_SM * sms + 1}[bucket]
+    x = (torch.randn(m, n, device="cuda") * 4).to(dtype)
+    y = OPS[kind][0](x, -1)
+    if direction == "fwd":
+        with poisoned_cuda_allocation(x.numel() * x.element_size()) as ptr:
+            out = OPS[kind][0](x, -1)
+        assert out.data_ptr() == ptr
+        _close(out, _ref(kind, x, -1), dtype, kind)
+    else:
+        g = torch.randn(m, n, device="cuda").to(dtype)
+        with poisoned_cuda_allocation(x.numel() * x.element_size()) as ptr:
+            out = getattr(torch.ops.tileops, f"{kind}_backward")(g, y, -1)
+        assert out.data_ptr() == ptr
+        ref = getattr(tilelang_ops.reference, f"{kind}_backward")(g.double(), y.double(), -1)
+        assert torch.isfinite(out).all() and rel_err(out, ref) < GRAD_RTOL[dtype]
+    op = kind + ("_backward" if direction == "bwd" else "")
+    served = [cfg for (o, key), cfg in tuning.SERVED.items() if o == op and f"|{str(dtype)[6:]}|" in key]
+    if sms == K.H200_SMS:
+        assert K.TABLES[kind][(direction, n, bucket)] in served, served
 
 
 @pytest.mark.gpu

@@ -59,7 +59,7 @@ shapes the schedule: each distinct N compiles once per (kind, dtype, direction).
 otherwise spends registers freely, e.g. a 1024-thread `rows` CTA at 48 registers leaves one CTA
 per SM).
 
-`default_config` = MEASURED (sweep winners, bf16/fp16 softmax on a 132-SM Hopper) ▸
+`default_config` = MEASURED / MEASURED_LOG (sweep winners, bf16/fp16 on a 132-SM Hopper) ▸
 `heuristic_config` (N, M bucket, SM count); `tileops tune` may override it per (N, M bucket)
 from `search_space` (SEARCH_SPACE, plus SEARCH_SPACE_SM90 on Hopper). All math in fp32; exp via
 exp2 with a log2(e) pre-scale; output rounded once to the input dtype (`tma` softmax keeps its
@@ -144,7 +144,7 @@ def _row_limit(dtype: str, backward: bool, kind: str) -> int:
 
 
 # Measured winners, consulted before the heuristic below: (direction, n, M bucket) -> config, for
-# 16-bit dtypes and kind "softmax" (log_softmax keeps the heuristic: another register budget).
+# 16-bit dtypes (MEASURED: softmax, MEASURED_LOG: log_softmax).
 # direction: "fwd" | "bwd"; bucket: "few" (M < 2 rows per SM), "some" (< LOOP_ROWS_PER_SM rows
 # per SM), "many" — the same buckets ops/softmax.py resolves plans by. `python -m
 # benchmarks.sweep_softmax` (on the GPU) prints the lines to paste here, best config per shape.
@@ -162,6 +162,20 @@ MEASURED: dict[tuple[str, int, str], SoftmaxConfig] = {
     ("bwd", 32768, "many"): SoftmaxConfig("csplit", 1, 128, 4096, 0),  # 4096x32768: 89-90% vs loop 67%
 }
 
+# log_softmax: `python -m benchmarks.sweep_softmax --kind log_softmax` on an H100 (132 SMs, the
+# H200's SMs and clocks), 2026-12-06, session 51 call 1 (bf16; % of copy_). Until then it kept the
+# heuristic's split/loop schedules at these lengths: 0.84-0.91x torch at 256 and 4096 x 32768.
+MEASURED_LOG: dict[tuple[str, int, str], SoftmaxConfig] = {
+    ("fwd", 32768, "few"): SoftmaxConfig("tmas", 1, 128, 32768, 0, 4),  # 256x32768: 104% vs 69%
+    ("bwd", 32768, "few"): SoftmaxConfig("rows", 1, 1024),  # 256x32768: 107% vs 82% (csplit 102%)
+    ("fwd", 65536, "few"): SoftmaxConfig("tmas", 1, 256, 65536, 0, 4),  # 128x65536: 96% vs 68%
+    ("bwd", 65536, "few"): SoftmaxConfig("csplit", 1, 256, 8192, 0),  # 128x65536: 102% vs 82%
+    ("fwd", 32768, "many"): SoftmaxConfig("tma", 1, 256, 32768, 0, 4),  # 4096x32768: 98% vs 71%
+    ("bwd", 32768, "many"): SoftmaxConfig("csplit", 1, 128, 4096, 0),  # 4096x32768: 102% vs 78%
+    ("fwd", 262144, "few"): SoftmaxConfig("tmas", 1, 128, 32768, 0, 8),  # 32x262144: 85% vs 45%
+}
+TABLES = {"softmax": MEASURED, "log_softmax": MEASURED_LOG}
+
 
 def m_bucket(m: int | None, sms: int = H200_SMS) -> str:
     if m is None:
@@ -174,8 +188,8 @@ def default_config(
 ) -> SoftmaxConfig:
     """Config for an (m, n) problem (m=None: many rows) on a GPU with `sms` SMs: MEASURED, else
     the heuristic (`heuristic_config`)."""
-    if kind == "softmax" and _ESIZE[dtype] == 2 and sms == H200_SMS:  # measured on a 132-SM Hopper
-        cfg = MEASURED.get(("bwd" if backward else "fwd", n, m_bucket(m, sms)))
+    if _ESIZE[dtype] == 2 and sms == H200_SMS:  # measured on a 132-SM Hopper
+        cfg = TABLES[kind].get(("bwd" if backward else "fwd", n, m_bucket(m, sms)))
         if cfg is not None:
             return cfg
     return heuristic_config(n, dtype, kind, backward, m, sms)
