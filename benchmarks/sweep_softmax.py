@@ -39,14 +39,25 @@ def candidates(kind: str = "softmax") -> dict:
     from tilelang_ops.kernels.softmax import SoftmaxConfig as S
 
     if kind == "log_softmax":
-        # session 51 made these MEASURED_LOG: its default, softmax's measured long-row config and
-        # what `tileops tune` found for log_softmax (session 49, H100), in turns
-        shapes = [(256, 32768, False), (128, 65536, False), (4096, 32768, False), (32, 262144, False),
-                  (256, 32768, True), (128, 65536, True), (4096, 32768, True)]
-        extra = {False: [S("tmas", 1, 128, 32768, 0, 4)], True: [S("rows", 1, 1024), S("rows", 1, 512)]}
+        # Session 51 call 1 made the first seven shapes' winners MEASURED_LOG: its default,
+        # softmax's default and what `tileops tune` found (session 49, H100), in turns. Call 3:
+        # the lengths it had not timed, with softmax's defaults and the nearby configs.
+        tmas = lambda t, c, st: S("tmas", 1, t, c, 0, st)  # noqa: E731
+        rows = [S("rows", 1, 256), S("rows", 1, 1024), S("rows", 2, 1024)]
+        extra = {
+            (256, 32768, False): [tmas(128, 32768, 4)], (128, 65536, False): [tmas(128, 32768, 4)],
+            (4096, 32768, False): [tmas(128, 32768, 4)], (32, 262144, False): [tmas(128, 32768, 4)],
+            (256, 32768, True): [S("rows", 1, 1024), S("rows", 1, 512)], (128, 65536, True): [S("rows", 1, 1024)],
+            (4096, 32768, True): [S("rows", 1, 1024)],
+            (64, 131072, False): [tmas(256, 32768, 4), tmas(128, 65536, 8)],
+            (64, 131072, True): [S("csplit", 1, 512, 16384), S("csplit", 1, 512, 32768)],
+            (32, 262144, True): [S("csplitd", 1, 512, 32768)],
+            (1024, 8192, False): rows, (32768, 8192, False): rows,
+            (1024, 8192, True): rows, (32768, 8192, True): rows,
+        }
         out = {}
-        for m, n, bwd in shapes:
-            cfgs = [K.default_config(n, "bfloat16", kind, bwd, m), K.default_config(n, "bfloat16", "softmax", bwd, m)] + extra[bwd]
+        for (m, n, bwd), more in extra.items():
+            cfgs = [K.default_config(n, "bfloat16", kind, bwd, m), K.default_config(n, "bfloat16", "softmax", bwd, m)] + more
             out[(m, n, bwd)] = [c for c in dict.fromkeys(cfgs) if K.fits(c, n, "bfloat16", kind, bwd)]
         return out
 

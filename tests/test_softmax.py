@@ -500,6 +500,12 @@ EXTRA_SCHEDULES = [
     # over its row-length heuristic)
     (("tmas", 1, 128, 32768, 0, 4), 32768, False),
     (("rows", 1, 1024, 0, 0), 32768, True),
+    # log_softmax candidates at the lengths session 51's first sweep left out (sweep_softmax --kind log_softmax)
+    (("tmas", 1, 256, 32768, 0, 4), 131072, False),
+    (("tmas", 1, 128, 65536, 0, 8), 131072, False),
+    (("csplit", 1, 512, 16384, 0), 131072, True),
+    (("csplit", 1, 512, 32768, 0), 131072, True),
+    (("csplit", 1, 512, 32768, 0), 262144, True),
 ]
 
 
