@@ -163,7 +163,7 @@ MEASURED: dict[tuple[str, int, str], SoftmaxConfig] = {
 }
 
 # log_softmax: `python -m benchmarks.sweep_softmax --kind log_softmax` on an H100 (132 SMs, the
-# H200's SMs and clocks), 2026-12-06, session 51 call 1 (bf16; % of copy_). Until then it kept the
+# H200's SMs and clocks), 2026-12-06, session 51 calls 1 and 3 (bf16; % of copy_). Until then it kept the
 # heuristic's split/loop schedules at these lengths: 0.84-0.91x torch at 256 and 4096 x 32768.
 MEASURED_LOG: dict[tuple[str, int, str], SoftmaxConfig] = {
     ("fwd", 32768, "few"): SoftmaxConfig("tmas", 1, 128, 32768, 0, 4),  # 256x32768: 104% vs 69%
@@ -173,6 +173,12 @@ MEASURED_LOG: dict[tuple[str, int, str], SoftmaxConfig] = {
     ("fwd", 32768, "many"): SoftmaxConfig("tma", 1, 256, 32768, 0, 4),  # 4096x32768: 98% vs 71%
     ("bwd", 32768, "many"): SoftmaxConfig("csplit", 1, 128, 4096, 0),  # 4096x32768: 102% vs 78%
     ("fwd", 262144, "few"): SoftmaxConfig("tmas", 1, 128, 32768, 0, 8),  # 32x262144: 85% vs 45%
+    # call 3: the lengths call 1 left out
+    ("bwd", 262144, "few"): SoftmaxConfig("csplit", 1, 512, 32768, 0),  # 32x262144: 88% vs 69%
+    ("fwd", 131072, "few"): SoftmaxConfig("tmas", 1, 128, 65536, 0, 8),  # 64x131072: 91% vs 62% (softmax's 85%)
+    ("bwd", 131072, "few"): SoftmaxConfig("csplit", 1, 512, 32768, 0),  # 64x131072: 91% vs 82%
+    # 1024 and 32768 x 8192: 98% and 101% vs 85% and 86% (the heuristic's 512 threads)
+    ("fwd", 8192, "many"): SoftmaxConfig("rows", 1, 256),
 }
 TABLES = {"softmax": MEASURED, "log_softmax": MEASURED_LOG}
 
