@@ -102,9 +102,9 @@ def kernels_of(plan_rows, dtype: str = "bfloat16", kind: str = "softmax") -> lis
 
 def default_kernels() -> list[tuple]:
     """Kernels the defaults use at bench_softmax's shapes (bf16, both kinds), at the measured
-    tables' entries and at the GPU tests'
-    shapes (every dtype and kind, fwd and bwd), plus tests' EXTRA_SCHEDULES, so GPU runs of
-    those hit the cache. Re-run --warm after pasting MEASURED entries: the defaults change."""
+    tables' entries (bf16 and fp16) and at the GPU tests' shapes (every dtype and kind, fwd and
+    bwd), plus tests' EXTRA_SCHEDULES, so GPU runs of those hit the cache. Re-run --warm after
+    pasting MEASURED / MEASURED_LOG entries: the defaults change."""
     from tilelang_ops.kernels import softmax as K
 
     LOOP_MANY = K.LOOP_ROWS_PER_SM * K.H200_SMS + 1

@@ -192,8 +192,8 @@ def m_bucket(m: int | None, sms: int = H200_SMS) -> str:
 def default_config(
     n: int, dtype: str, kind: str = "softmax", backward: bool = False, m: int | None = None, sms: int = H200_SMS
 ) -> SoftmaxConfig:
-    """Config for an (m, n) problem (m=None: many rows) on a GPU with `sms` SMs: MEASURED, else
-    the heuristic (`heuristic_config`)."""
+    """Config for an (m, n) problem (m=None: many rows) on a GPU with `sms` SMs: the kind's
+    measured table (`TABLES`), else the heuristic (`heuristic_config`)."""
     if _ESIZE[dtype] == 2 and sms == H200_SMS:  # measured on a 132-SM Hopper
         cfg = TABLES[kind].get(("bwd" if backward else "fwd", n, m_bucket(m, sms)))
         if cfg is not None:
