@@ -112,16 +112,16 @@ def default_kernels() -> list[tuple]:
     pasting MEASURED / MEASURED_LOG entries: the defaults change."""
     from tilelang_ops.kernels import softmax as K
 
-    LOOP_MANY = K.LOOP_ROWS_PER_SM * K.H200_SMS + 1
     from .bench_softmax import SHAPES
 
     want = [(m, n, "bfloat16", k, bwd) for m, n in SHAPES for k in K.KINDS for bwd in (False, True)]
-    rows = {"few": 3, "some": 2 * K.H200_SMS + 1, "many": LOOP_MANY}  # test_cuda_measured_defaults_through_the_op
-    want += [(rows[b], n, d, k, dr == "bwd") for k, t in K.TABLES.items() for dr, n, b in t for d in ("bfloat16", "float16")]
+    # test_cuda_measured_defaults_through_the_op
+    want += [(K.bucket_rows(b), n, d, k, dr == "bwd") for k, t in K.TABLES.items() for dr, n, b in t for d in ("bfloat16", "float16")]
     try:
         from tests.test_softmax import GPU_SHAPES
 
-        shapes = list(GPU_SHAPES) + [(LOOP_MANY, 40000), (LOOP_MANY, 65536)]  # test_cuda_loop_path_many_long_rows
+        big = K.bucket_rows("many")  # test_cuda_loop_path_many_long_rows
+        shapes = list(GPU_SHAPES) + [(big, 40000), (big, 65536)]
         want += [(m, n, d, k, bwd) for m, n in shapes for d in K.DTYPES for k in K.KINDS for bwd in (False, True)]
         from tests.test_softmax import _FUZZ_N  # hypothesis fuzz (M <= 81: the "few" bucket) and opcheck rows
 

@@ -240,7 +240,8 @@ def test_measured_table_is_sane():
             assert cfg.schedule in K.SCHEDULES, cfg
             for dtype in ("bfloat16", "float16"):
                 assert K.fits(cfg, n, dtype, kind, direction == "bwd"), (kind, direction, n, cfg)
-                m = {"few": 1, "some": 2 * K.H200_SMS, "many": None}[bucket]
+                m = K.bucket_rows(bucket)
+                assert K.m_bucket(m) == bucket
                 assert K.default_config(n, dtype, kind, direction == "bwd", m, sms=132) == cfg
 
 
@@ -578,7 +579,7 @@ def test_cuda_measured_defaults_through_the_op(dtype, case):
 
     kind, direction, n, bucket = case
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    m = {"few": 3, "some": 2 * sms + 1, "many": K.LOOP_ROWS_PER_SM * sms + 1}[bucket]
+    m = K.bucket_rows(bucket, sms)
     x = (torch.randn(m, n, device="cuda") * 4).to(dtype)
     y = OPS[kind][0](x, -1)
     if direction == "fwd":

@@ -189,6 +189,11 @@ def m_bucket(m: int | None, sms: int = H200_SMS) -> str:
     return ("few", "some", "many")[(m >= 2 * sms) + (m >= LOOP_ROWS_PER_SM * sms)]
 
 
+def bucket_rows(bucket: str, sms: int = H200_SMS) -> int:
+    """A row count in `bucket` (for tests and cache warm-ups that must reach a bucket's config)."""
+    return {"few": 3, "some": 2 * sms + 1, "many": LOOP_ROWS_PER_SM * sms + 1}[bucket]
+
+
 def default_config(
     n: int, dtype: str, kind: str = "softmax", backward: bool = False, m: int | None = None, sms: int = H200_SMS
 ) -> SoftmaxConfig:
