@@ -230,6 +230,20 @@ def test_schedule_choice(n, m, kind, backward, schedule):
     assert K.default_config(n, "bfloat16", kind, backward, m, sms=108) == K.heuristic_config(n, "bfloat16", kind, backward, m, sms=108)
 
 
+@pytest.mark.parametrize("n", [1500, 4096, 6000, 8192, 12288, 16384])
+def test_log_softmax_forward_rows_take_softmax_threads(n):
+    """A register row gets as many threads in log_softmax's forward as in softmax's (twice as many
+    measured slower, session 52); the backwards keep half a forward's values per thread."""
+    from tilelang_ops.kernels import softmax as K
+
+    for m in (K.bucket_rows("some"), K.bucket_rows("many")):
+        log, soft = (K.heuristic_config(n, "bfloat16", kind, False, m, sms=132) for kind in ("log_softmax", "softmax"))
+        assert log.schedule == soft.schedule == "rows" and log.threads == soft.threads, (log, soft)
+        assert K.fits(log, n, "bfloat16", "log_softmax", False)
+        bwd = K.heuristic_config(n, "bfloat16", "log_softmax", True, m, sms=132)
+        assert bwd.threads == min(2 * log.threads, K._MAX_THREADS) or n <= 2048, bwd
+
+
 def test_measured_table_is_sane():
     from tilelang_ops.kernels import softmax as K
 
@@ -382,7 +396,7 @@ GPU_SHAPES = [
     (37, 1000),  # short rows, padded to the lane count
     (5, 4097),  # odd N: scalar accesses, padded register row
     (33, 8192),  # one row per CTA in registers
-    (300, 16384),  # a register row of 512 (log_softmax: 1024) threads; M >= 2 rows per SM
+    (300, 16384),  # a register row of 512 threads; M >= 2 rows per SM
     (3, 32768),  # register-sized row but too few rows to fill the SMs: split instead
     (2, 65536),  # split: stats + apply, 8 chunks per row
     (3, 100003),  # split with a ragged, odd last chunk

@@ -224,7 +224,10 @@ def heuristic_config(
             tpr *= 2
         return SoftmaxConfig("rows", block_m=threads // tpr, threads=threads)
     if n <= _row_limit(dtype, backward, kind) and (n <= ROWS_ALWAYS_UP_TO or many):
-        per_thread = _PER_THREAD // _arrays(kind, backward)
+        # A forward thread holds _PER_THREAD row values (log_softmax also their exps: 2 x 32 fp32,
+        # inside fits()' budget); twice the threads for log_softmax measured 2-9% slower at
+        # 200 x 8192 and 512 x 16384 and never faster (session 51 call 5, session 52).
+        per_thread = _PER_THREAD // 2 if backward else _PER_THREAD
         threads = 128
         while threads < _MAX_THREADS and threads * per_thread < n:
             threads *= 2
