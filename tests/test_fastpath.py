@@ -17,7 +17,7 @@ import torch
 
 from tilelang_ops import fastpath, runtime
 
-from .helpers import requires_cuda, rel_err
+from .helpers import HAS_CUDA, requires_cuda, rel_err
 
 NS = "tileops_fastpath_test"
 _lib = torch.library.Library(NS, "DEF")
@@ -438,6 +438,28 @@ def test_every_op_replays_on_fresh_inputs(case):
     after = _all_stats()
     hits = sum(after[n]["hits"] - before.get(n, {"hits": 0})["hits"] for n in after)
     assert hits >= 3, f"{case.name}: no replayed call ({ {n: after[n] for n in after if after[n] != before.get(n)} })"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (one or none here)")
+@pytest.mark.parametrize("case", __import__("tilelang_ops.ops", fromlist=["ALL_OPS"]).ALL_OPS, ids=lambda c: c.name)
+def test_every_op_on_a_gpu_other_than_the_current_one(case):
+    """Inputs on cuda:1 while cuda:0 is current: the launches go to cuda:1 (Python path, then
+    replays), results match the reference, and cuda:0 is still current after every call (TileLang's
+    host function would leave cuda:1 current; the ops' device guards restore it)."""
+    shape = case.shapes[min(1, len(case.shapes) - 1)]
+    dtype = case.dtypes[-1]
+    dev = torch.device("cuda", 1)
+    with torch.cuda.device(0):
+        for _ in range(5):
+            inputs = case.make_inputs(shape, dtype, dev)
+            out = case.op(*inputs)
+            assert torch.cuda.current_device() == 0, f"{case.name} left cuda:{torch.cuda.current_device()} current"
+            ref = case.reference(*inputs)
+            outs, refs = (out, ref) if isinstance(out, tuple) else ((out,), (ref,))
+            for o, r in zip(outs, refs):
+                assert o.device == dev
+                torch.testing.assert_close(o.double(), r.double(), atol=case.atol[dtype], rtol=case.rtol[dtype])
 
 
 @pytest.mark.gpu

@@ -132,6 +132,8 @@ class CustomOp:
     def register_kernel(self, device_type: str):
         def wrap(fn):
             key = _BACKEND_KEYS[device_type]
+            if device_type == "cuda":
+                fn = _on_tensors_gpu(fn)
             self.python_impls[key] = fn
             if device_type == "cuda" and _fast():
                 # The C++ kernel, which calls fn on a key it has no plan for. Not in `impls`: the
@@ -209,6 +211,27 @@ class CustomOp:
             return run(keyset, args)
 
         _LIB.impl(self.name, autograd_kernel, "Autograd", with_keyset=True)
+
+
+def _on_tensors_gpu(fn):
+    """`fn` run with its first tensor argument's GPU as the current device, as PyTorch's CUDA ops
+    run: TileLang's host function makes a tensor's GPU current and leaves it so, and torch's
+    current stream and allocations follow the current device. One compare when it already is.
+    (The C++ call path guards its own calls: csrc/fastpath.cpp.)"""
+
+    def run(*args, **kwargs):
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                index = a.get_device()
+                if index >= 0 and index != _C._cuda_getDevice():
+                    with torch.cuda.device(index):
+                        return fn(*args, **kwargs)
+                break
+        return fn(*args, **kwargs)
+
+    run.__wrapped__ = fn
+    run.__name__ = getattr(fn, "__name__", "run")
+    return run
 
 
 def _fast_apply(fn_cls):

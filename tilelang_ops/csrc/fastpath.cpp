@@ -15,6 +15,7 @@
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/autograd/custom_function.h>
 
@@ -343,6 +344,11 @@ struct BackendKernel final : c10::OperatorKernel {
       call_python(*st, op, stack, first, n, nullptr, false);
       return;
     }
+    // The first tensor's GPU is current for the launches and the Python path, and the caller's
+    // device again on return, as in PyTorch's CUDA ops: TileLang's host function makes its
+    // tensors' GPU current and leaves it so. No device switch when it already is current.
+    c10::OptionalDeviceGuard guard;
+    if (device.type() != c10::DeviceType::CPU) guard.reset_device(device);
     std::shared_ptr<Plan> plan;
     bool record = false, full = false;
     {
