@@ -4,6 +4,7 @@
     python -m benchmarks.bench_softmax --sweep      # also time every fitting SEARCH_SPACE config (slow)
     python -m benchmarks.bench_softmax --no-compiled  # skip the torch.compile baseline
     python -m benchmarks.bench_softmax --kind log_softmax  # log_softmax and its backward
+    python -m benchmarks.bench_softmax --vocab      # language-model logits (tokens x vocabulary)
 
 Bytes moved: forward reads x and writes y (2 * M*N*elt), backward reads dy and y and writes dx
 (3 * M*N*elt). The ceiling is `out.copy_(x)` (read + write) on the same tensor size; "% copy" is
@@ -23,6 +24,9 @@ from ._timing import bench, interleaved, table, write_json
 EIGHT_M = 8 * 2**20
 # (M, N): rows of each regime at >= 8M elements, then two large, DRAM-bound shapes.
 SHAPES = [(EIGHT_M // n, n) for n in (128, 1024, 8192, 32768, 65536, 131072, 262144)] + [(32768, 8192), (4096, 32768)]
+# --vocab: an LM's logits, tokens x vocabulary (Llama 2, GPT-2, Llama 3, Qwen 2): row lengths that
+# are no power of two (50257 is odd: no 16-byte vectors), where no measured default applies.
+VOCAB_SHAPES = [(8192, 32000), (8192, 50257), (4096, 128256), (2048, 151936)]
 
 
 def _tbps(nbytes: int, ms: float) -> float:
@@ -117,19 +121,21 @@ def main(argv=None) -> None:
     p.add_argument("--no-compiled", action="store_true", help="skip the torch.compile baseline")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--kind", default="softmax", choices=sorted(KINDS))
+    p.add_argument("--vocab", action="store_true", help="language-model logits shapes (VOCAB_SHAPES) instead of SHAPES")
     args = p.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     t0 = time.time()
     rows = []
-    for m, n in SHAPES:
+    shapes = VOCAB_SHAPES if args.vocab else SHAPES
+    for m, n in shapes:
         rows += run_shape(m, n, dtype, not args.no_compiled, args.kind)
         print(f"  {m}x{n} done ({time.time() - t0:.0f} s)", flush=True)
-    extra = {"dtype": args.dtype, "kind": args.kind}
+    extra = {"dtype": args.dtype, "kind": args.kind, "shapes": "vocab" if args.vocab else "default"}
     if args.sweep:
-        sweep = [r for m, n in SHAPES for r in sweep_shape(m, n, dtype)]
+        sweep = [r for m, n in shapes for r in sweep_shape(m, n, dtype)]
         print(table(sweep, ["shape", "op", "config", "TB/s", "ms"]))  # * = the default config
         extra["sweep"] = sweep
-    path = write_json("softmax" if args.kind == "softmax" else args.kind, rows, extra)
+    path = write_json(("softmax" if args.kind == "softmax" else args.kind) + ("_vocab" if args.vocab else ""), rows, extra)
     print(f"wrote {path}; {time.time() - t0:.0f} s total")
     print(f"{args.kind} {args.dtype}, L2 flushed before each run; % copy = ours TB/s / out.copy_(x) TB/s")
     print(table(rows, ["shape", "dir", "copy TB/s", "ours TB/s", "% copy", "torch TB/s", "compiled TB/s", "x torch", "x compiled"]))

@@ -33,11 +33,27 @@ C = None  # SoftmaxConfig, bound lazily (the --warm path imports no CUDA)
 EIGHT_M = 8 * 2**20
 
 
-def candidates(kind: str = "softmax") -> dict:
+def vocab_candidates(kind: str) -> dict:
+    """bench_softmax.VOCAB_SHAPES (an LM's logits: no power-of-two rows, no TMA schedule fits):
+    the long-row schedules the heuristic chooses among, at the chunks and threads that fit."""
+    from tilelang_ops.kernels import softmax as K
+    from tilelang_ops.kernels.softmax import SoftmaxConfig as S
+
+    from .bench_softmax import VOCAB_SHAPES
+
+    space = [S("loop", 1, t, c) for t in (256, 512) for c in (4096, 8192, 16384)]
+    space += [S("split", 1, 256, 8192), S("split", 1, 512, 16384), S("rows", 1, 1024)]
+    space += [S("csplit", 1, t, c) for t, c in ((128, 4096), (256, 8192), (512, 16384), (512, 32768))]
+    return {(m, n, bwd): [c for c in space if K.fits(c, n, "bfloat16", kind, bwd)] for m, n in VOCAB_SHAPES for bwd in (False, True)}
+
+
+def candidates(kind: str = "softmax", vocab: bool = False) -> dict:
     """(m, n, backward) -> [configs]; the heuristic default is added by `plan()` when missing."""
     from tilelang_ops.kernels import softmax as K
     from tilelang_ops.kernels.softmax import SoftmaxConfig as S
 
+    if vocab:
+        return vocab_candidates(kind)
     if kind == "log_softmax":
         # Session 51 call 1 made the first seven shapes' winners MEASURED_LOG: its default,
         # softmax's default and what `tileops tune` found (session 49, H100), in turns. Call 3:
@@ -83,12 +99,12 @@ def candidates(kind: str = "softmax") -> dict:
     }
 
 
-def plan(dtype: str = "bfloat16", kind: str = "softmax") -> list[tuple]:
+def plan(dtype: str = "bfloat16", kind: str = "softmax", vocab: bool = False) -> list[tuple]:
     """[(m, n, backward, cfg, is_default)] in shape order, the heuristic/MEASURED default first."""
     from tilelang_ops.kernels import softmax as K
 
     rows = []
-    for (m, n, bwd), cfgs in candidates(kind).items():
+    for (m, n, bwd), cfgs in candidates(kind, vocab).items():
         default = K.default_config(n, dtype, kind, bwd, m)
         ordered = [default] + [c for c in cfgs if c != default]
         rows += [(m, n, bwd, c, c == default) for c in ordered]
@@ -115,9 +131,9 @@ def default_kernels() -> list[tuple]:
     pasting MEASURED / MEASURED_LOG entries: the defaults change."""
     from tilelang_ops.kernels import softmax as K
 
-    from .bench_softmax import SHAPES
+    from .bench_softmax import SHAPES, VOCAB_SHAPES
 
-    want = [(m, n, "bfloat16", k, bwd) for m, n in SHAPES for k in K.KINDS for bwd in (False, True)]
+    want = [(m, n, "bfloat16", k, bwd) for m, n in SHAPES + VOCAB_SHAPES for k in K.KINDS for bwd in (False, True)]
     # test_cuda_measured_defaults_through_the_op
     want += [(K.bucket_rows(b), n, d, k, dr == "bwd") for k, t in K.TABLES.items() for dr, n, b in t for d in ("bfloat16", "float16")]
     try:
@@ -156,7 +172,7 @@ def _compile_one(args):
     return kd_name, cfg, st, time.time() - t, getattr(k, "_tilelang_cache_path", None)
 
 
-def warm(arch: str, jobs: int, manifest: str | None = None, kind: str = "softmax") -> None:
+def warm(arch: str, jobs: int, manifest: str | None = None, kind: str = "softmax", vocab: bool = False) -> None:
     """Compile every candidate kernel into $TILELANG_CACHE_DIR (works without a GPU)."""
     from concurrent.futures import ProcessPoolExecutor
 
@@ -166,9 +182,9 @@ def warm(arch: str, jobs: int, manifest: str | None = None, kind: str = "softmax
 
     from .probe_softmax import clocked, probes
 
-    ks = kernels_of(plan(kind=kind), kind=kind)
+    ks = kernels_of(plan(kind=kind, vocab=vocab), kind=kind)
     names = {(kd.name, c, tuple(sorted(st.items()))) for kd, c, st in ks}
-    if kind == "softmax":  # the defaults at the bench and test shapes, and the probes
+    if kind == "softmax" and not vocab:  # the defaults at the bench and test shapes, and the probes
         ks += [e for e in default_kernels() if (e[0].name, e[1], tuple(sorted(e[2].items()))) not in names]
         ks += [(K.tma_fwd, cfg, st) for _, _, cfg, st in probes() + clocked()]  # benchmarks/probe_softmax.py
     print(f"compiling {len(ks)} kernels for {arch} with {jobs} processes", flush=True)
@@ -265,7 +281,7 @@ def _measure(m, n, entries, rep, rows, best, sms, kind="softmax") -> None:
             best[key] = r
 
 
-def run(rep: int, only: str | None, kind: str = "softmax") -> None:
+def run(rep: int, only: str | None, kind: str = "softmax", vocab: bool = False) -> None:
     import torch
 
     import tilelang_ops  # noqa: F401
@@ -277,7 +293,7 @@ def run(rep: int, only: str | None, kind: str = "softmax") -> None:
     t0 = time.time()
     rows, best = [], {}
     by_shape: dict = {}
-    for m, n, bwd, cfg, is_def in plan(kind=kind):
+    for m, n, bwd, cfg, is_def in plan(kind=kind, vocab=vocab):
         if only is None or only == f"{m}x{n}":
             by_shape.setdefault((m, n), []).append((bwd, cfg, is_def))
     # Cluster (csplit) configs run last: should one fault the CUDA context, the rest is measured.
@@ -292,7 +308,7 @@ def run(rep: int, only: str | None, kind: str = "softmax") -> None:
             print(f"!! {phase} phase stopped: {type(e).__name__}: {e}", flush=True)
             break
         finally:
-            path = write_json("sweep_softmax" if kind == "softmax" else f"sweep_{kind}", rows, {"dtype": "bfloat16", "kind": kind, "best": [dict(v, key=list(k)) for k, v in best.items()]})
+            path = write_json(("sweep_softmax" if kind == "softmax" else f"sweep_{kind}") + ("_vocab" if vocab else ""), rows, {"dtype": "bfloat16", "kind": kind, "best": [dict(v, key=list(k)) for k, v in best.items()]})
     rows.sort(key=lambda r: (list(by_shape).index(tuple(map(int, r["shape"].split("x")))), r["dir"] != "fwd"))
     print(table(rows, ["shape", "dir", "config", "ok", "ms", "TB/s", "% copy", "stats ms", "apply ms"]))
     print("\n* = current default. Best per shape (correct configs only):")
@@ -323,17 +339,18 @@ def main(argv=None) -> None:
     p.add_argument("--rep", type=int, default=30)
     p.add_argument("--only", help="one shape, e.g. 128x65536")
     p.add_argument("--kind", default="softmax", choices=("softmax", "log_softmax"))
+    p.add_argument("--vocab", action="store_true", help="bench_softmax.VOCAB_SHAPES (LM logits) and the long-row schedules")
     args = p.parse_args(argv)
     if args.list:
         from tilelang_ops.runtime import config_str
 
-        for m, n, bwd, cfg, d in plan(kind=args.kind):
+        for m, n, bwd, cfg, d in plan(kind=args.kind, vocab=args.vocab):
             print(m, n, "bwd" if bwd else "fwd", config_str(cfg), "*" if d else "")
-        print(len(kernels_of(plan(kind=args.kind), kind=args.kind)), "kernels")
+        print(len(kernels_of(plan(kind=args.kind, vocab=args.vocab), kind=args.kind)), "kernels")
     elif args.warm:
-        warm(args.arch, args.jobs, args.manifest, args.kind)
+        warm(args.arch, args.jobs, args.manifest, args.kind, args.vocab)
     else:
-        run(args.rep, args.only, args.kind)
+        run(args.rep, args.only, args.kind, args.vocab)
 
 
 if __name__ == "__main__":
