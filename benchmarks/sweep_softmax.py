@@ -44,7 +44,12 @@ def vocab_candidates(kind: str) -> dict:
     space = [S("loop", 1, t, c) for t in (256, 512) for c in (4096, 8192, 16384)]
     space += [S("split", 1, 256, 8192), S("split", 1, 512, 16384), S("rows", 1, 1024)]
     space += [S("csplit", 1, t, c) for t, c in ((128, 4096), (256, 8192), (512, 16384), (512, 32768))]
-    return {(m, n, bwd): [c for c in space if K.fits(c, n, "bfloat16", kind, bwd)] for m, n in VOCAB_SHAPES for bwd in (False, True)}
+    out = {(m, n, bwd): [c for c in space if K.fits(c, n, "bfloat16", kind, bwd)] for m, n in VOCAB_SHAPES for bwd in (False, True)}
+    # a length between the register rows and the vocabularies (LONG_BWD holds it as one chunk):
+    # the defaults, the former loop default and the register rows
+    mid = [S("loop", 1, 256, 4096), S("loop", 1, 512, 8192), S("rows", 1, 1024), K.LONG_BWD]
+    out.update({(8192, 20000, bwd): [c for c in mid if K.fits(c, 20000, "bfloat16", kind, bwd)] for bwd in (False, True)})
+    return out
 
 
 def candidates(kind: str = "softmax", vocab: bool = False) -> dict:
@@ -137,10 +142,10 @@ def default_kernels() -> list[tuple]:
     # test_cuda_measured_defaults_through_the_op
     want += [(K.bucket_rows(b), n, d, k, dr == "bwd") for k, t in K.TABLES.items() for dr, n, b in t for d in ("bfloat16", "float16")]
     try:
-        from tests.test_softmax import GPU_SHAPES
+        from tests.test_softmax import GPU_SHAPES, LONG_ROWS_N
 
         big = K.bucket_rows("many")  # test_cuda_loop_path_many_long_rows
-        shapes = list(GPU_SHAPES) + [(big, 40000), (big, 65536)]
+        shapes = list(GPU_SHAPES) + [(big, n) for n in LONG_ROWS_N]
         want += [(m, n, d, k, bwd) for m, n in shapes for d in K.DTYPES for k in K.KINDS for bwd in (False, True)]
         from tests.test_softmax import _FUZZ_N  # hypothesis fuzz (M <= 81: the "few" bucket) and opcheck rows
 

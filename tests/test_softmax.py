@@ -244,6 +244,29 @@ def test_log_softmax_forward_rows_take_softmax_threads(n):
         assert bwd.threads == min(2 * log.threads, K._MAX_THREADS) or n <= 2048, bwd
 
 
+def test_long_rows_over_many_rows():
+    """Rows too long for registers, >= LOOP_ROWS_PER_SM rows per SM: the loop schedule, 512
+    threads; backward in 16-bit on a 132-SM Hopper the cluster split where 16-byte vectors fit."""
+    from tilelang_ops.kernels import softmax as K
+
+    m = K.bucket_rows("many")
+    for kind in K.KINDS:
+        for n in (32000, 128256, 151936, 262144):
+            assert K.default_config(n, "bfloat16", kind, True, m, sms=132) == K.LONG_BWD
+            assert K.default_config(n, "float16", kind, True, m, sms=132) == K.LONG_BWD
+            assert K.fits(K.LONG_BWD, n, "bfloat16", kind, True)
+        # odd rows (no 16-byte vectors), > 8 chunks of 32768, float32, another GPU: the loop
+        for n, dtype, sms in ((50257, "bfloat16", 132), (262144 + 8, "bfloat16", 132), (128256, "float32", 132), (128256, "bfloat16", 108)):
+            cfg = K.default_config(n, dtype, kind, True, m, sms=sms)
+            assert cfg == K.SoftmaxConfig("loop", threads=512, chunk=8192), (n, dtype, sms)
+        assert K.default_config(128256, "bfloat16", kind, True, K.bucket_rows("some"), sms=132).schedule == "split"
+        for n in (50257, 128256):
+            assert K.default_config(n, "bfloat16", kind, False, m, sms=132) == K.SoftmaxConfig("loop", threads=512, chunk=8192)
+        # forward register rows up to 32768 for both kinds (log_softmax: values and exps)
+        cfg = K.default_config(32000, "bfloat16", kind, False, m, sms=132)
+        assert cfg == K.SoftmaxConfig("rows", 1, 1024) and K.fits(cfg, 32000, "bfloat16", kind, False)
+
+
 def test_measured_table_is_sane():
     from tilelang_ops.kernels import softmax as K
 
@@ -389,6 +412,9 @@ def test_bad_backward_input(device, op, case):
 
 # ------------------------------------------------------------------------------------ GPU only
 # (M, N) per kernel schedule for bf16 (see kernels/softmax.py default_config):
+# test_cuda_loop_path_many_long_rows: lengths past the register rows, at many rows (and the
+# register rows' last lengths, and an odd one)
+LONG_ROWS_N = [20000, 32000, 40000, 50257, 65536, 128256]
 GPU_SHAPES = [
     (1, 1),  # one element
     (1000, 7),  # tiny odd rows, 32 rows per CTA, scalar accesses
@@ -422,10 +448,17 @@ def test_cuda_poisoned_output(dtype, name, shape):
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", OPS)
-@pytest.mark.parametrize("n", [40000, 65536])
+@pytest.mark.parametrize("n", LONG_ROWS_N)
 def test_cuda_loop_path_many_long_rows(dtype, name, n):
-    """M >= 4 rows per SM sends long rows to the loop schedule (one CTA walks its row twice)."""
-    m = 4 * torch.cuda.get_device_properties(0).multi_processor_count + 1
+    """M >= 4 rows per SM: rows too long for registers take the loop schedule (one CTA walks its
+    row twice) forward, and in bf16 on a 132-SM Hopper the cluster split (LONG_BWD) backward
+    unless the length is odd; up to 32768, forwards keep their row in registers. Checks that
+    the default config served each direction."""
+    from tilelang_ops import tuning
+    from tilelang_ops.kernels import softmax as K
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    m = K.bucket_rows("many", sms)
     x = (torch.randn(m, n, device="cuda") * 4).to(dtype).requires_grad_()
     x.data[0, : n // 2] = float("-inf")  # -inf-only first chunks: the running sum must stay 0, not NaN
     x.data[1] = float("-inf")  # all -inf row: NaN like PyTorch
@@ -441,6 +474,10 @@ def test_cuda_loop_path_many_long_rows(dtype, name, n):
     xr = x.detach()[keep].double().requires_grad_()
     OPS[name][1](xr, -1).backward(g[keep].double())
     assert rel_err(x.grad[keep], xr.grad) < GRAD_RTOL[dtype]
+    dname = str(dtype).replace("torch.", "")
+    for op, backward in ((name, False), (name + "_backward", True)):
+        served = [cfg for (o, key), cfg in tuning.SERVED.items() if o == op and f"|{dname}|n={n}," in key]
+        assert K.default_config(n, dname, name, backward, m, sms) in served, (op, served)
 
 
 @pytest.mark.gpu

@@ -139,8 +139,10 @@ def _arrays(kind: str, backward: bool) -> int:
 
 
 def _row_limit(dtype: str, backward: bool, kind: str) -> int:
-    """Longest row kept in registers; longer rows take the loop / split schedules."""
-    return _MAX_THREADS * _PER_THREAD // _arrays(kind, backward)
+    """Longest row kept in registers; longer rows take the loop / split schedules. A forward
+    thread holds _PER_THREAD values of its row (log_softmax: and their exps, 64 fp32 in all: 89%
+    of a copy at 8192 x 32000 against the loop's 75%, session 52), a backward thread half that."""
+    return _MAX_THREADS * _PER_THREAD // (2 if backward else 1)
 
 
 # Measured winners, consulted before the heuristic below: (direction, n, M bucket) -> config, for
@@ -181,6 +183,11 @@ MEASURED_LOG: dict[tuple[str, int, str], SoftmaxConfig] = {
     ("fwd", 8192, "many"): SoftmaxConfig("rows", 1, 256),
 }
 TABLES = {"softmax": MEASURED, "log_softmax": MEASURED_LOG}
+# A backward over many rows too long for registers, at a length no table names (an LM's logits:
+# 32000, 128256, 151936 columns), 16-byte vectors: a cluster of up to 8 CTAs per row, 32768
+# elements each. 87-102% of a copy against the loop schedule's 61-78%, both kinds (session 52
+# call 1, H100). Rows of odd length (no 16-byte vectors) ran it at 16-52%: they keep the loop.
+LONG_BWD = SoftmaxConfig("csplit", 1, 512, 32768, 0)
 
 
 def m_bucket(m: int | None, sms: int = H200_SMS) -> str:
@@ -200,9 +207,13 @@ def default_config(
     """Config for an (m, n) problem (m=None: many rows) on a GPU with `sms` SMs: the kind's
     measured table (`TABLES`), else the heuristic (`heuristic_config`)."""
     if _ESIZE[dtype] == 2 and sms == H200_SMS:  # measured on a 132-SM Hopper
-        cfg = TABLES[kind].get(("bwd" if backward else "fwd", n, m_bucket(m, sms)))
+        bucket = m_bucket(m, sms)
+        cfg = TABLES[kind].get(("bwd" if backward else "fwd", n, bucket))
         if cfg is not None:
             return cfg
+        if backward and bucket == "many" and n > _row_limit(dtype, True, kind) and vec_width(n, dtype) == 8:
+            if fits(LONG_BWD, n, dtype, kind, True):
+                return LONG_BWD
     return heuristic_config(n, dtype, kind, backward, m, sms)
 
 
@@ -232,10 +243,13 @@ def heuristic_config(
         while threads < _MAX_THREADS and threads * per_thread < n:
             threads *= 2
         return SoftmaxConfig("rows", block_m=1, threads=threads)
+    if m is None or m >= LOOP_ROWS_PER_SM * sms:
+        # 512 threads over 8192-element chunks: faster than 256 threads over 4096 or 8192 in all
+        # 16 cases of language-model logits (4 row lengths, 32000-151936, x fwd/bwd x both kinds;
+        # 3-22% of a copy, session 52 call 1)
+        return SoftmaxConfig("loop", threads=512, chunk=8192)
     threads = 256
-    chunk = threads * max(_PER_THREAD // _arrays(kind, backward), vec)
-    loop = m is None or m >= LOOP_ROWS_PER_SM * sms
-    return SoftmaxConfig("loop" if loop else "split", threads=threads, chunk=chunk)
+    return SoftmaxConfig("split", threads=threads, chunk=threads * max(_PER_THREAD // _arrays(kind, backward), vec))
 
 
 def fits(cfg: SoftmaxConfig, n: int, dtype: str, kind: str = "softmax", backward: bool = False) -> bool:
