@@ -21,6 +21,9 @@ def poisoned_cuda_allocation(nbytes: int):
     poisoned pointer so a test can assert the poison actually reached the output.
     """
     torch.cuda.synchronize()
+    # no other free block of this size in the cache: the allocator's best fit would tie (a test's
+    # earlier tensors of the same size) and could hand the output an unpoisoned one
+    torch.cuda.empty_cache()
     buf = torch.empty(nbytes, dtype=torch.uint8, device="cuda").fill_(0xFF)  # 0xFF.. is NaN in every float type
     ptr = buf.data_ptr()
     del buf

@@ -139,10 +139,10 @@ def _arrays(kind: str, backward: bool) -> int:
 
 
 def _row_limit(dtype: str, backward: bool, kind: str) -> int:
-    """Longest row kept in registers; longer rows take the loop / split schedules. A forward
-    thread holds _PER_THREAD values of its row (log_softmax: and their exps, 64 fp32 in all: 89%
-    of a copy at 8192 x 32000 against the loop's 75%, session 52), a backward thread half that."""
-    return _MAX_THREADS * _PER_THREAD // (2 if backward else 1)
+    """Longest row kept in registers; longer rows take the loop / split schedules. (log_softmax's
+    forward as a 1024-thread register row, session 52: 89% of a copy at 8192 x 32000 but 71% at
+    8192 x 20000, where the loop runs at 84-87%: its limit stays at 16384.)"""
+    return _MAX_THREADS * _PER_THREAD // _arrays(kind, backward)
 
 
 # Measured winners, consulted before the heuristic below: (direction, n, M bucket) -> config, for
