@@ -205,7 +205,8 @@ def default_config(
     n: int, dtype: str, kind: str = "softmax", backward: bool = False, m: int | None = None, sms: int = H200_SMS
 ) -> SoftmaxConfig:
     """Config for an (m, n) problem (m=None: many rows) on a GPU with `sms` SMs: the kind's
-    measured table (`TABLES`), else the heuristic (`heuristic_config`)."""
+    measured table (`TABLES`), then `LONG_BWD` for a long-row backward over many rows, else the
+    heuristic (`heuristic_config`)."""
     if _ESIZE[dtype] == 2 and sms == H200_SMS:  # measured on a 132-SM Hopper
         bucket = m_bucket(m, sms)
         cfg = TABLES[kind].get(("bwd" if backward else "fwd", n, bucket))
