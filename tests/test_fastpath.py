@@ -419,22 +419,31 @@ def _all_stats():
     return {n: fastpath.stats(n) for n in fastpath._indices}
 
 
+def _five_calls(case, device: torch.device, after_call=lambda: None) -> None:
+    """Five calls of the op on fresh inputs on `device`, every result against the float64
+    reference (the first two run the Python implementation, the last three replay its plan);
+    `after_call()` right after each call."""
+    shape = case.shapes[min(1, len(case.shapes) - 1)]
+    dtype = case.dtypes[-1]
+    for _ in range(5):
+        inputs = case.make_inputs(shape, dtype, device)
+        out = case.op(*inputs)
+        after_call()
+        ref = case.reference(*inputs)
+        outs, refs = (out, ref) if isinstance(out, tuple) else ((out,), (ref,))
+        for o, r in zip(outs, refs):
+            assert o.device == device
+            torch.testing.assert_close(o.double(), r.double(), atol=case.atol[dtype], rtol=case.rtol[dtype])
+
+
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("case", __import__("tilelang_ops.ops", fromlist=["ALL_OPS"]).ALL_OPS, ids=lambda c: c.name)
 def test_every_op_replays_on_fresh_inputs(case):
     """Five calls, fresh inputs each, every result against the float64 reference: the first two
     run the Python implementation, the last three replay its plan."""
-    shape = case.shapes[min(1, len(case.shapes) - 1)]
-    dtype = case.dtypes[-1]
     before = _all_stats()
-    for _ in range(5):
-        inputs = case.make_inputs(shape, dtype, torch.device("cuda"))
-        out = case.op(*inputs)
-        ref = case.reference(*inputs)
-        outs, refs = (out, ref) if isinstance(out, tuple) else ((out,), (ref,))
-        for o, r in zip(outs, refs):
-            torch.testing.assert_close(o.double(), r.double(), atol=case.atol[dtype], rtol=case.rtol[dtype])
+    _five_calls(case, torch.device("cuda", torch.cuda.current_device()))
     after = _all_stats()
     hits = sum(after[n]["hits"] - before.get(n, {"hits": 0})["hits"] for n in after)
     assert hits >= 3, f"{case.name}: no replayed call ({ {n: after[n] for n in after if after[n] != before.get(n)} })"
@@ -447,19 +456,12 @@ def test_every_op_on_a_gpu_other_than_the_current_one(case):
     """Inputs on cuda:1 while cuda:0 is current: the launches go to cuda:1 (Python path, then
     replays), results match the reference, and cuda:0 is still current after every call (TileLang's
     host function would leave cuda:1 current; the ops' device guards restore it)."""
-    shape = case.shapes[min(1, len(case.shapes) - 1)]
-    dtype = case.dtypes[-1]
-    dev = torch.device("cuda", 1)
+
+    def still_cuda0():
+        assert torch.cuda.current_device() == 0, f"{case.name} left cuda:{torch.cuda.current_device()} current"
+
     with torch.cuda.device(0):
-        for _ in range(5):
-            inputs = case.make_inputs(shape, dtype, dev)
-            out = case.op(*inputs)
-            assert torch.cuda.current_device() == 0, f"{case.name} left cuda:{torch.cuda.current_device()} current"
-            ref = case.reference(*inputs)
-            outs, refs = (out, ref) if isinstance(out, tuple) else ((out,), (ref,))
-            for o, r in zip(outs, refs):
-                assert o.device == dev
-                torch.testing.assert_close(o.double(), r.double(), atol=case.atol[dtype], rtol=case.rtol[dtype])
+        _five_calls(case, torch.device("cuda", 1), still_cuda0)
 
 
 @pytest.mark.gpu

@@ -455,7 +455,6 @@ def test_cuda_loop_path_many_long_rows(dtype, name, n):
     row twice) forward, and in bf16 on a 132-SM Hopper the cluster split (LONG_BWD) backward
     unless the length is odd; softmax's forward keeps rows up to 32768 in registers. Checks that
     the default config served each direction."""
-    from tilelang_ops import tuning
     from tilelang_ops.kernels import softmax as K
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -475,10 +474,9 @@ def test_cuda_loop_path_many_long_rows(dtype, name, n):
     xr = x.detach()[keep].double().requires_grad_()
     OPS[name][1](xr, -1).backward(g[keep].double())
     assert rel_err(x.grad[keep], xr.grad) < GRAD_RTOL[dtype]
-    dname = str(dtype).replace("torch.", "")
     for op, backward in ((name, False), (name + "_backward", True)):
-        served = [cfg for (o, key), cfg in tuning.SERVED.items() if o == op and f"|{dname}|n={n}|" in key]
-        assert K.default_config(n, dname, name, backward, m, sms) in served, (op, served)
+        served = _served(op, dtype, n)
+        assert K.default_config(n, str(dtype).replace("torch.", ""), name, backward, m, sms) in served, (op, served)
 
 
 @pytest.mark.gpu
@@ -613,6 +611,14 @@ def test_cuda_gradients(dtype, name, shape):
     assert rel_err(dx, ref(g.double(), y.double(), -1)) < GRAD_RTOL[dtype]
 
 
+def _served(op: str, dtype: torch.dtype, n: int) -> list:
+    """The configs that served `op` at rows of n in `dtype` in this process (tuning.SERVED)."""
+    from tilelang_ops import tuning
+
+    dname = str(dtype).replace("torch.", "")
+    return [cfg for (o, key), cfg in tuning.SERVED.items() if o == op and f"|{dname}|n={n}|" in key]
+
+
 def _measured_cases():
     from tilelang_ops.kernels import softmax as K
 
@@ -626,7 +632,6 @@ def _measured_cases():
 def test_cuda_measured_defaults_through_the_op(dtype, case):
     """Every MEASURED / MEASURED_LOG entry, reached through the op at a row count of its bucket
     (on a 132-SM Hopper; elsewhere the heuristic serves): poisoned output, the reference."""
-    from tilelang_ops import tuning
     from tilelang_ops.kernels import softmax as K
 
     kind, direction, n, bucket = case
@@ -646,8 +651,7 @@ def test_cuda_measured_defaults_through_the_op(dtype, case):
         assert out.data_ptr() == ptr
         ref = getattr(tilelang_ops.reference, f"{kind}_backward")(g.double(), y.double(), -1)
         assert torch.isfinite(out).all() and rel_err(out, ref) < GRAD_RTOL[dtype]
-    op = kind + ("_backward" if direction == "bwd" else "")
-    served = [cfg for (o, key), cfg in tuning.SERVED.items() if o == op and f"|{str(dtype)[6:]}|" in key]
+    served = _served(kind + ("_backward" if direction == "bwd" else ""), dtype, n)
     if sms == K.H200_SMS:
         assert K.TABLES[kind][(direction, n, bucket)] in served, served
 

@@ -132,7 +132,7 @@ class CustomOp:
     def register_kernel(self, device_type: str):
         def wrap(fn):
             key = _BACKEND_KEYS[device_type]
-            if device_type == "cuda":
+            if device_type == "cuda" and torch.cuda.device_count() > 1:  # one GPU: always current
                 fn = _on_tensors_gpu(fn)
             self.python_impls[key] = fn
             if device_type == "cuda" and _fast():
@@ -216,8 +216,9 @@ class CustomOp:
 def _on_tensors_gpu(fn):
     """`fn` run with its first tensor argument's GPU as the current device, as PyTorch's CUDA ops
     run: TileLang's host function makes a tensor's GPU current and leaves it so, and torch's
-    current stream and allocations follow the current device. One compare when it already is.
-    (The C++ call path guards its own calls: csrc/fastpath.cpp.)"""
+    current stream and allocations follow the current device. One compare when it already is;
+    not applied at all in a process that sees one GPU. (The C++ call path guards its own calls:
+    csrc/fastpath.cpp.)"""
 
     def run(*args, **kwargs):
         for a in args:
