@@ -244,6 +244,27 @@ def test_log_softmax_forward_rows_take_softmax_threads(n):
         assert bwd.threads == min(2 * log.threads, K._MAX_THREADS) or n <= 2048, bwd
 
 
+def test_loop_unaligned_rows_load_whole_vectors():
+    """At a row length that breaks 16-byte alignment (GPT-2's 50257 columns) the loop schedule
+    still moves the row's body in 16-byte vectors, forward and backward (the pass that writes
+    the output: uint4 / float4 accesses; before, every access was one element). Aligned lengths
+    keep TileLang's bounds guards, which keep a masked load inside its branch."""
+    import re
+
+    from tilelang_ops.kernels import softmax as K
+
+    cfg = K.SoftmaxConfig("loop", threads=512, chunk=8192)
+    for dtype, vec in (("bfloat16", "uint4"), ("float32", "float4")):
+        st = {"n": 50257, "dtype": dtype, "kind": "softmax"}
+        fwd = K.loop_fwd.source(cfg, "sm_90a", **st)
+        assert re.search(rf"\*\({vec}\*\)\(X \+", fwd) and re.search(rf"\*\({vec}\*\)\(Y \+", fwd), dtype
+        bwd = K.loop_bwd.source(cfg, "sm_90a", **st)
+        for buf in ("DY", "Yt", "DX"):
+            assert re.search(rf"\*\({vec}\*\)\({buf} \+", bwd), (dtype, buf)
+        assert K.loop_fwd.pass_configs_for(cfg, **st) == {"tl.disable_safe_memory_legalize": True}
+        assert K.loop_fwd.pass_configs_for(cfg, **{**st, "n": 50256}) == {}
+
+
 def test_long_rows_over_many_rows():
     """Rows too long for registers, >= LOOP_ROWS_PER_SM rows per SM: the loop schedule, 512
     threads; backward in 16-bit on a 132-SM Hopper the cluster split where 16-byte vectors fit."""
@@ -477,6 +498,60 @@ def test_cuda_loop_path_many_long_rows(dtype, name, n):
     for op, backward in ((name, False), (name + "_backward", True)):
         served = _served(op, dtype, n)
         assert K.default_config(n, str(dtype).replace("torch.", ""), name, backward, m, sms) in served, (op, served)
+
+
+# Row lengths that break 16-byte alignment (odd, 2 and 4 mod 8), past the register rows of both
+# kinds' forward and backward: the loop schedule, every row at another offset within 16 bytes.
+UNALIGNED_N = [40001, 50257, 50258, 50260]
+
+
+def _edge_slots(m: int, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, cols): one element per row among the first and last 8 of the row, the slot and the
+    row's offset within 16 bytes (rows r, r + 8, ... share it at odd n) varying independently."""
+    rows = torch.arange(m, device=device)
+    slot = (rows // 8) % 16
+    return rows, torch.where(slot < 8, slot, n - 16 + slot)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("n", UNALIGNED_N)
+def test_cuda_loop_unaligned_rows(dtype, name, n):
+    """The loop schedule at lengths that break 16-byte alignment loads an aligned body of whole
+    vectors and each row's head and tail (< 16 bytes each) one element at a time. Each row gets
+    one dominant value among its first or last 8 elements: a row whose ends missed the max, the
+    sum or the dot is wrong by orders of magnitude (random values alone would hide one missing
+    element of 50000 inside the tolerance), and poison catches an unwritten end."""
+    from tilelang_ops.kernels import softmax as K
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    m = K.bucket_rows("many", sms)
+    rows, cols = _edge_slots(m, n, "cuda")
+    x = torch.randn(m, n, device="cuda") * 2
+    x[rows, cols] = 30.0
+    x = x.to(dtype)
+    with poisoned_cuda_allocation(x.numel() * x.element_size()) as ptr:
+        out = OPS[name][0](x, -1)
+    assert out.data_ptr() == ptr
+    _close(out, _ref(name, x, -1), dtype, name)
+    # the backward op alone, with y and dy dominated by the same element: softmax's dot y . dy
+    # and log_softmax's sum of dy are mostly that element's term
+    p = torch.rand(m, n, device="cuda") * 1e-4
+    p[rows, cols] = 0.5
+    y = (p.log() if name == "log_softmax" else p).to(dtype)
+    dy = torch.randn(m, n, device="cuda")
+    dy[rows, cols] = 1000.0
+    dy = dy.to(dtype)
+    with poisoned_cuda_allocation(x.numel() * x.element_size()) as ptr:
+        dx = getattr(torch.ops.tileops, f"{name}_backward")(dy, y, -1)
+    assert dx.data_ptr() == ptr
+    ref = getattr(tilelang_ops.reference, f"{name}_backward")(dy.double(), y.double(), -1)
+    assert rel_err(dx, ref) < GRAD_RTOL[dtype]
+    for op, backward in ((name, False), (name + "_backward", True)):
+        assert K.default_config(n, str(dtype).replace("torch.", ""), name, backward, m, sms).schedule == "loop"
+        assert [c.schedule for c in _served(op, dtype, n)] == ["loop"], (op, _served(op, dtype, n))
 
 
 @pytest.mark.gpu

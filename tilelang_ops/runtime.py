@@ -287,6 +287,8 @@ class KernelDef:
     build: Callable[..., Any]
     pass_configs: tuple[tuple[str, Any], ...] = ()
     min_sm: int = 0  # e.g. 90: uses Hopper-only features (thread-block clusters); no sm_80 build
+    # (config, **static) -> extra pass configs, for a schedule whose needs depend on the shape
+    static_pass_configs: Callable[..., dict] | None = None
 
     def compile(self, config, arch: str, **static):
         """Compiled kernel for (config, static, arch); compiles at most once per process."""
@@ -298,7 +300,7 @@ class KernelDef:
             kernel = _COMPILED.get(key)
             if kernel is None:
                 args = dict(func=self.build(config, **static), target={"kind": "cuda", "arch": arch},
-                            pass_configs=self.pass_configs_for(config) or None)
+                            pass_configs=self.pass_configs_for(config, **static) or None)
                 rewrites = source_rewrites(config)
                 if rewrites:
                     # the flags give the rewritten kernel a disk-cache key of its own
@@ -313,11 +315,13 @@ class KernelDef:
                 _COMPILED[key] = kernel
         return kernel
 
-    def pass_configs_for(self, config) -> dict:
+    def pass_configs_for(self, config, **static) -> dict:
         """The family's pass configs plus what the schedule itself needs (a config dataclass may
-        define `pass_configs()`: e.g. a hand-synchronized pipeline turns TileLang's sync pass off)."""
+        define `pass_configs()`: e.g. a hand-synchronized pipeline turns TileLang's sync pass off)
+        and what the shape needs (`static_pass_configs`)."""
         extra = getattr(config, "pass_configs", None)
-        return {**dict(self.pass_configs), **(extra() if extra else {})}
+        shaped = self.static_pass_configs(config, **static) if self.static_pass_configs else {}
+        return {**dict(self.pass_configs), **(extra() if extra else {}), **shaped}
 
     def min_sm_for(self, config) -> int:
         """Oldest SM the kernel builds for with this config: the family's floor, raised by a
@@ -328,7 +332,7 @@ class KernelDef:
         return self.compile(config, arch, **static).get_kernel_source()
 
 
-def kernel(family: str, name: str | None = None, pass_configs=None, min_sm: int = 0):
+def kernel(family: str, name: str | None = None, pass_configs=None, min_sm: int = 0, static_pass_configs=None):
     """Decorator turning a PrimFunc builder into a KernelDef.
 
     Kernels take every buffer, outputs included, as parameters (no TileLang `out_idx`): the op
@@ -336,7 +340,7 @@ def kernel(family: str, name: str | None = None, pass_configs=None, min_sm: int 
     """
 
     def wrap(build):
-        return KernelDef(family, name or build.__name__, build, tuple(sorted((pass_configs or {}).items())), min_sm)
+        return KernelDef(family, name or build.__name__, build, tuple(sorted((pass_configs or {}).items())), min_sm, static_pass_configs)
 
     return wrap
 

@@ -23,7 +23,10 @@ shapes the schedule: each distinct N compiles once per (kind, dtype, direction).
   SM, walking the row twice in `chunk`-sized pieces: each thread keeps its own running (max, sum)
   on the way out (one CTA reduction at the end, no barrier inside the walk), the output
   newest-chunk-first on the way back. The second read hits L2 (132 SMs x a few rows of <= 512 KB),
-  so DRAM sees one read and one write, like `rows`.
+  so DRAM sees one read and one write, like `rows`. At any row length it moves 16-byte vectors:
+  where rows do not start 16-byte aligned (an odd vocabulary), each row's aligned body is walked
+  through a flat view and its < 16-byte head and tail are added one element at a time
+  (`_RowWalk`); the other schedules load such rows one element at a time.
 
 * **csplit** — `split` in one launch (sm_90+): a thread-block cluster of <= 8 CTAs per row, each
   holding its chunk in registers; partials go through global memory across barrier.cluster
@@ -273,6 +276,8 @@ def fits(cfg: SoftmaxConfig, n: int, dtype: str, kind: str = "softmax", backward
             and cfg.block_m == 1
             and cfg.chunk * _ESIZE[dtype] <= TMA_SMEM_MAX
         )
+    if cfg.schedule == "loop":
+        vec = _loop_vec(n, dtype)
     ok = cfg.chunk % (cfg.threads * vec) == 0 and cfg.chunk < 2 * n
     schedule = _cluster_base(cfg.schedule)[0]
     if schedule == "csplit":  # a cluster per row; the chunk held in registers (input dtype)
@@ -335,10 +340,11 @@ def _split_chunks(n: int, chunk: int) -> int:
     return -(-n // chunk)
 
 
-def _chunk_tile(config: SoftmaxConfig, n: int, dtype: str) -> tuple[int, int, int]:
+def _chunk_tile(config: SoftmaxConfig, n: int, dtype: str, vec: int = 0) -> tuple[int, int, int]:
     """(nc, kc, w) of the chunked schedules: a row is nc chunks of `config.chunk` elements, a chunk
-    kc slices of w = threads * vec elements (each thread loads vec contiguous per slice)."""
-    w = config.threads * vec_width(n, dtype)
+    kc slices of w = threads * vec elements (each thread loads vec contiguous per slice; vec
+    defaults to vec_width(n, dtype))."""
+    w = config.threads * (vec or vec_width(n, dtype))
     return _split_chunks(n, config.chunk), config.chunk // w, w
 
 
@@ -1049,12 +1055,69 @@ def tma_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str, probe: str = "
 # keeps its own running (max, sum) / dot over the vectors it loads and the CTA reduces them once
 # at the end: no barrier inside the walk, so a thread's next loads never wait on the others.
 # ---------------------------------------------------------------------------------------------
-@kernel("softmax", "softmax_loop_fwd")
+def _full_vec(dtype: str) -> int:
+    return 16 // _ESIZE[dtype]
+
+
+def _loop_vec(n: int, dtype: str) -> int:
+    """The loop schedule loads whole 16-byte vectors at every row length (see `_RowWalk`)."""
+    return _full_vec(dtype)
+
+
+class _RowWalk:
+    """Where element e (0 <= e < n rounded up to chunks) of row `row`'s walk lives, for the loop
+    schedule. A row length that keeps rows 16-byte aligned indexes the (M, n) tensor as is. Other
+    lengths (an odd vocabulary such as GPT-2's 50257) would load one element at a time: there the
+    walk covers the row's aligned body of `nv` whole vectors through a flat view, and the kernels
+    add the < 16 bytes before and after it (head, tail) one element at a time (`end_ok`,
+    `end_at`). Body loads clamp to the row's last vector, so a masked-out lane still reads inside
+    the row: without TileLang's bounds guards (`_loop_pass_configs`: it cannot prove the flat
+    view's indices in bounds, and its guards would split every vector load back into elements)
+    a masked load is hoisted out of its select."""
+
+    def __init__(self, row, n: int, dtype: str, M):
+        self.odd = vec_width(n, dtype) < _full_vec(dtype)
+        self.row, self.n, self.M, self.fv = row, n, M, _full_vec(dtype)
+        if self.odd:
+            r0 = T.Cast("int64", row) * n  # flat start; M * n may pass 2**31
+            self.a0 = T.floordiv(r0 + (self.fv - 1), self.fv)  # first whole vector, in vectors
+            self.head = T.Cast("int32", self.a0 * self.fv - r0)
+            self.nv = T.Cast("int32", T.floordiv(r0 + n, self.fv) - self.a0)
+            self.tail = n - self.head - self.nv * self.fv
+            self.r0 = r0
+
+    def view(self, buf):
+        return T.view(buf, (self.M * self.n,)) if self.odd else buf
+
+    def inside(self, e):
+        return T.floordiv(e, self.fv) < self.nv if self.odd else e < self.n
+
+    def at(self, e):
+        if not self.odd:
+            return self.row, e
+        return (self.a0 + T.min(T.floordiv(e, self.fv), self.nv - 1)) * self.fv + T.floormod(e, self.fv)
+
+    def end_ok(self, j):
+        """Slot j < 2 * fv of the row's unaligned ends holds an element: j < fv the head's,
+        fv <= j < 2 fv the tail's."""
+        return T.if_then_else(j < self.fv, j < self.head, j - self.fv < self.tail)
+
+    def end_at(self, j):
+        return self.r0 + T.if_then_else(j < self.fv, j, self.head + self.nv * self.fv + j - self.fv)
+
+
+def _loop_pass_configs(config: SoftmaxConfig, n: int, dtype: str, kind: str) -> dict:
+    """Unaligned rows: no TileLang bounds guards, the walk's indices stay in the row by
+    construction (`_RowWalk`). Aligned rows keep them: they keep a masked load inside its branch."""
+    return {"tl.disable_safe_memory_legalize": True} if vec_width(n, dtype) < _full_vec(dtype) else {}
+
+
+@kernel("softmax", "softmax_loop_fwd", static_pass_configs=_loop_pass_configs)
 def loop_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str):
     """Pass 1 keeps per-thread running (max, sum of exp); pass 2 re-reads the row, newest chunk
     first, while it is still in L2 (132 SMs x a few resident rows of <= 512 KB fit in 50 MB)."""
     M = T.dynamic("M")
-    nc, kc, w = _chunk_tile(config, n, dtype)
+    nc, kc, w = _chunk_tile(config, n, dtype, _loop_vec(n, dtype))
     c = config.chunk
     log = kind == "log_softmax"
 
@@ -1063,6 +1126,9 @@ def loop_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str):
         with T.Kernel(M, threads=config.threads) as row:
             if config.min_blocks:
                 T.annotate_min_blocks_per_sm(config.min_blocks)
+            rw = _RowWalk(row, n, dtype, M)
+            X = rw.view(X)  # the same tensor; flat for unaligned rows
+            Y = rw.view(Y)
             a = T.alloc_fragment((kc, w), dtype)
             pm = T.alloc_fragment((w,), _ACC)  # per-lane running max
             ps = T.alloc_fragment((w,), _ACC)  # per-lane sum of exp(x - pm)
@@ -1076,7 +1142,7 @@ def loop_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str):
             for ch in T.serial(nc):  # reads n
                 for kk, j in T.Parallel(kc, w):
                     a[kk, j] = T.if_then_else(
-                        ch * c + kk * w + j < n, X[row, ch * c + kk * w + j], T.Cast(dtype, -T.infinity(_ACC))
+                        rw.inside(ch * c + kk * w + j), X[rw.at(ch * c + kk * w + j)], T.Cast(dtype, -T.infinity(_ACC))
                     )
                 for j in T.Parallel(w):
                     nm[j] = pm[j]
@@ -1086,6 +1152,12 @@ def loop_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str):
                     ps[j] = ps[j] * T.exp2((pm[j] - _safe(nm[j])) * LOG2E)
                     for kk in T.serial(kc):
                         ps[j] = ps[j] + T.exp2((T.Cast(_ACC, a[kk, j]) - _safe(nm[j])) * LOG2E)
+                    pm[j] = nm[j]
+            if rw.odd:  # after the walk: a loop before it would give pm a one-element layout
+                for j in T.Parallel(w):
+                    e = T.if_then_else(rw.end_ok(j), T.Cast(_ACC, X[rw.end_at(j)]), -T.infinity(_ACC))
+                    nm[j] = T.max(pm[j], e)
+                    ps[j] = ps[j] * T.exp2((pm[j] - _safe(nm[j])) * LOG2E) + T.exp2((e - _safe(nm[j])) * LOG2E)
                     pm[j] = nm[j]
             T.reduce_max(pm, r, dim=0)
             m = r[0]
@@ -1097,24 +1169,32 @@ def loop_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str):
                 s = m + T.log2(s) * LN2
             else:
                 s = 1.0 / s
+            if rw.odd:
+                for j in T.Parallel(w):
+                    if rw.end_ok(j):
+                        _fwd_out(X, Y, rw.end_at(j), m, s, dtype, log)
             for rc in T.serial(nc):  # reads n (L2), writes n
                 ch = nc - 1 - rc
                 for kk, j in T.Parallel(kc, w):
-                    if ch * c + kk * w + j < n:
-                        if log:
-                            Y[row, ch * c + kk * w + j] = T.Cast(dtype, T.Cast(_ACC, X[row, ch * c + kk * w + j]) - s)
-                        else:
-                            Y[row, ch * c + kk * w + j] = T.Cast(
-                                dtype, T.exp2((T.Cast(_ACC, X[row, ch * c + kk * w + j]) - m) * LOG2E) * s
-                            )
+                    if rw.inside(ch * c + kk * w + j):
+                        _fwd_out(X, Y, rw.at(ch * c + kk * w + j), m, s, dtype, log)
 
     return fwd
 
 
-@kernel("softmax", "softmax_loop_bwd")
+@T.macro
+def _fwd_out(X, Y, i, m, s, dtype: str, log: bool):
+    """y = x - s (log_softmax: s = log-sum-exp) or exp(x - m) * s (softmax: s = 1 / sum)."""
+    if log:
+        Y[i] = T.Cast(dtype, T.Cast(_ACC, X[i]) - s)
+    else:
+        Y[i] = T.Cast(dtype, T.exp2((T.Cast(_ACC, X[i]) - m) * LOG2E) * s)
+
+
+@kernel("softmax", "softmax_loop_bwd", static_pass_configs=_loop_pass_configs)
 def loop_bwd(config: SoftmaxConfig, n: int, dtype: str, kind: str):
     M = T.dynamic("M")
-    nc, kc, w = _chunk_tile(config, n, dtype)
+    nc, kc, w = _chunk_tile(config, n, dtype, _loop_vec(n, dtype))
     c = config.chunk
     log = kind == "log_softmax"
 
@@ -1123,6 +1203,10 @@ def loop_bwd(config: SoftmaxConfig, n: int, dtype: str, kind: str):
         with T.Kernel(M, threads=config.threads) as row:
             if config.min_blocks:
                 T.annotate_min_blocks_per_sm(config.min_blocks)
+            rw = _RowWalk(row, n, dtype, M)
+            DY = rw.view(DY)
+            Yt = rw.view(Yt)
+            DX = rw.view(DX)
             a = T.alloc_fragment((kc, w), dtype)
             b = T.alloc_fragment((kc, w), dtype)
             pd = T.alloc_fragment((w,), _ACC)  # per-lane partial dot (sum of dy for log_softmax)
@@ -1132,24 +1216,40 @@ def loop_bwd(config: SoftmaxConfig, n: int, dtype: str, kind: str):
                 pd[j] = 0.0
             for ch in T.serial(nc):  # reads 2n (n for log_softmax)
                 for kk, j in T.Parallel(kc, w):
-                    a[kk, j] = T.if_then_else(ch * c + kk * w + j < n, DY[row, ch * c + kk * w + j], T.Cast(dtype, 0.0))
+                    i = ch * c + kk * w + j
+                    a[kk, j] = T.if_then_else(rw.inside(i), DY[rw.at(i)], T.Cast(dtype, 0.0))
                 if not log:
                     for kk, j in T.Parallel(kc, w):
-                        b[kk, j] = T.if_then_else(ch * c + kk * w + j < n, Yt[row, ch * c + kk * w + j], T.Cast(dtype, 0.0))
+                        i = ch * c + kk * w + j
+                        b[kk, j] = T.if_then_else(rw.inside(i), Yt[rw.at(i)], T.Cast(dtype, 0.0))
                 _lane_dot(kc, w, log)(a, b, pd)
+            if rw.odd:  # the row's unaligned ends (after the walk: see loop_fwd)
+                for j in T.Parallel(w):
+                    if rw.end_ok(j):
+                        i = rw.end_at(j)
+                        pd[j] = pd[j] + (T.Cast(_ACC, DY[i]) if log else T.Cast(_ACC, DY[i]) * T.Cast(_ACC, Yt[i]))
             T.reduce_sum(pd, r, dim=0)
             dot = r[0]
+            if rw.odd:
+                for j in T.Parallel(w):
+                    if rw.end_ok(j):
+                        _bwd_out(DY, Yt, DX, rw.end_at(j), dot, dtype, log)
             for rc in T.serial(nc):  # reads 2n (L2), writes n
                 ch = nc - 1 - rc
                 for kk, j in T.Parallel(kc, w):
-                    if ch * c + kk * w + j < n:
-                        i = ch * c + kk * w + j
-                        if log:
-                            DX[row, i] = T.Cast(dtype, T.Cast(_ACC, DY[row, i]) - T.exp2(T.Cast(_ACC, Yt[row, i]) * LOG2E) * dot)
-                        else:
-                            DX[row, i] = T.Cast(dtype, T.Cast(_ACC, Yt[row, i]) * (T.Cast(_ACC, DY[row, i]) - dot))
+                    if rw.inside(ch * c + kk * w + j):
+                        _bwd_out(DY, Yt, DX, rw.at(ch * c + kk * w + j), dot, dtype, log)
 
     return bwd
+
+
+@T.macro
+def _bwd_out(DY, Yt, DX, i, dot, dtype: str, log: bool):
+    """dx = dy - exp(y) * dot (log_softmax: dot = sum dy) or y * (dy - dot) (softmax: dot = dy . y)."""
+    if log:
+        DX[i] = T.Cast(dtype, T.Cast(_ACC, DY[i]) - T.exp2(T.Cast(_ACC, Yt[i]) * LOG2E) * dot)
+    else:
+        DX[i] = T.Cast(dtype, T.Cast(_ACC, Yt[i]) * (T.Cast(_ACC, DY[i]) - dot))
 
 
 # (kernel, config, static) at which `tileops export` writes source and `tileops check` compiles:
