@@ -244,25 +244,29 @@ def test_log_softmax_forward_rows_take_softmax_threads(n):
         assert bwd.threads == min(2 * log.threads, K._MAX_THREADS) or n <= 2048, bwd
 
 
-def test_loop_unaligned_rows_load_whole_vectors():
-    """At a row length that breaks 16-byte alignment (GPT-2's 50257 columns) the loop schedule
-    still moves the row's body in 16-byte vectors, forward and backward (the pass that writes
-    the output: uint4 / float4 accesses; before, every access was one element). Aligned lengths
-    keep TileLang's bounds guards, which keep a masked load inside its branch."""
+def test_unaligned_rows_load_whole_vectors():
+    """At a row length that breaks 16-byte alignment (GPT-2's 50257 columns) the loop and split
+    schedules still move the row's body in 16-byte vectors, forward and backward (uint4 /
+    float4 accesses in the pass that writes the output; before, every access was one element).
+    Aligned lengths keep TileLang's bounds guards, which keep a masked load inside its branch."""
     import re
 
     from tilelang_ops.kernels import softmax as K
 
-    cfg = K.SoftmaxConfig("loop", threads=512, chunk=8192)
+    loop = K.SoftmaxConfig("loop", threads=512, chunk=8192)
+    split = K.SoftmaxConfig("split", threads=256, chunk=8192)
     for dtype, vec in (("bfloat16", "uint4"), ("float32", "float4")):
         st = {"n": 50257, "dtype": dtype, "kind": "softmax"}
-        fwd = K.loop_fwd.source(cfg, "sm_90a", **st)
-        assert re.search(rf"\*\({vec}\*\)\(X \+", fwd) and re.search(rf"\*\({vec}\*\)\(Y \+", fwd), dtype
-        bwd = K.loop_bwd.source(cfg, "sm_90a", **st)
-        for buf in ("DY", "Yt", "DX"):
-            assert re.search(rf"\*\({vec}\*\)\({buf} \+", bwd), (dtype, buf)
-        assert K.loop_fwd.pass_configs_for(cfg, **st) == {"tl.disable_safe_memory_legalize": True}
-        assert K.loop_fwd.pass_configs_for(cfg, **{**st, "n": 50256}) == {}
+        fwd = K.loop_fwd.source(loop, "sm_90a", **st)
+        bwd = K.loop_bwd.source(loop, "sm_90a", **st)
+        split_fwd = K.split_apply.source(split, "sm_90a", **st, backward=False)
+        split_bwd = K.split_apply.source(split, "sm_90a", **st, backward=True)
+        for src, bufs in ((fwd, ("X", "Y")), (bwd, ("DY", "Yt", "DX")), (split_fwd, ("A", "O")), (split_bwd, ("A", "B", "O"))):
+            for buf in bufs:
+                assert re.search(rf"\*\({vec}\*\)\({buf} \+", src), (dtype, buf)
+        for kd in (K.loop_fwd, K.split_stats):
+            assert kd.pass_configs_for(loop, **st) == {"tl.disable_safe_memory_legalize": True}
+            assert kd.pass_configs_for(loop, **{**st, "n": 50256}) == {}
 
 
 def test_long_rows_over_many_rows():
@@ -501,7 +505,8 @@ def test_cuda_loop_path_many_long_rows(dtype, name, n):
 
 
 # Row lengths that break 16-byte alignment (odd, 2 and 4 mod 8), past the register rows of both
-# kinds' forward and backward: the loop schedule, every row at another offset within 16 bytes.
+# kinds' forward and backward: the loop (many rows) and split (few) schedules, every row at
+# another offset within 16 bytes.
 UNALIGNED_N = [40001, 50257, 50258, 50260]
 
 
@@ -518,8 +523,9 @@ def _edge_slots(m: int, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", OPS)
 @pytest.mark.parametrize("n", UNALIGNED_N)
-def test_cuda_loop_unaligned_rows(dtype, name, n):
-    """The loop schedule at lengths that break 16-byte alignment loads an aligned body of whole
+@pytest.mark.parametrize("schedule", ["loop", "split"])
+def test_cuda_unaligned_rows(dtype, name, n, schedule):
+    """loop and split at lengths that break 16-byte alignment load an aligned body of whole
     vectors and each row's head and tail (< 16 bytes each) one element at a time. Each row gets
     one dominant value among its first or last 8 elements: a row whose ends missed the max, the
     sum or the dot is wrong by orders of magnitude (random values alone would hide one missing
@@ -527,7 +533,8 @@ def test_cuda_loop_unaligned_rows(dtype, name, n):
     from tilelang_ops.kernels import softmax as K
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    m = K.bucket_rows("many", sms)
+    # loop: >= LOOP_ROWS_PER_SM rows per SM; split: fewer than 2 (the most of them)
+    m = K.bucket_rows("many", sms) if schedule == "loop" else 2 * sms - 1
     rows, cols = _edge_slots(m, n, "cuda")
     x = torch.randn(m, n, device="cuda") * 2
     x[rows, cols] = 30.0
@@ -550,8 +557,8 @@ def test_cuda_loop_unaligned_rows(dtype, name, n):
     ref = getattr(tilelang_ops.reference, f"{name}_backward")(dy.double(), y.double(), -1)
     assert rel_err(dx, ref) < GRAD_RTOL[dtype]
     for op, backward in ((name, False), (name + "_backward", True)):
-        assert K.default_config(n, str(dtype).replace("torch.", ""), name, backward, m, sms).schedule == "loop"
-        assert [c.schedule for c in _served(op, dtype, n)] == ["loop"], (op, _served(op, dtype, n))
+        assert K.default_config(n, str(dtype).replace("torch.", ""), name, backward, m, sms).schedule == schedule
+        assert [c.schedule for c in _served(op, dtype, n)] == [schedule], (op, _served(op, dtype, n))
 
 
 @pytest.mark.gpu

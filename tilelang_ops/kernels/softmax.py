@@ -23,10 +23,12 @@ shapes the schedule: each distinct N compiles once per (kind, dtype, direction).
   SM, walking the row twice in `chunk`-sized pieces: each thread keeps its own running (max, sum)
   on the way out (one CTA reduction at the end, no barrier inside the walk), the output
   newest-chunk-first on the way back. The second read hits L2 (132 SMs x a few rows of <= 512 KB),
-  so DRAM sees one read and one write, like `rows`. At any row length it moves 16-byte vectors:
-  where rows do not start 16-byte aligned (an odd vocabulary), each row's aligned body is walked
-  through a flat view and its < 16-byte head and tail are added one element at a time
-  (`_RowWalk`); the other schedules load such rows one element at a time.
+  so DRAM sees one read and one write, like `rows`.
+
+`loop` and `split` move 16-byte vectors at any row length: where rows do not start 16-byte
+aligned (an odd vocabulary), each row's aligned body is walked through a flat view and its
+< 16-byte head and tail are added one element at a time (`_RowWalk`). The other schedules load
+such rows one element at a time.
 
 * **csplit** — `split` in one launch (sm_90+): a thread-block cluster of <= 8 CTAs per row, each
   holding its chunk in registers; partials go through global memory across barrier.cluster
@@ -276,8 +278,8 @@ def fits(cfg: SoftmaxConfig, n: int, dtype: str, kind: str = "softmax", backward
             and cfg.block_m == 1
             and cfg.chunk * _ESIZE[dtype] <= TMA_SMEM_MAX
         )
-    if cfg.schedule == "loop":
-        vec = _loop_vec(n, dtype)
+    if cfg.schedule in ("loop", "split"):
+        vec = _full_vec(dtype)  # whole vectors at any length (`_RowWalk`)
     ok = cfg.chunk % (cfg.threads * vec) == 0 and cfg.chunk < 2 * n
     schedule = _cluster_base(cfg.schedule)[0]
     if schedule == "csplit":  # a cluster per row; the chunk held in registers (input dtype)
@@ -462,15 +464,95 @@ def _lane_dot(kc: int, w: int, log: bool):
 
 
 # ---------------------------------------------------------------------------------------------
+# Rows that break 16-byte alignment (loop and split): an aligned body in whole vectors, the ends
+# one element at a time.
+# ---------------------------------------------------------------------------------------------
+def _full_vec(dtype: str) -> int:
+    return 16 // _ESIZE[dtype]
+
+
+class _RowWalk:
+    """Where element e (0 <= e < n rounded up to chunks) of row `row`'s walk lives, for the loop
+    and split schedules. A row length that keeps rows 16-byte aligned indexes the (M, n) tensor
+    as is. Other lengths (an odd vocabulary such as GPT-2's 50257) would load one element at a
+    time: there the walk covers the row's aligned body of `nv` whole vectors through a flat view,
+    and the kernels add the < 16 bytes before and after it (head, tail) one element at a time
+    (`end_ok`, `end_at`). Body loads clamp to the row's last vector, so a masked-out lane still
+    reads inside the row: without TileLang's bounds guards (`_walk_pass_configs`: it cannot prove
+    the flat view's indices in bounds, and its guards would split every vector load back into
+    elements) a masked load is hoisted out of its select."""
+
+    def __init__(self, row, n: int, dtype: str, M):
+        self.odd = vec_width(n, dtype) < _full_vec(dtype)
+        self.row, self.n, self.M, self.fv = row, n, M, _full_vec(dtype)
+        if self.odd:
+            r0 = T.Cast("int64", row) * n  # flat start; M * n may pass 2**31
+            self.a0 = T.floordiv(r0 + (self.fv - 1), self.fv)  # first whole vector, in vectors
+            self.head = T.Cast("int32", self.a0 * self.fv - r0)
+            self.nv = T.Cast("int32", T.floordiv(r0 + n, self.fv) - self.a0)
+            self.tail = n - self.head - self.nv * self.fv
+            self.r0 = r0
+
+    def view(self, buf):
+        return T.view(buf, (self.M * self.n,)) if self.odd else buf
+
+    def inside(self, e):
+        return T.floordiv(e, self.fv) < self.nv if self.odd else e < self.n
+
+    def at(self, e):
+        if not self.odd:
+            return self.row, e
+        return (self.a0 + T.min(T.floordiv(e, self.fv), self.nv - 1)) * self.fv + T.floormod(e, self.fv)
+
+    def end_ok(self, j):
+        """Slot j < 2 * fv of the row's unaligned ends holds an element: j < fv the head's,
+        fv <= j < 2 fv the tail's."""
+        return T.if_then_else(j < self.fv, j < self.head, j - self.fv < self.tail)
+
+    def end_at(self, j):
+        return self.r0 + T.if_then_else(j < self.fv, j, self.head + self.nv * self.fv + j - self.fv)
+
+
+def _walk_pass_configs(config: SoftmaxConfig, n: int, dtype: str, kind: str, backward: bool = False) -> dict:
+    """Unaligned rows: no TileLang bounds guards, the walk's indices stay in the row by
+    construction (`_RowWalk`). Aligned rows keep them: they keep a masked load inside its branch."""
+    return {"tl.disable_safe_memory_legalize": True} if vec_width(n, dtype) < _full_vec(dtype) else {}
+
+
+@T.macro
+def _fwd_out(X, Y, i, m, s, dtype: str, log: bool):
+    """y = x - s (log_softmax: s = log-sum-exp) or exp(x - m) * s (softmax: s = 1 / sum)."""
+    if log:
+        Y[i] = T.Cast(dtype, T.Cast(_ACC, X[i]) - s)
+    else:
+        Y[i] = T.Cast(dtype, T.exp2((T.Cast(_ACC, X[i]) - m) * LOG2E) * s)
+
+
+@T.macro
+def _bwd_out(DY, Yt, DX, i, dot, dtype: str, log: bool):
+    """dx = dy - exp(y) * dot (log_softmax: dot = sum dy) or y * (dy - dot) (softmax: dot = dy . y)."""
+    if log:
+        DX[i] = T.Cast(dtype, T.Cast(_ACC, DY[i]) - T.exp2(T.Cast(_ACC, Yt[i]) * LOG2E) * dot)
+    else:
+        DX[i] = T.Cast(dtype, T.Cast(_ACC, Yt[i]) * (T.Cast(_ACC, DY[i]) - dot))
+
+
+def _dot_term(DY, Yt, i, log: bool):
+    """Element i's term of the backward's row dot: dy (log_softmax) or dy * y (softmax)."""
+    return T.Cast(_ACC, DY[i]) if log else T.Cast(_ACC, DY[i]) * T.Cast(_ACC, Yt[i])
+
+
+# ---------------------------------------------------------------------------------------------
 # split: long rows, one CTA per (row, chunk); stats then apply
 # ---------------------------------------------------------------------------------------------
-@kernel("softmax", "softmax_split_stats")
+@kernel("softmax", "softmax_split_stats", static_pass_configs=_walk_pass_configs)
 def split_stats(config: SoftmaxConfig, n: int, dtype: str, kind: str, backward: bool):
     """Per-chunk partials. fwd: P0 = chunk max, P1 = sum exp(x - max) (0 for an all -inf chunk).
-    bwd: P0 = sum(dy * y) (softmax) or sum(dy) (log_softmax); P1 unused."""
+    bwd: P0 = sum(dy * y) (softmax) or sum(dy) (log_softmax); P1 unused. Rows that break 16-byte
+    alignment: chunks of the aligned body (`_RowWalk`), the row's ends in chunk 0's partial."""
     M = T.dynamic("M")
     c, threads = config.chunk, config.threads
-    nc, kc, w = _chunk_tile(config, n, dtype)
+    nc, kc, w = _chunk_tile(config, n, dtype, _full_vec(dtype))
     log = kind == "log_softmax"
 
     @T.prim_func
@@ -483,7 +565,11 @@ def split_stats(config: SoftmaxConfig, n: int, dtype: str, kind: str, backward: 
         with T.Kernel(M, nc, threads=threads) as (row, ch):
             if config.min_blocks:
                 T.annotate_min_blocks_per_sm(config.min_blocks)
+            rw = _RowWalk(row, n, dtype, M)
+            A = rw.view(A)  # the same tensor; flat for unaligned rows
+            B = rw.view(B)
             base = ch * c
+            ends = rw.odd and ch == 0  # this CTA also takes the row's unaligned ends
             # (kc, w): w = threads * vec lanes' worth, so dim 1 is spread over the CTA and each
             # thread folds its kc vectors serially (no fp32 copy of the chunk in registers).
             a = T.alloc_fragment((kc, w), dtype)
@@ -492,25 +578,33 @@ def split_stats(config: SoftmaxConfig, n: int, dtype: str, kind: str, backward: 
             if backward:
                 bb = T.alloc_fragment((kc, w), dtype)
                 for kk, j in T.Parallel(kc, w):  # reads c (2c for softmax)
-                    a[kk, j] = T.if_then_else(base + kk * w + j < n, A[row, base + kk * w + j], T.Cast(dtype, 0.0))
+                    a[kk, j] = T.if_then_else(rw.inside(base + kk * w + j), A[rw.at(base + kk * w + j)], T.Cast(dtype, 0.0))
                 if not log:
                     for kk, j in T.Parallel(kc, w):
-                        bb[kk, j] = T.if_then_else(base + kk * w + j < n, B[row, base + kk * w + j], T.Cast(dtype, 0.0))
+                        bb[kk, j] = T.if_then_else(rw.inside(base + kk * w + j), B[rw.at(base + kk * w + j)], T.Cast(dtype, 0.0))
                 for j in T.Parallel(w):
                     part[j] = 0.0
                 _lane_dot(kc, w, log)(a, bb, part)
+                if rw.odd:
+                    for j in T.Parallel(w):
+                        if ends and rw.end_ok(j):
+                            part[j] = part[j] + _dot_term(A, B, rw.end_at(j), log)
                 T.reduce_sum(part, r0, dim=0)
                 P0[row, ch] = r0[0]
             else:
                 r1 = T.alloc_fragment((1,), _ACC)
                 for kk, j in T.Parallel(kc, w):  # reads c
                     a[kk, j] = T.if_then_else(
-                        base + kk * w + j < n, A[row, base + kk * w + j], T.Cast(dtype, -T.infinity(_ACC))
+                        rw.inside(base + kk * w + j), A[rw.at(base + kk * w + j)], T.Cast(dtype, -T.infinity(_ACC))
                     )
                 for j in T.Parallel(w):
                     part[j] = -T.infinity(_ACC)
                     for kk in T.serial(kc):
                         part[j] = T.max(part[j], T.Cast(_ACC, a[kk, j]))
+                if rw.odd:
+                    for j in T.Parallel(w):
+                        if ends and rw.end_ok(j):
+                            part[j] = T.max(part[j], T.Cast(_ACC, A[rw.end_at(j)]))
                 T.reduce_max(part, r0, dim=0)
                 # An all -inf chunk must contribute sum 0, not NaN (-inf - -inf): shift by 0 there.
                 for j in T.Parallel(w):
@@ -519,6 +613,12 @@ def split_stats(config: SoftmaxConfig, n: int, dtype: str, kind: str, backward: 
                         part[j] = part[j] + T.exp2(
                             (T.Cast(_ACC, a[kk, j]) - T.if_then_else(r0[0] == -T.infinity(_ACC), 0.0, r0[0])) * LOG2E
                         )
+                if rw.odd:
+                    for j in T.Parallel(w):
+                        if ends and rw.end_ok(j):
+                            part[j] = part[j] + T.exp2(
+                                (T.Cast(_ACC, A[rw.end_at(j)]) - T.if_then_else(r0[0] == -T.infinity(_ACC), 0.0, r0[0])) * LOG2E
+                            )
                 T.reduce_sum(part, r1, dim=0)
                 P0[row, ch] = r0[0]
                 P1[row, ch] = r1[0]
@@ -526,9 +626,10 @@ def split_stats(config: SoftmaxConfig, n: int, dtype: str, kind: str, backward: 
     return stats
 
 
-@kernel("softmax", "softmax_split_apply")
+@kernel("softmax", "softmax_split_apply", static_pass_configs=_walk_pass_configs)
 def split_apply(config: SoftmaxConfig, n: int, dtype: str, kind: str, backward: bool):
-    """Fold the row's partials (nc scalars, read by every thread) and write the chunk's output."""
+    """Fold the row's partials (nc scalars, read by every thread) and write the chunk's output
+    (unaligned rows: chunk 0's CTA also writes the row's ends)."""
     M = T.dynamic("M")
     c, threads = config.chunk, config.threads
     nc = _split_chunks(n, c)
@@ -545,27 +646,36 @@ def split_apply(config: SoftmaxConfig, n: int, dtype: str, kind: str, backward: 
         with T.Kernel(M, nc, threads=threads) as (row, rch):
             if config.min_blocks:
                 T.annotate_min_blocks_per_sm(config.min_blocks)
+            rw = _RowWalk(row, n, dtype, M)
+            A = rw.view(A)  # the same tensor; flat for unaligned rows
+            B = rw.view(B)
+            O = rw.view(O)
             # CTAs dispatch chunk-major; start from the chunks `stats` read last, still in L2.
             base = (nc - 1 - rch) * c
+            ends = rw.odd and rch == nc - 1  # chunk 0 also writes the row's unaligned ends
             acc0 = T.alloc_var(_ACC)
             acc1 = T.alloc_var(_ACC)
             a = T.alloc_fragment((c,), dtype)
             # The chunk's loads go out first, so their latency overlaps the partials' fold.
             for j in T.Parallel(c):
-                a[j] = T.if_then_else(base + j < n, A[row, base + j], T.Cast(dtype, 0.0))
+                a[j] = T.if_then_else(rw.inside(base + j), A[rw.at(base + j)], T.Cast(dtype, 0.0))
             if backward:
                 b = T.alloc_fragment((c,), dtype)
                 for j in T.Parallel(c):
-                    b[j] = T.if_then_else(base + j < n, B[row, base + j], T.Cast(dtype, 0.0))
+                    b[j] = T.if_then_else(rw.inside(base + j), B[rw.at(base + j)], T.Cast(dtype, 0.0))
                 acc0 = 0.0
                 for k in T.serial(nc):
                     acc0 = acc0 + P0[row, k]
                 for j in T.Parallel(c):  # reads 2*c, writes c
-                    if base + j < n:
+                    if rw.inside(base + j):
                         if log:
-                            O[row, base + j] = T.Cast(dtype, T.Cast(_ACC, a[j]) - T.exp2(T.Cast(_ACC, b[j]) * LOG2E) * acc0)
+                            O[rw.at(base + j)] = T.Cast(dtype, T.Cast(_ACC, a[j]) - T.exp2(T.Cast(_ACC, b[j]) * LOG2E) * acc0)
                         else:
-                            O[row, base + j] = T.Cast(dtype, T.Cast(_ACC, b[j]) * (T.Cast(_ACC, a[j]) - acc0))
+                            O[rw.at(base + j)] = T.Cast(dtype, T.Cast(_ACC, b[j]) * (T.Cast(_ACC, a[j]) - acc0))
+                if rw.odd:
+                    for j in T.Parallel(2 * rw.fv):
+                        if ends and rw.end_ok(j):
+                            _bwd_out(A, B, O, rw.end_at(j), acc0, dtype, log)
             else:
                 acc0 = -T.infinity(_ACC)
                 for k in T.serial(nc):
@@ -579,11 +689,15 @@ def split_apply(config: SoftmaxConfig, n: int, dtype: str, kind: str, backward: 
                 else:
                     acc1 = 1.0 / acc1
                 for j in T.Parallel(c):  # reads c (L2 when it fits), writes c
-                    if base + j < n:
+                    if rw.inside(base + j):
                         if log:
-                            O[row, base + j] = T.Cast(dtype, T.Cast(_ACC, a[j]) - acc1)
+                            O[rw.at(base + j)] = T.Cast(dtype, T.Cast(_ACC, a[j]) - acc1)
                         else:
-                            O[row, base + j] = T.Cast(dtype, T.exp2((T.Cast(_ACC, a[j]) - acc0) * LOG2E) * acc1)
+                            O[rw.at(base + j)] = T.Cast(dtype, T.exp2((T.Cast(_ACC, a[j]) - acc0) * LOG2E) * acc1)
+                if rw.odd:
+                    for j in T.Parallel(2 * rw.fv):
+                        if ends and rw.end_ok(j):
+                            _fwd_out(A, O, rw.end_at(j), acc0, acc1, dtype, log)
 
     return apply
 
@@ -1055,69 +1169,12 @@ def tma_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str, probe: str = "
 # keeps its own running (max, sum) / dot over the vectors it loads and the CTA reduces them once
 # at the end: no barrier inside the walk, so a thread's next loads never wait on the others.
 # ---------------------------------------------------------------------------------------------
-def _full_vec(dtype: str) -> int:
-    return 16 // _ESIZE[dtype]
-
-
-def _loop_vec(n: int, dtype: str) -> int:
-    """The loop schedule loads whole 16-byte vectors at every row length (see `_RowWalk`)."""
-    return _full_vec(dtype)
-
-
-class _RowWalk:
-    """Where element e (0 <= e < n rounded up to chunks) of row `row`'s walk lives, for the loop
-    schedule. A row length that keeps rows 16-byte aligned indexes the (M, n) tensor as is. Other
-    lengths (an odd vocabulary such as GPT-2's 50257) would load one element at a time: there the
-    walk covers the row's aligned body of `nv` whole vectors through a flat view, and the kernels
-    add the < 16 bytes before and after it (head, tail) one element at a time (`end_ok`,
-    `end_at`). Body loads clamp to the row's last vector, so a masked-out lane still reads inside
-    the row: without TileLang's bounds guards (`_loop_pass_configs`: it cannot prove the flat
-    view's indices in bounds, and its guards would split every vector load back into elements)
-    a masked load is hoisted out of its select."""
-
-    def __init__(self, row, n: int, dtype: str, M):
-        self.odd = vec_width(n, dtype) < _full_vec(dtype)
-        self.row, self.n, self.M, self.fv = row, n, M, _full_vec(dtype)
-        if self.odd:
-            r0 = T.Cast("int64", row) * n  # flat start; M * n may pass 2**31
-            self.a0 = T.floordiv(r0 + (self.fv - 1), self.fv)  # first whole vector, in vectors
-            self.head = T.Cast("int32", self.a0 * self.fv - r0)
-            self.nv = T.Cast("int32", T.floordiv(r0 + n, self.fv) - self.a0)
-            self.tail = n - self.head - self.nv * self.fv
-            self.r0 = r0
-
-    def view(self, buf):
-        return T.view(buf, (self.M * self.n,)) if self.odd else buf
-
-    def inside(self, e):
-        return T.floordiv(e, self.fv) < self.nv if self.odd else e < self.n
-
-    def at(self, e):
-        if not self.odd:
-            return self.row, e
-        return (self.a0 + T.min(T.floordiv(e, self.fv), self.nv - 1)) * self.fv + T.floormod(e, self.fv)
-
-    def end_ok(self, j):
-        """Slot j < 2 * fv of the row's unaligned ends holds an element: j < fv the head's,
-        fv <= j < 2 fv the tail's."""
-        return T.if_then_else(j < self.fv, j < self.head, j - self.fv < self.tail)
-
-    def end_at(self, j):
-        return self.r0 + T.if_then_else(j < self.fv, j, self.head + self.nv * self.fv + j - self.fv)
-
-
-def _loop_pass_configs(config: SoftmaxConfig, n: int, dtype: str, kind: str) -> dict:
-    """Unaligned rows: no TileLang bounds guards, the walk's indices stay in the row by
-    construction (`_RowWalk`). Aligned rows keep them: they keep a masked load inside its branch."""
-    return {"tl.disable_safe_memory_legalize": True} if vec_width(n, dtype) < _full_vec(dtype) else {}
-
-
-@kernel("softmax", "softmax_loop_fwd", static_pass_configs=_loop_pass_configs)
+@kernel("softmax", "softmax_loop_fwd", static_pass_configs=_walk_pass_configs)
 def loop_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str):
     """Pass 1 keeps per-thread running (max, sum of exp); pass 2 re-reads the row, newest chunk
     first, while it is still in L2 (132 SMs x a few resident rows of <= 512 KB fit in 50 MB)."""
     M = T.dynamic("M")
-    nc, kc, w = _chunk_tile(config, n, dtype, _loop_vec(n, dtype))
+    nc, kc, w = _chunk_tile(config, n, dtype, _full_vec(dtype))
     c = config.chunk
     log = kind == "log_softmax"
 
@@ -1182,19 +1239,10 @@ def loop_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str):
     return fwd
 
 
-@T.macro
-def _fwd_out(X, Y, i, m, s, dtype: str, log: bool):
-    """y = x - s (log_softmax: s = log-sum-exp) or exp(x - m) * s (softmax: s = 1 / sum)."""
-    if log:
-        Y[i] = T.Cast(dtype, T.Cast(_ACC, X[i]) - s)
-    else:
-        Y[i] = T.Cast(dtype, T.exp2((T.Cast(_ACC, X[i]) - m) * LOG2E) * s)
-
-
-@kernel("softmax", "softmax_loop_bwd", static_pass_configs=_loop_pass_configs)
+@kernel("softmax", "softmax_loop_bwd", static_pass_configs=_walk_pass_configs)
 def loop_bwd(config: SoftmaxConfig, n: int, dtype: str, kind: str):
     M = T.dynamic("M")
-    nc, kc, w = _chunk_tile(config, n, dtype, _loop_vec(n, dtype))
+    nc, kc, w = _chunk_tile(config, n, dtype, _full_vec(dtype))
     c = config.chunk
     log = kind == "log_softmax"
 
@@ -1227,7 +1275,7 @@ def loop_bwd(config: SoftmaxConfig, n: int, dtype: str, kind: str):
                 for j in T.Parallel(w):
                     if rw.end_ok(j):
                         i = rw.end_at(j)
-                        pd[j] = pd[j] + (T.Cast(_ACC, DY[i]) if log else T.Cast(_ACC, DY[i]) * T.Cast(_ACC, Yt[i]))
+                        pd[j] = pd[j] + _dot_term(DY, Yt, i, log)
             T.reduce_sum(pd, r, dim=0)
             dot = r[0]
             if rw.odd:
@@ -1241,15 +1289,6 @@ def loop_bwd(config: SoftmaxConfig, n: int, dtype: str, kind: str):
                         _bwd_out(DY, Yt, DX, rw.at(ch * c + kk * w + j), dot, dtype, log)
 
     return bwd
-
-
-@T.macro
-def _bwd_out(DY, Yt, DX, i, dot, dtype: str, log: bool):
-    """dx = dy - exp(y) * dot (log_softmax: dot = sum dy) or y * (dy - dot) (softmax: dot = dy . y)."""
-    if log:
-        DX[i] = T.Cast(dtype, T.Cast(_ACC, DY[i]) - T.exp2(T.Cast(_ACC, Yt[i]) * LOG2E) * dot)
-    else:
-        DX[i] = T.Cast(dtype, T.Cast(_ACC, Yt[i]) * (T.Cast(_ACC, DY[i]) - dot))
 
 
 # (kernel, config, static) at which `tileops export` writes source and `tileops check` compiles:
