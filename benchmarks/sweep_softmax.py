@@ -42,12 +42,13 @@ def vocab_candidates(kind: str) -> dict:
     from .bench_softmax import VOCAB_SHAPES
 
     space = [S("loop", 1, t, c) for t in (256, 512) for c in (4096, 8192, 16384)]
+    space += [S("stash", 1, t, c) for t in (256, 512, 1024) for c in (8192, 16384)]
     space += [S("split", 1, 256, 8192), S("split", 1, 512, 16384), S("rows", 1, 1024)]
     space += [S("csplit", 1, t, c) for t, c in ((128, 4096), (256, 8192), (512, 16384), (512, 32768))]
     out = {(m, n, bwd): [c for c in space if K.fits(c, n, "bfloat16", kind, bwd)] for m, n in VOCAB_SHAPES for bwd in (False, True)}
     # a length between the register rows and the vocabularies (LONG_BWD holds it as one chunk):
     # the defaults, the former loop default and the register rows
-    mid = [S("loop", 1, 256, 4096), S("loop", 1, 512, 8192), S("rows", 1, 1024), K.LONG_BWD]
+    mid = [S("loop", 1, 256, 4096), S("loop", 1, 512, 8192), S("stash", 1, 512, 8192), S("rows", 1, 1024), K.LONG_BWD]
     out.update({(8192, 20000, bwd): [c for c in mid if K.fits(c, 20000, "bfloat16", kind, bwd)] for bwd in (False, True)})
     return out
 

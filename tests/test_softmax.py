@@ -558,7 +558,8 @@ def test_cuda_unaligned_rows(dtype, name, n, schedule):
     assert rel_err(dx, ref) < GRAD_RTOL[dtype]
     for op, backward in ((name, False), (name + "_backward", True)):
         assert K.default_config(n, str(dtype).replace("torch.", ""), name, backward, m, sms).schedule == schedule
-        assert [c.schedule for c in _served(op, dtype, n)] == [schedule], (op, _served(op, dtype, n))
+        served = _served(op, dtype, n, K.m_bucket(m, sms))
+        assert [c.schedule for c in served] == [schedule], (op, served)
 
 
 @pytest.mark.gpu
@@ -639,6 +640,10 @@ EXTRA_SCHEDULES = [
     (("csplit", 1, 512, 16384, 0), 131072, True),
     (("csplit", 1, 512, 32768, 0), 131072, True),
     (("csplit", 1, 512, 32768, 0), 262144, True),
+    # loop with the row kept in shared memory for its second pass; unaligned and ragged rows
+    (("stash", 1, 512, 8192, 0), 50257, False),
+    (("stash", 1, 256, 8192, 0), 30001, False),
+    (("stash", 1, 1024, 16384, 0), 32000, False),
 ]
 
 
@@ -693,12 +698,14 @@ def test_cuda_gradients(dtype, name, shape):
     assert rel_err(dx, ref(g.double(), y.double(), -1)) < GRAD_RTOL[dtype]
 
 
-def _served(op: str, dtype: torch.dtype, n: int) -> list:
-    """The configs that served `op` at rows of n in `dtype` in this process (tuning.SERVED)."""
+def _served(op: str, dtype: torch.dtype, n: int, bucket: str = "") -> list:
+    """The configs that served `op` at rows of n in `dtype` in this process (tuning.SERVED), in
+    one M bucket ("few", "some", "many") or all of them."""
     from tilelang_ops import tuning
 
     dname = str(dtype).replace("torch.", "")
-    return [cfg for (o, key), cfg in tuning.SERVED.items() if o == op and f"|{dname}|n={n}|" in key]
+    want = f"|{dname}|n={n}|{bucket}" + ("|" if bucket else "")
+    return [cfg for (o, key), cfg in tuning.SERVED.items() if o == op and want in key]
 
 
 def _measured_cases():

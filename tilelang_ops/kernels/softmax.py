@@ -95,7 +95,8 @@ def vec_width(n: int, dtype: str) -> int:
 
 
 TMA_SCHEDULES = ("tma", "tmaw", "tmas")  # forward; the chunk in shared memory by bulk copies, one kernel
-SCHEDULES = ("rows", "loop", "split", "csplit", "csplitd") + TMA_SCHEDULES
+SCHEDULES = ("rows", "loop", "stash", "split", "csplit", "csplitd") + TMA_SCHEDULES
+STASH_SMEM_MAX = 200 * 1024  # stash: a row in shared memory (227 KB per CTA on Hopper, less the scratch)
 
 
 @dataclass(frozen=True)
@@ -278,7 +279,9 @@ def fits(cfg: SoftmaxConfig, n: int, dtype: str, kind: str = "softmax", backward
             and cfg.block_m == 1
             and cfg.chunk * _ESIZE[dtype] <= TMA_SMEM_MAX
         )
-    if cfg.schedule in ("loop", "split"):
+    if cfg.schedule == "stash" and (backward or _stash_len(n, dtype) * _ESIZE[dtype] > STASH_SMEM_MAX):
+        return False  # forward; the row in shared memory
+    if cfg.schedule in ("loop", "stash", "split"):
         vec = _full_vec(dtype)  # whole vectors at any length (`_RowWalk`)
     ok = cfg.chunk % (cfg.threads * vec) == 0 and cfg.chunk < 2 * n
     schedule = _cluster_base(cfg.schedule)[0]
@@ -303,6 +306,9 @@ def schedule_kernels(cfg: SoftmaxConfig, n: int, dtype: str, kind: str, backward
         return [(rows_bwd if backward else rows_fwd, cfg, st)]
     if cfg.schedule == "loop":
         return [(loop_bwd if backward else loop_fwd, cfg, st)]
+    if cfg.schedule == "stash":
+        assert not backward, "stash is a forward schedule"
+        return [(loop_fwd, cfg, st)]
     if cfg.schedule in TMA_SCHEDULES:
         assert not backward, "tma is a forward schedule"
         return [(tma_fwd, cfg, st)]
@@ -314,7 +320,9 @@ def schedule_kernels(cfg: SoftmaxConfig, n: int, dtype: str, kind: str, backward
 
 SEARCH_SPACE = [
     SoftmaxConfig("rows", b, t) for t in (128, 256, 512, 1024) for b in (1, 2, 4, 8, 16, 32, 64) if b <= t // 4 or b == 1
-] + [SoftmaxConfig(s, 1, t, c) for s in ("loop", "split") for t in (128, 256, 512) for c in (4096, 8192, 16384) if c >= 8 * t]
+] + [SoftmaxConfig(s, 1, t, c) for s in ("loop", "split") for t in (128, 256, 512) for c in (4096, 8192, 16384) if c >= 8 * t] + [
+    SoftmaxConfig("stash", 1, t, c) for t in (256, 512, 1024) for c in (8192, 16384)
+]
 # Hopper only (thread-block clusters, bulk copies): what the MEASURED long-row defaults are made of.
 SEARCH_SPACE_SM90 = [
     SoftmaxConfig(s, 1, t, c) for s in ("csplit", "csplitd") for t, c in ((128, 4096), (256, 8192), (512, 16384), (512, 32768))
@@ -520,12 +528,12 @@ def _walk_pass_configs(config: SoftmaxConfig, n: int, dtype: str, kind: str, bac
 
 
 @T.macro
-def _fwd_out(X, Y, i, m, s, dtype: str, log: bool):
-    """y = x - s (log_softmax: s = log-sum-exp) or exp(x - m) * s (softmax: s = 1 / sum)."""
+def _fwd_out(Y, i, x, m, s, dtype: str, log: bool):
+    """Y[i] = x - s (log_softmax: s = log-sum-exp) or exp(x - m) * s (softmax: s = 1 / sum)."""
     if log:
-        Y[i] = T.Cast(dtype, T.Cast(_ACC, X[i]) - s)
+        Y[i] = T.Cast(dtype, T.Cast(_ACC, x) - s)
     else:
-        Y[i] = T.Cast(dtype, T.exp2((T.Cast(_ACC, X[i]) - m) * LOG2E) * s)
+        Y[i] = T.Cast(dtype, T.exp2((T.Cast(_ACC, x) - m) * LOG2E) * s)
 
 
 @T.macro
@@ -697,7 +705,7 @@ def split_apply(config: SoftmaxConfig, n: int, dtype: str, kind: str, backward: 
                 if rw.odd:
                     for j in T.Parallel(2 * rw.fv):
                         if ends and rw.end_ok(j):
-                            _fwd_out(A, O, rw.end_at(j), acc0, acc1, dtype, log)
+                            _fwd_out(O, rw.end_at(j), A[rw.end_at(j)], acc0, acc1, dtype, log)
 
     return apply
 
@@ -1169,14 +1177,22 @@ def tma_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str, probe: str = "
 # keeps its own running (max, sum) / dot over the vectors it loads and the CTA reduces them once
 # at the end: no barrier inside the walk, so a thread's next loads never wait on the others.
 # ---------------------------------------------------------------------------------------------
+def _stash_len(n: int, dtype: str) -> int:
+    """Elements of a `stash` CTA's shared-memory row: n rounded up to whole vectors."""
+    fv = _full_vec(dtype)
+    return -(-n // fv) * fv
+
+
 @kernel("softmax", "softmax_loop_fwd", static_pass_configs=_walk_pass_configs)
 def loop_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str):
     """Pass 1 keeps per-thread running (max, sum of exp); pass 2 re-reads the row, newest chunk
-    first, while it is still in L2 (132 SMs x a few resident rows of <= 512 KB fit in 50 MB)."""
+    first, while it is still in L2 (132 SMs x a few resident rows of <= 512 KB fit in 50 MB).
+    `stash`: pass 1 also keeps the row in shared memory and pass 2 reads it there."""
     M = T.dynamic("M")
     nc, kc, w = _chunk_tile(config, n, dtype, _full_vec(dtype))
     c = config.chunk
     log = kind == "log_softmax"
+    stash = config.schedule == "stash"
 
     @T.prim_func
     def fwd(X: T.Tensor((M, n), dtype), Y: T.Tensor((M, n), dtype)):
@@ -1193,6 +1209,8 @@ def loop_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str):
             r = T.alloc_fragment((1,), _ACC)
             m = T.alloc_var(_ACC)
             s = T.alloc_var(_ACC)
+            if stash:
+                row_s = T.alloc_shared((_stash_len(n, dtype),), dtype)
             for j in T.Parallel(w):
                 pm[j] = -T.infinity(_ACC)
                 ps[j] = 0.0
@@ -1201,6 +1219,10 @@ def loop_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str):
                     a[kk, j] = T.if_then_else(
                         rw.inside(ch * c + kk * w + j), X[rw.at(ch * c + kk * w + j)], T.Cast(dtype, -T.infinity(_ACC))
                     )
+                if stash:
+                    for kk, j in T.Parallel(kc, w):
+                        if rw.inside(ch * c + kk * w + j):
+                            row_s[ch * c + kk * w + j] = a[kk, j]
                 for j in T.Parallel(w):
                     nm[j] = pm[j]
                     for kk in T.serial(kc):
@@ -1229,12 +1251,15 @@ def loop_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str):
             if rw.odd:
                 for j in T.Parallel(w):
                     if rw.end_ok(j):
-                        _fwd_out(X, Y, rw.end_at(j), m, s, dtype, log)
-            for rc in T.serial(nc):  # reads n (L2), writes n
+                        _fwd_out(Y, rw.end_at(j), X[rw.end_at(j)], m, s, dtype, log)
+            for rc in T.serial(nc):  # reads n (L2; stash: shared memory), writes n
                 ch = nc - 1 - rc
                 for kk, j in T.Parallel(kc, w):
                     if rw.inside(ch * c + kk * w + j):
-                        _fwd_out(X, Y, rw.at(ch * c + kk * w + j), m, s, dtype, log)
+                        if stash:
+                            _fwd_out(Y, rw.at(ch * c + kk * w + j), row_s[ch * c + kk * w + j], m, s, dtype, log)
+                        else:
+                            _fwd_out(Y, rw.at(ch * c + kk * w + j), X[rw.at(ch * c + kk * w + j)], m, s, dtype, log)
 
     return fwd
 
