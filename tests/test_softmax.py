@@ -320,8 +320,8 @@ def test_run_hands_each_schedule_its_kernels_arguments(backward):
     configs = [K.SoftmaxConfig("rows", 1, 1024), K.SoftmaxConfig("loop", 1, 256, 8192), K.SoftmaxConfig("split", 1, 256, 4096),
                K.SoftmaxConfig("csplit", 1, 256, 8192), K.SoftmaxConfig("csplitd", 1, 256, 8192)]
     if not backward:
-        configs += [K.SoftmaxConfig(s, 1, 256, n, 0, 4) for s in K.TMA_SCHEDULES]
-    assert {c.schedule for c in configs} == set(K.SCHEDULES) - (set() if not backward else set(K.TMA_SCHEDULES))
+        configs += [K.SoftmaxConfig(s, 1, 256, n, 0, 4) for s in K.TMA_SCHEDULES] + [K.SoftmaxConfig("stash", 1, 256, 8192)]
+    assert {c.schedule for c in configs} == set(K.SCHEDULES) - (set() if not backward else set(K.FWD_ONLY))
     for cfg in configs:
         launched = []
 

@@ -96,6 +96,7 @@ def vec_width(n: int, dtype: str) -> int:
 
 TMA_SCHEDULES = ("tma", "tmaw", "tmas")  # forward; the chunk in shared memory by bulk copies, one kernel
 SCHEDULES = ("rows", "loop", "stash", "split", "csplit", "csplitd") + TMA_SCHEDULES
+FWD_ONLY = TMA_SCHEDULES + ("stash",)  # forward schedules (the row or chunk in shared memory)
 STASH_SMEM_MAX = 200 * 1024  # stash: a row in shared memory (227 KB per CTA on Hopper, less the scratch)
 
 
@@ -320,13 +321,12 @@ def schedule_kernels(cfg: SoftmaxConfig, n: int, dtype: str, kind: str, backward
 
 SEARCH_SPACE = [
     SoftmaxConfig("rows", b, t) for t in (128, 256, 512, 1024) for b in (1, 2, 4, 8, 16, 32, 64) if b <= t // 4 or b == 1
-] + [SoftmaxConfig(s, 1, t, c) for s in ("loop", "split") for t in (128, 256, 512) for c in (4096, 8192, 16384) if c >= 8 * t] + [
-    SoftmaxConfig("stash", 1, t, c) for t in (256, 512, 1024) for c in (8192, 16384)
-]
-# Hopper only (thread-block clusters, bulk copies): what the MEASURED long-row defaults are made of.
+] + [SoftmaxConfig(s, 1, t, c) for s in ("loop", "split") for t in (128, 256, 512) for c in (4096, 8192, 16384) if c >= 8 * t]
+# Hopper only (thread-block clusters, bulk copies, stash's shared-memory budget): what the MEASURED
+# long-row defaults are made of.
 SEARCH_SPACE_SM90 = [
     SoftmaxConfig(s, 1, t, c) for s in ("csplit", "csplitd") for t, c in ((128, 4096), (256, 8192), (512, 16384), (512, 32768))
-] + [
+] + [SoftmaxConfig("stash", 1, t, c) for t in (256, 512, 1024) for c in (8192, 16384)] + [
     SoftmaxConfig(sc, 1, t, c, 0, st)
     # (tmaw/tmas kernels unroll every sub-chunk: 15-40 s of nvcc each, so only the measured stage counts)
     for sc, stages in (("tma", (2, 4)), ("tmaw", (4,)), ("tmas", (4, 8))) for t in (128, 256, 512) for c in (16384, 32768, 65536) for st in stages
