@@ -541,7 +541,7 @@ def test_cuda_unaligned_rows(dtype, name, n, schedule):
     x = x.to(dtype)
     with poisoned_cuda_allocation(x.numel() * x.element_size()) as ptr:
         out = OPS[name][0](x, -1)
-    assert out.data_ptr() == ptr
+    assert out.data_ptr() == ptr, "forward: the poison did not reach the output"
     _close(out, _ref(name, x, -1), dtype, name)
     # the backward op alone, with y and dy dominated by the same element: softmax's dot y . dy
     # and log_softmax's sum of dy are mostly that element's term
@@ -553,9 +553,10 @@ def test_cuda_unaligned_rows(dtype, name, n, schedule):
     dy = dy.to(dtype)
     with poisoned_cuda_allocation(x.numel() * x.element_size()) as ptr:
         dx = getattr(torch.ops.tileops, f"{name}_backward")(dy, y, -1)
-    assert dx.data_ptr() == ptr
+    assert dx.data_ptr() == ptr, "backward: the poison did not reach the output"
     ref = getattr(tilelang_ops.reference, f"{name}_backward")(dy.double(), y.double(), -1)
-    assert rel_err(dx, ref) < GRAD_RTOL[dtype]
+    err = rel_err(dx, ref)
+    assert err < GRAD_RTOL[dtype], f"backward: relative error {err:.3g}, NaN {dx.isnan().sum().item()}"
     for op, backward in ((name, False), (name + "_backward", True)):
         assert K.default_config(n, str(dtype).replace("torch.", ""), name, backward, m, sms).schedule == schedule
         served = _served(op, dtype, n, K.m_bucket(m, sms))
