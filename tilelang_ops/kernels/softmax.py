@@ -30,11 +30,6 @@ shapes the schedule: each distinct N compiles once per (kind, dtype, direction).
   longer fit the L2 (8192 x 50257 bf16 on an H100: 81-84% of a copy against the loop's 66-71%).
   Fewer CTAs per SM (the row's shared memory). A tuner candidate; not a default yet.
 
-`loop`, `stash` and `split` move 16-byte vectors at any row length: where rows do not start
-16-byte aligned (an odd vocabulary), each row's aligned body is walked through a flat view and its
-< 16-byte head and tail are added one element at a time (`_RowWalk`). The other schedules load
-such rows one element at a time.
-
 * **csplit** — `split` in one launch (sm_90+): a thread-block cluster of <= 8 CTAs per row, each
   holding its chunk in registers; partials go through global memory across barrier.cluster
   (release/acquire). One DRAM read, one write, no second launch; a 1-D cluster-major grid, so any
@@ -64,6 +59,11 @@ such rows one element at a time.
   one lands, so sub-chunks land one after another and each one's reduction overlaps the later
   loads (issued all at once they complete nearly together, and the compute follows the last byte).
   Each exp is one FFMA (x log2 e - max log2 e) and one MUFU.EX2.
+
+`loop`, `stash` and `split` move 16-byte vectors at any row length: where rows do not start
+16-byte aligned (an odd vocabulary), each row's aligned body is walked through a flat view and its
+< 16-byte head and tail are added one element at a time (`_RowWalk`). The other schedules load
+such rows one element at a time.
 
 `SoftmaxConfig.min_blocks` sets __launch_bounds__' min CTAs per SM: a register cap (ptxas
 otherwise spends registers freely, e.g. a 1024-thread `rows` CTA at 48 registers leaves one CTA
@@ -224,7 +224,7 @@ def default_config(
         cfg = TABLES[kind].get(("bwd" if backward else "fwd", n, bucket))
         if cfg is not None:
             return cfg
-        if backward and bucket == "many" and n > _row_limit(dtype, True, kind) and vec_width(n, dtype) == 8:
+        if backward and bucket == "many" and n > _row_limit(dtype, True, kind) and not _unaligned(n, dtype):
             if fits(LONG_BWD, n, dtype, kind, True):
                 return LONG_BWD
     return heuristic_config(n, dtype, kind, backward, m, sms)
@@ -484,6 +484,11 @@ def _full_vec(dtype: str) -> int:
     return 16 // _ESIZE[dtype]
 
 
+def _unaligned(n: int, dtype: str) -> bool:
+    """Rows of n elements do not all start 16-byte aligned (GPT-2's 50257 columns)."""
+    return vec_width(n, dtype) < _full_vec(dtype)
+
+
 class _RowWalk:
     """Where element e (0 <= e < n rounded up to chunks) of row `row`'s walk lives, for the loop
     and split schedules. A row length that keeps rows 16-byte aligned indexes the (M, n) tensor
@@ -496,7 +501,7 @@ class _RowWalk:
     elements) a masked load is hoisted out of its select."""
 
     def __init__(self, row, n: int, dtype: str, M):
-        self.odd = vec_width(n, dtype) < _full_vec(dtype)
+        self.odd = _unaligned(n, dtype)
         self.row, self.n, self.M, self.fv = row, n, M, _full_vec(dtype)
         if self.odd:
             r0 = T.Cast("int64", row) * n  # flat start; M * n may pass 2**31
@@ -529,7 +534,7 @@ class _RowWalk:
 def _walk_pass_configs(config: SoftmaxConfig, n: int, dtype: str, kind: str, backward: bool = False) -> dict:
     """Unaligned rows: no TileLang bounds guards, the walk's indices stay in the row by
     construction (`_RowWalk`). Aligned rows keep them: they keep a masked load inside its branch."""
-    return {"tl.disable_safe_memory_legalize": True} if vec_width(n, dtype) < _full_vec(dtype) else {}
+    return {"tl.disable_safe_memory_legalize": True} if _unaligned(n, dtype) else {}
 
 
 @T.macro
@@ -543,7 +548,9 @@ def _fwd_out(Y, i, x, m, s, dtype: str, log: bool):
 
 @T.macro
 def _bwd_out(DY, Yt, DX, i, dot, dtype: str, log: bool):
-    """dx = dy - exp(y) * dot (log_softmax: dot = sum dy) or y * (dy - dot) (softmax: dot = dy . y)."""
+    """dx = dy - exp(y) * dot (log_softmax: dot = sum dy) or y * (dy - dot) (softmax: dot = dy . y).
+    Takes buffers and an index, not loaded values: with values, the macro bound them to locals
+    and the fp32 loop_bwd / split_apply code changed (same math, not re-run on a GPU)."""
     if log:
         DX[i] = T.Cast(dtype, T.Cast(_ACC, DY[i]) - T.exp2(T.Cast(_ACC, Yt[i]) * LOG2E) * dot)
     else:
@@ -624,14 +631,12 @@ def split_stats(config: SoftmaxConfig, n: int, dtype: str, kind: str, backward: 
                     part[j] = 0.0
                     for kk in T.serial(kc):
                         part[j] = part[j] + T.exp2(
-                            (T.Cast(_ACC, a[kk, j]) - T.if_then_else(r0[0] == -T.infinity(_ACC), 0.0, r0[0])) * LOG2E
+                            (T.Cast(_ACC, a[kk, j]) - _safe(r0[0])) * LOG2E
                         )
                 if rw.odd:
                     for j in T.Parallel(w):
                         if ends and rw.end_ok(j):
-                            part[j] = part[j] + T.exp2(
-                                (T.Cast(_ACC, A[rw.end_at(j)]) - T.if_then_else(r0[0] == -T.infinity(_ACC), 0.0, r0[0])) * LOG2E
-                            )
+                            part[j] = part[j] + T.exp2((T.Cast(_ACC, A[rw.end_at(j)]) - _safe(r0[0])) * LOG2E)
                 T.reduce_sum(part, r1, dim=0)
                 P0[row, ch] = r0[0]
                 P1[row, ch] = r1[0]
