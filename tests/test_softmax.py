@@ -275,6 +275,7 @@ def test_long_rows_over_many_rows():
     from tilelang_ops.kernels import softmax as K
 
     m = K.bucket_rows("many")
+    loop = K.SoftmaxConfig("loop", threads=512, chunk=8192)
     for kind in K.KINDS:
         for n in (32000, 128256, 151936, 262144):
             assert K.default_config(n, "bfloat16", kind, True, m, sms=132) == K.LONG_BWD
@@ -283,14 +284,14 @@ def test_long_rows_over_many_rows():
         # odd rows (no 16-byte vectors), > 8 chunks of 32768, float32, another GPU: the loop
         for n, dtype, sms in ((50257, "bfloat16", 132), (262144 + 8, "bfloat16", 132), (128256, "float32", 132), (128256, "bfloat16", 108)):
             cfg = K.default_config(n, dtype, kind, True, m, sms=sms)
-            assert cfg == K.SoftmaxConfig("loop", threads=512, chunk=8192), (n, dtype, sms)
+            assert cfg == loop, (n, dtype, sms)
         assert K.default_config(128256, "bfloat16", kind, True, K.bucket_rows("some"), sms=132).schedule == "split"
         for n in (50257, 128256):
-            assert K.default_config(n, "bfloat16", kind, False, m, sms=132) == K.SoftmaxConfig("loop", threads=512, chunk=8192)
+            assert K.default_config(n, "bfloat16", kind, False, m, sms=132) == loop
     # forward register rows: softmax's up to 32768, log_softmax's (values and exps) up to 16384
     assert K.default_config(32000, "bfloat16", "softmax", False, m, sms=132) == K.SoftmaxConfig("rows", 1, 1024)
     for n in (20000, 32000):
-        assert K.default_config(n, "bfloat16", "log_softmax", False, m, sms=132) == K.SoftmaxConfig("loop", threads=512, chunk=8192)
+        assert K.default_config(n, "bfloat16", "log_softmax", False, m, sms=132) == loop
 
 
 def test_measured_table_is_sane():
