@@ -151,6 +151,9 @@ def default_kernels() -> list[tuple]:
         from tests.test_softmax import _FUZZ_N  # hypothesis fuzz (M <= 81: the "few" bucket) and opcheck rows
 
         want += [(1, n, d, k, bwd) for n in sorted(set(_FUZZ_N) | {6, 17, 65}) for d in K.DTYPES for k in K.KINDS for bwd in (False, True)]
+        from tests.test_softmax import UNALIGNED_N  # test_cuda_unaligned_rows: loop and split rows
+
+        want += [(m, n, d, k, bwd) for m in (big, 2 * K.H200_SMS - 1) for n in UNALIGNED_N for d in K.DTYPES for k in K.KINDS for bwd in (False, True)]
         from tests.test_softmax import EXTRA_SCHEDULES
     except ImportError as e:
         print(f"(test shapes skipped: {e})")
