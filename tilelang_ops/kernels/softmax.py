@@ -28,7 +28,8 @@ shapes the schedule: each distinct N compiles once per (kind, dtype, direction).
 * **stash** — `loop` (forward) whose first pass also keeps the row in shared memory (<= 200 KB),
   so the second pass reads it there instead of L2: one DRAM read even when a few rows per SM no
   longer fit the L2 (8192 x 50257 bf16 on an H100: 81-84% of a copy against the loop's 66-71%).
-  Fewer CTAs per SM (the row's shared memory). A tuner candidate; not a default yet.
+  Fewer CTAs per SM (the row's shared memory). The default forward over many rows of up to
+  112 KB past the register rows (`LONG_FWD`) on a 132-SM Hopper, in 16-bit.
 
 * **csplit** — `split` in one launch (sm_90+): a thread-block cluster of <= 8 CTAs per row, each
   holding its chunk in registers; partials go through global memory across barrier.cluster
@@ -174,6 +175,9 @@ MEASURED: dict[tuple[str, int, str], SoftmaxConfig] = {
     ("fwd", 262144, "few"): SoftmaxConfig("tmas", 1, 128, 32768, 0, 8),  # 32x262144: 71.3% vs tmaw 65-67, tma 63-65 (session 8); 76.9% after session 9's changes (call 5)
     ("fwd", 32768, "many"): SoftmaxConfig("tma", 1, 256, 32768, 0, 4),  # 4096x32768: 96% vs 83% (session 7)
     ("bwd", 32768, "many"): SoftmaxConfig("csplit", 1, 128, 4096, 0),  # 4096x32768: 89-90% vs loop 67%
+    # `sweep_softmax --vocab` on H100s (132 SMs), session 53 call 2 and session 54 call 1
+    ("fwd", 32000, "many"): SoftmaxConfig("stash", 1, 256, 16384),  # 8192x32000: 97% vs rows 90-91%
+    ("fwd", 128256, "many"): SoftmaxConfig("csplit", 1, 512, 16384),  # 4096x128256: 72% vs loop 67%
 }
 
 # log_softmax: `python -m benchmarks.sweep_softmax --kind log_softmax` on an H100 (132 SMs, the
@@ -193,6 +197,9 @@ MEASURED_LOG: dict[tuple[str, int, str], SoftmaxConfig] = {
     ("bwd", 131072, "few"): SoftmaxConfig("csplit", 1, 512, 32768, 0),  # 64x131072: 91% vs 82%
     # 1024 and 32768 x 8192: 98% and 101% vs 85% and 86% (the heuristic's 512 threads)
     ("fwd", 8192, "many"): SoftmaxConfig("rows", 1, 256),
+    # `sweep_softmax --kind log_softmax --vocab`, session 54 call 1 (H100)
+    ("fwd", 32000, "many"): SoftmaxConfig("stash", 1, 256, 16384),  # 8192x32000: 99% vs loop 86%
+    ("fwd", 128256, "many"): SoftmaxConfig("csplit", 1, 512, 16384),  # 4096x128256: 72% vs loop 67%
 }
 TABLES = {"softmax": MEASURED, "log_softmax": MEASURED_LOG}
 # A backward over many rows too long for registers, at a length no table names (an LM's logits:
@@ -200,6 +207,13 @@ TABLES = {"softmax": MEASURED, "log_softmax": MEASURED_LOG}
 # elements each. 87-102% of a copy against the loop schedule's 61-78%, both kinds (session 52
 # call 1, H100). Rows of odd length (no 16-byte vectors) ran it at 16-52%: they keep the loop.
 LONG_BWD = SoftmaxConfig("csplit", 1, 512, 32768, 0)
+# A forward over many rows too long for registers whose row fits shared memory twice per SM
+# (<= STASH_2_PER_SM bytes): `stash`, the second pass from shared memory instead of L2. 8192 x
+# 50257 bf16: 81% (softmax) and 84% (log_softmax) of a copy against the loop's 66% and 71%;
+# log_softmax at 8192 x 20000: 85% vs 84% (H100s, session 53 call 2 and session 54 call 1).
+# Longer rows (one per SM) were not measured: they keep the loop.
+LONG_FWD = SoftmaxConfig("stash", 1, 512, 8192)
+STASH_2_PER_SM = 112 * 1024
 
 
 def m_bucket(m: int | None, sms: int = H200_SMS) -> str:
@@ -217,8 +231,8 @@ def default_config(
     n: int, dtype: str, kind: str = "softmax", backward: bool = False, m: int | None = None, sms: int = H200_SMS
 ) -> SoftmaxConfig:
     """Config for an (m, n) problem (m=None: many rows) on a GPU with `sms` SMs: the kind's
-    measured table (`TABLES`), then `LONG_BWD` for a long-row backward over many rows, else the
-    heuristic (`heuristic_config`)."""
+    measured table (`TABLES`), then `LONG_BWD` / `LONG_FWD` for long rows over many rows, else
+    the heuristic (`heuristic_config`)."""
     if _ESIZE[dtype] == 2 and sms == H200_SMS:  # measured on a 132-SM Hopper
         bucket = m_bucket(m, sms)
         cfg = TABLES[kind].get(("bwd" if backward else "fwd", n, bucket))
@@ -227,6 +241,9 @@ def default_config(
         if backward and bucket == "many" and n > _row_limit(dtype, True, kind) and not _unaligned(n, dtype):
             if fits(LONG_BWD, n, dtype, kind, True):
                 return LONG_BWD
+        if not backward and bucket == "many" and n > _row_limit(dtype, False, kind):
+            if _stash_len(n, dtype) * _ESIZE[dtype] <= STASH_2_PER_SM and fits(LONG_FWD, n, dtype, kind):
+                return LONG_FWD
     return heuristic_config(n, dtype, kind, backward, m, sms)
 
 
