@@ -269,6 +269,20 @@ def test_unaligned_rows_load_whole_vectors():
             assert kd.pass_configs_for(loop, **{**st, "n": 50256}) == {}
 
 
+def test_stash_keeps_what_fits_shared_memory():
+    """stash holds a whole row up to STASH_SMEM_MAX, else its first chunks that fit; the rest of
+    the row is re-read like the loop's."""
+    from tilelang_ops.kernels import softmax as K
+
+    cfg = K.SoftmaxConfig("stash", 1, 512, 8192)
+    assert K._stash_chunks(cfg, 50257, "bfloat16") == 7  # the whole row, ragged last chunk
+    assert K._stash_chunks(cfg, 151936, "bfloat16") == 12  # 12 of 19 chunks: 192 KB
+    assert K._stash_chunks(cfg, 65536, "float32") == 6  # 6 of 8 chunks: 192 KB
+    for n, dtype in ((151936, "bfloat16"), (262144, "float16"), (65536, "float32")):
+        assert K._stash_chunks(cfg, n, dtype) * cfg.chunk * K._ESIZE[dtype] <= K.STASH_SMEM_MAX
+        assert K.fits(cfg, n, dtype) and not K.fits(cfg, n, dtype, backward=True)
+
+
 def test_long_rows_over_many_rows():
     """Rows too long for registers, >= LOOP_ROWS_PER_SM rows per SM: the loop schedule, 512
     threads; backward in 16-bit on a 132-SM Hopper the cluster split where 16-byte vectors fit."""
@@ -654,6 +668,9 @@ EXTRA_SCHEDULES = [
     (("stash", 1, 512, 8192, 0), 50257, False),
     (("stash", 1, 256, 8192, 0), 30001, False),
     (("stash", 1, 1024, 16384, 0), 32000, False),
+    # rows longer than shared memory: the first 12 chunks stashed, the last 3-4 re-read from L2
+    (("stash", 1, 512, 8192, 0), 128257, False),  # unaligned, ragged last chunk
+    (("stash", 1, 1024, 8192, 0), 151936, False),
 ]
 
 

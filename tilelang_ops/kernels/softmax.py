@@ -302,8 +302,8 @@ def fits(cfg: SoftmaxConfig, n: int, dtype: str, kind: str = "softmax", backward
             and cfg.block_m == 1
             and cfg.chunk * _ESIZE[dtype] <= TMA_SMEM_MAX
         )
-    if cfg.schedule == "stash" and (backward or _stash_len(n, dtype) * _ESIZE[dtype] > STASH_SMEM_MAX):
-        return False  # forward; the row in shared memory
+    if cfg.schedule == "stash" and (backward or cfg.chunk * _ESIZE[dtype] > STASH_SMEM_MAX):
+        return False  # forward; the row (or its first chunks) in shared memory
     if cfg.schedule in ("loop", "stash", "split"):
         vec = _full_vec(dtype)  # whole vectors at any length (`_RowWalk`)
     ok = cfg.chunk % (cfg.threads * vec) == 0 and cfg.chunk < 2 * n
@@ -1210,16 +1210,38 @@ def _stash_len(n: int, dtype: str) -> int:
     return -(-n // fv) * fv
 
 
+def _stash_chunks(config: SoftmaxConfig, n: int, dtype: str) -> int:
+    """Chunks of its row a `stash` CTA keeps in shared memory: all of them while the row fits
+    STASH_SMEM_MAX, else the first ones that do (the rest re-read from L2, like `loop`)."""
+    nc = _split_chunks(n, config.chunk)
+    if _stash_len(n, dtype) * _ESIZE[dtype] <= STASH_SMEM_MAX:
+        return nc
+    return min(nc, STASH_SMEM_MAX // (config.chunk * _ESIZE[dtype]))
+
+
 @kernel("softmax", "softmax_loop_fwd", static_pass_configs=_walk_pass_configs)
 def loop_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str):
     """Pass 1 keeps per-thread running (max, sum of exp); pass 2 re-reads the row, newest chunk
     first, while it is still in L2 (132 SMs x a few resident rows of <= 512 KB fit in 50 MB).
-    `stash`: pass 1 also keeps the row in shared memory and pass 2 reads it there."""
+    `stash`: pass 1 also keeps the row (a row longer than STASH_SMEM_MAX: its first chunks) in
+    shared memory and pass 2 reads it there."""
     M = T.dynamic("M")
     nc, kc, w = _chunk_tile(config, n, dtype, _full_vec(dtype))
     c = config.chunk
     log = kind == "log_softmax"
     stash = config.schedule == "stash"
+    ns = _stash_chunks(config, n, dtype) if stash else 0  # chunks kept in shared memory
+    held = _stash_len(n, dtype) if ns == nc else ns * c
+
+    @T.macro
+    def keep(a, row_s, rw, ch):
+        for kk, j in T.Parallel(kc, w):
+            if rw.inside(ch * c + kk * w + j):
+                row_s[ch * c + kk * w + j] = a[kk, j]
+
+    # pass 2, newest chunk first, as (chunks above `top`, how many, read from shared memory)
+    # segments (unrolled by Python): a partial stash reads its L2 chunks, then its stashed ones
+    segments = ((nc, nc, stash),) if ns in (0, nc) else ((nc, nc - ns, False), (ns, ns, True))
 
     @T.prim_func
     def fwd(X: T.Tensor((M, n), dtype), Y: T.Tensor((M, n), dtype)):
@@ -1237,7 +1259,7 @@ def loop_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str):
             m = T.alloc_var(_ACC)
             s = T.alloc_var(_ACC)
             if stash:
-                row_s = T.alloc_shared((_stash_len(n, dtype),), dtype)
+                row_s = T.alloc_shared((held,), dtype)
             for j in T.Parallel(w):
                 pm[j] = -T.infinity(_ACC)
                 ps[j] = 0.0
@@ -1246,10 +1268,11 @@ def loop_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str):
                     a[kk, j] = T.if_then_else(
                         rw.inside(ch * c + kk * w + j), X[rw.at(ch * c + kk * w + j)], T.Cast(dtype, -T.infinity(_ACC))
                     )
-                if stash:
-                    for kk, j in T.Parallel(kc, w):
-                        if rw.inside(ch * c + kk * w + j):
-                            row_s[ch * c + kk * w + j] = a[kk, j]
+                if ns == nc:
+                    keep(a, row_s, rw, ch)
+                elif ns:
+                    if ch < ns:
+                        keep(a, row_s, rw, ch)
                 for j in T.Parallel(w):
                     nm[j] = pm[j]
                     for kk in T.serial(kc):
@@ -1279,14 +1302,15 @@ def loop_fwd(config: SoftmaxConfig, n: int, dtype: str, kind: str):
                 for j in T.Parallel(w):
                     if rw.end_ok(j):
                         _fwd_out(Y, rw.end_at(j), X[rw.end_at(j)], m, s, dtype, log)
-            for rc in T.serial(nc):  # reads n (L2; stash: shared memory), writes n
-                ch = nc - 1 - rc
-                for kk, j in T.Parallel(kc, w):
-                    if rw.inside(ch * c + kk * w + j):
-                        if stash:
-                            _fwd_out(Y, rw.at(ch * c + kk * w + j), row_s[ch * c + kk * w + j], m, s, dtype, log)
-                        else:
-                            _fwd_out(Y, rw.at(ch * c + kk * w + j), X[rw.at(ch * c + kk * w + j)], m, s, dtype, log)
+            for top, count, shared in segments:  # reads n (L2; stash: shared memory), writes n
+                for rc in T.serial(count):
+                    ch = top - 1 - rc
+                    for kk, j in T.Parallel(kc, w):
+                        if rw.inside(ch * c + kk * w + j):
+                            if shared:
+                                _fwd_out(Y, rw.at(ch * c + kk * w + j), row_s[ch * c + kk * w + j], m, s, dtype, log)
+                            else:
+                                _fwd_out(Y, rw.at(ch * c + kk * w + j), X[rw.at(ch * c + kk * w + j)], m, s, dtype, log)
 
     return fwd
 
