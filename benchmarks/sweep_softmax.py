@@ -50,6 +50,9 @@ def vocab_candidates(kind: str) -> dict:
     # the defaults, the former loop default and the register rows
     mid = [S("loop", 1, 256, 4096), S("loop", 1, 512, 8192), S("stash", 1, 512, 8192), S("rows", 1, 1024), K.LONG_BWD]
     out.update({(8192, 20000, bwd): [c for c in mid if K.fits(c, 20000, "bfloat16", kind, bwd)] for bwd in (False, True)})
+    # a forward between the two stash defaults (a 128 KB row: one CTA per SM, all of it stashed)
+    wide = [S("loop", 1, 512, 8192), K.LONG_FWD, K.WIDE_FWD, S("stash", 1, 512, 16384), S("tma", 1, 512, 65536, 0, 8)]
+    out[(4096, 65536, False)] = [c for c in wide if K.fits(c, 65536, "bfloat16", kind)]
     return out
 
 

@@ -28,8 +28,9 @@ shapes the schedule: each distinct N compiles once per (kind, dtype, direction).
 * **stash** — `loop` (forward) whose first pass also keeps the row in shared memory (<= 200 KB),
   so the second pass reads it there instead of L2: one DRAM read even when a few rows per SM no
   longer fit the L2 (8192 x 50257 bf16 on an H100: 81-84% of a copy against the loop's 66-71%).
-  Fewer CTAs per SM (the row's shared memory). The default forward over many rows of up to
-  112 KB past the register rows (`LONG_FWD`) on a 132-SM Hopper, in 16-bit.
+  Fewer CTAs per SM (the row's shared memory). A longer row keeps its first chunks there and
+  re-reads the rest from L2. The default forward over many rows past the register rows of up to
+  400 KB (`LONG_FWD`, `WIDE_FWD`) on a 132-SM Hopper, in 16-bit.
 
 * **csplit** — `split` in one launch (sm_90+): a thread-block cluster of <= 8 CTAs per row, each
   holding its chunk in registers; partials go through global memory across barrier.cluster
@@ -177,7 +178,6 @@ MEASURED: dict[tuple[str, int, str], SoftmaxConfig] = {
     ("bwd", 32768, "many"): SoftmaxConfig("csplit", 1, 128, 4096, 0),  # 4096x32768: 89-90% vs loop 67%
     # `sweep_softmax --vocab` on H100s (132 SMs), session 53 call 2 and session 54 call 1
     ("fwd", 32000, "many"): SoftmaxConfig("stash", 1, 256, 16384),  # 8192x32000: 97% vs rows 90-91%
-    ("fwd", 128256, "many"): SoftmaxConfig("csplit", 1, 512, 16384),  # 4096x128256: 72% vs loop 67%
 }
 
 # log_softmax: `python -m benchmarks.sweep_softmax --kind log_softmax` on an H100 (132 SMs, the
@@ -199,7 +199,6 @@ MEASURED_LOG: dict[tuple[str, int, str], SoftmaxConfig] = {
     ("fwd", 8192, "many"): SoftmaxConfig("rows", 1, 256),
     # `sweep_softmax --kind log_softmax --vocab`, session 54 call 1 (H100)
     ("fwd", 32000, "many"): SoftmaxConfig("stash", 1, 256, 16384),  # 8192x32000: 99% vs loop 86%
-    ("fwd", 128256, "many"): SoftmaxConfig("csplit", 1, 512, 16384),  # 4096x128256: 72% vs loop 67%
 }
 TABLES = {"softmax": MEASURED, "log_softmax": MEASURED_LOG}
 # A backward over many rows too long for registers, at a length no table names (an LM's logits:
@@ -211,9 +210,14 @@ LONG_BWD = SoftmaxConfig("csplit", 1, 512, 32768, 0)
 # (<= STASH_2_PER_SM bytes): `stash`, the second pass from shared memory instead of L2. 8192 x
 # 50257 bf16: 81% (softmax) and 84% (log_softmax) of a copy against the loop's 66% and 71%;
 # log_softmax at 8192 x 20000: 85% vs 84% (H100s, session 53 call 2 and session 54 call 1).
-# Longer rows (one per SM) were not measured: they keep the loop.
 LONG_FWD = SoftmaxConfig("stash", 1, 512, 8192)
 STASH_2_PER_SM = 112 * 1024
+# Longer rows, up to WIDE_FWD_MAX bytes: one CTA of 1024 threads per SM, the row's first 200 KB
+# stashed and the rest (at most half the row) re-read from L2. 4096 x 128256 and 2048 x 151936
+# bf16 on an H200: 71-75% of a copy against the loop's 60-62% and csplit's 59-60%, both kinds
+# (session 54 call 2).
+WIDE_FWD = SoftmaxConfig("stash", 1, 1024, 16384)
+WIDE_FWD_MAX = 2 * STASH_SMEM_MAX
 
 
 def m_bucket(m: int | None, sms: int = H200_SMS) -> str:
@@ -231,8 +235,8 @@ def default_config(
     n: int, dtype: str, kind: str = "softmax", backward: bool = False, m: int | None = None, sms: int = H200_SMS
 ) -> SoftmaxConfig:
     """Config for an (m, n) problem (m=None: many rows) on a GPU with `sms` SMs: the kind's
-    measured table (`TABLES`), then `LONG_BWD` / `LONG_FWD` for long rows over many rows, else
-    the heuristic (`heuristic_config`)."""
+    measured table (`TABLES`), then `LONG_BWD` / `LONG_FWD` / `WIDE_FWD` for long rows over many
+    rows, else the heuristic (`heuristic_config`)."""
     if _ESIZE[dtype] == 2 and sms == H200_SMS:  # measured on a 132-SM Hopper
         bucket = m_bucket(m, sms)
         cfg = TABLES[kind].get(("bwd" if backward else "fwd", n, bucket))
@@ -242,8 +246,10 @@ def default_config(
             if fits(LONG_BWD, n, dtype, kind, True):
                 return LONG_BWD
         if not backward and bucket == "many" and n > _row_limit(dtype, False, kind):
-            if _stash_len(n, dtype) * _ESIZE[dtype] <= STASH_2_PER_SM and fits(LONG_FWD, n, dtype, kind):
-                return LONG_FWD
+            row = _stash_len(n, dtype) * _ESIZE[dtype]
+            for cfg, most in ((LONG_FWD, STASH_2_PER_SM), (WIDE_FWD, WIDE_FWD_MAX)):
+                if row <= most and fits(cfg, n, dtype, kind):
+                    return cfg
     return heuristic_config(n, dtype, kind, backward, m, sms)
 
 
@@ -1393,6 +1399,7 @@ REPRESENTATIVE = (
     + _rep(50257, "bfloat16", "softmax", False, 4096)  # loop
     + _rep(50257, "bfloat16", "softmax", True, 4096)
     + _rep(50257, "bfloat16", "softmax", False, 128)  # split: stats + apply
-    # stash (the loop with the row in shared memory; a tuner candidate, not a default yet)
-    + [(loop_fwd, SoftmaxConfig("stash", 1, 512, 8192), {"n": 50257, "dtype": "bfloat16", "kind": "softmax"})]
+    # stash (the loop with the row in shared memory): the whole row (LONG_FWD), its first chunks (WIDE_FWD)
+    + [(loop_fwd, LONG_FWD, {"n": 50257, "dtype": "bfloat16", "kind": "softmax"})]
+    + [(loop_fwd, WIDE_FWD, {"n": 151936, "dtype": "bfloat16", "kind": "log_softmax"})]
 )
