@@ -300,13 +300,20 @@ def test_long_rows_over_many_rows():
             cfg = K.default_config(n, dtype, kind, True, m, sms=sms)
             assert cfg == loop, (n, dtype, sms)
         assert K.default_config(128256, "bfloat16", kind, True, K.bucket_rows("some"), sms=132).schedule == "split"
-        # forward (16-bit, 132 SMs): the row in shared memory while two fit per SM, then one CTA
-        # per SM stashing what fits of rows up to 400 KB; else the loop
+        # forward (16-bit, 132 SMs): the row in shared memory while two fit per SM; one CTA per
+        # SM stashing the first 192 KB of a row of 200-400 KB; else the loop
         for n, dtype in ((50257, "bfloat16"), (50257, "float16"), (57344, "bfloat16")):
             assert K.default_config(n, dtype, kind, False, m, sms=132) == K.LONG_FWD, (n, dtype)
-        for n in (57344 + 8, 65536, 128256, 151936, 204800):
+        for n in (102400 + 8, 128256, 151936, 204800):
             assert K.default_config(n, "bfloat16", kind, False, m, sms=132) == K.WIDE_FWD, n
-        for n, dtype, sms in ((204800 + 8, "bfloat16", 132), (262144, "bfloat16", 132), (50257, "float32", 132), (50257, "bfloat16", 108)):
+        for n, dtype, sms in (
+            (57344 + 8, "bfloat16", 132),
+            (65536 + 8, "bfloat16", 132),
+            (102400, "bfloat16", 132),
+            (204800 + 8, "bfloat16", 132),
+            (50257, "float32", 132),
+            (50257, "bfloat16", 108),
+        ):
             assert K.default_config(n, dtype, kind, False, m, sms=sms) == loop, (n, dtype, sms)
         assert K.default_config(50257, "bfloat16", kind, False, K.bucket_rows("some"), sms=132).schedule == "split"
     # forward register rows: softmax's up to 32768 (bar the measured 32000), log_softmax's (values
@@ -499,9 +506,9 @@ def test_cuda_poisoned_output(dtype, name, shape):
 @pytest.mark.parametrize("n", LONG_ROWS_N)
 def test_cuda_loop_path_many_long_rows(dtype, name, n):
     """M >= 4 rows per SM: rows too long for registers take the loop schedule (one CTA walks its
-    row twice) forward, and in bf16 on a 132-SM Hopper stash (LONG_FWD / WIDE_FWD, rows up to
-    400 KB) or a measured config forward and the cluster split (LONG_BWD) backward unless the
-    length is odd;
+    row twice) forward, and in bf16 on a 132-SM Hopper stash (LONG_FWD / WIDE_FWD: rows of up to
+    112 KB and of 200-400 KB) or a measured config forward and the cluster split (LONG_BWD)
+    backward unless the length is odd;
     softmax's forward keeps rows up to 32768 in registers. Checks that
     the default config served each direction."""
     from tilelang_ops.kernels import softmax as K

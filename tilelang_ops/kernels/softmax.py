@@ -30,7 +30,7 @@ shapes the schedule: each distinct N compiles once per (kind, dtype, direction).
   longer fit the L2 (8192 x 50257 bf16 on an H100: 81-84% of a copy against the loop's 66-71%).
   Fewer CTAs per SM (the row's shared memory). A longer row keeps its first chunks there and
   re-reads the rest from L2. The default forward over many rows past the register rows of up to
-  400 KB (`LONG_FWD`, `WIDE_FWD`) on a 132-SM Hopper, in 16-bit.
+  112 KB (`LONG_FWD`) and of 200-400 KB (`WIDE_FWD`) on a 132-SM Hopper, in 16-bit.
 
 * **csplit** — `split` in one launch (sm_90+): a thread-block cluster of <= 8 CTAs per row, each
   holding its chunk in registers; partials go through global memory across barrier.cluster
@@ -212,10 +212,11 @@ LONG_BWD = SoftmaxConfig("csplit", 1, 512, 32768, 0)
 # log_softmax at 8192 x 20000: 85% vs 84% (H100s, session 53 call 2 and session 54 call 1).
 LONG_FWD = SoftmaxConfig("stash", 1, 512, 8192)
 STASH_2_PER_SM = 112 * 1024
-# Longer rows, up to WIDE_FWD_MAX bytes: one CTA of 1024 threads per SM, the row's first 200 KB
-# stashed and the rest (at most half the row) re-read from L2. 4096 x 128256 and 2048 x 151936
-# bf16 on an H200: 71-75% of a copy against the loop's 60-62% and csplit's 59-60%, both kinds
-# (session 54 call 2).
+# Rows longer than stash's shared memory, up to WIDE_FWD_MAX bytes: one CTA of 1024 threads per
+# SM, the row's first 192 KB stashed and the rest (at most half the row) re-read from L2. 4096 x
+# 128256 and 2048 x 151936 bf16 on an H200: 70-75% of a copy against the loop's 60-62% and
+# csplit's 59-60%, both kinds (session 54 calls 2-3). Rows of 112-200 KB keep the loop: 4096 x
+# 65536 ran this config at 66% against the loop's 69-70% (call 3).
 WIDE_FWD = SoftmaxConfig("stash", 1, 1024, 16384)
 WIDE_FWD_MAX = 2 * STASH_SMEM_MAX
 
@@ -247,8 +248,8 @@ def default_config(
                 return LONG_BWD
         if not backward and bucket == "many" and n > _row_limit(dtype, False, kind):
             row = _stash_len(n, dtype) * _ESIZE[dtype]
-            for cfg, most in ((LONG_FWD, STASH_2_PER_SM), (WIDE_FWD, WIDE_FWD_MAX)):
-                if row <= most and fits(cfg, n, dtype, kind):
+            for cfg, least, most in ((LONG_FWD, 0, STASH_2_PER_SM), (WIDE_FWD, STASH_SMEM_MAX, WIDE_FWD_MAX)):
+                if least < row <= most and fits(cfg, n, dtype, kind):
                     return cfg
     return heuristic_config(n, dtype, kind, backward, m, sms)
 
