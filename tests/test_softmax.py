@@ -427,6 +427,10 @@ def test_hopper_search_space_holds_the_measured_defaults():
             space = K.search_space(n, "bfloat16", kind, direction == "bwd", 90)
             assert cfg in space, (kind, direction, n, cfg)
             assert all(c.schedule in ("rows", "loop", "split") for c in K.search_space(n, "bfloat16", kind, direction == "bwd", 80))
+        # the long-row defaults no table names, at lengths they serve
+        for cfg, n, bwd in ((K.LONG_BWD, 128256, True), (K.LONG_FWD, 50257, False), (K.WIDE_FWD, 151936, False)):
+            assert cfg == K.default_config(n, "bfloat16", kind, bwd, K.bucket_rows("many"))
+            assert cfg in K.search_space(n, "bfloat16", kind, bwd, 90), (kind, cfg, n)
 
 
 BAD_INPUTS = [
