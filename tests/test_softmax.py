@@ -512,9 +512,8 @@ def test_cuda_loop_path_many_long_rows(dtype, name, n):
     """M >= 4 rows per SM: rows too long for registers take the loop schedule (one CTA walks its
     row twice) forward, and in bf16 on a 132-SM Hopper stash (LONG_FWD / WIDE_FWD: rows of up to
     112 KB and of 200-400 KB) or a measured config forward and the cluster split (LONG_BWD)
-    backward unless the length is odd;
-    softmax's forward keeps rows up to 32768 in registers. Checks that
-    the default config served each direction."""
+    backward unless the length is odd; softmax's forward keeps rows up to 32768 in registers.
+    Checks that the default config served each direction."""
     from tilelang_ops.kernels import softmax as K
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -683,7 +682,7 @@ EXTRA_SCHEDULES = [
     (("stash", 1, 512, 8192, 0), 50257, False),
     (("stash", 1, 256, 8192, 0), 30001, False),
     (("stash", 1, 1024, 16384, 0), 32000, False),
-    # rows longer than shared memory: the first 12 chunks stashed, the last 3-4 re-read from L2
+    # rows longer than shared memory: the first 12 chunks stashed, the other 4 / 7 re-read from L2
     (("stash", 1, 512, 8192, 0), 128257, False),  # unaligned, ragged last chunk
     (("stash", 1, 1024, 8192, 0), 151936, False),
 ]

@@ -613,7 +613,7 @@ def split_stats(config: SoftmaxConfig, n: int, dtype: str, kind: str, backward: 
             A = rw.view(A)  # the same tensor; flat for unaligned rows
             B = rw.view(B)
             base = ch * c
-            ends = rw.odd and ch == 0  # this CTA also takes the row's unaligned ends
+            ends = ch == 0  # unaligned rows: this CTA also takes the row's ends (read under `if rw.odd`)
             # (kc, w): w = threads * vec lanes' worth, so dim 1 is spread over the CTA and each
             # thread folds its kc vectors serially (no fp32 copy of the chunk in registers).
             a = T.alloc_fragment((kc, w), dtype)
@@ -694,7 +694,7 @@ def split_apply(config: SoftmaxConfig, n: int, dtype: str, kind: str, backward: 
             O = rw.view(O)
             # CTAs dispatch chunk-major; start from the chunks `stats` read last, still in L2.
             base = (nc - 1 - rch) * c
-            ends = rw.odd and rch == nc - 1  # chunk 0 also writes the row's unaligned ends
+            ends = rch == nc - 1  # unaligned rows: chunk 0 also writes the row's ends (read under `if rw.odd`)
             acc0 = T.alloc_var(_ACC)
             acc1 = T.alloc_var(_ACC)
             a = T.alloc_fragment((c,), dtype)
