@@ -10,8 +10,8 @@ default, registers and spills equal), and the non-causal 4096-token D=128 row re
 TFLOP/s in the benches and 605-640 in the sweeps. Contenders per shape, in turns
 (`_timing.interleaved`; each entry's per-round times are kept):
 
-- `op nolse`: `torch.ops.tileops.flash_attn` under no_grad (what bench_attention times);
-- `op lse`: `torch.ops.tileops.flash_attn_with_lse`;
+- `op flash_attn`: `torch.ops.tileops.flash_attn` under no_grad (what bench_attention times);
+- `op with_lse`: `torch.ops.tileops.flash_attn_with_lse`;
 - `kernel lse` / `kernel nolse`: the default config's launchers into preallocated buffers;
 - `cudnn bhsd`: SDPA's cuDNN backend on contiguous (B, H, S, D) tensors (bench_attention's peer);
 - `cudnn view`: the same on our (B, S, H, D) tensors viewed as (B, H, S, D) (sweep_attention's).
@@ -64,8 +64,8 @@ def contenders(B, H, HK, S, D, causal):
         return f
 
     fns = {
-        "op nolse": lambda: torch.ops.tileops.flash_attn(q, k, v, causal),
-        "op lse": lambda: torch.ops.tileops.flash_attn_with_lse(q, k, v, causal),
+        "op flash_attn": lambda: torch.ops.tileops.flash_attn(q, k, v, causal),
+        "op with_lse": lambda: torch.ops.tileops.flash_attn_with_lse(q, k, v, causal),
         "kernel lse": lambda: with_lse(q, k, v, out, lse),
         "kernel nolse": lambda: no_lse(q, k, v, out),
         "cudnn bhsd": cudnn(qc, kc, vc),
@@ -73,7 +73,7 @@ def contenders(B, H, HK, S, D, causal):
     }
     # the four of ours must agree bitwise (same kernel, same inputs)
     ref = torch.ops.tileops.flash_attn(q, k, v, causal)
-    for name in ("op lse", "kernel lse", "kernel nolse"):
+    for name in ("op with_lse", "kernel lse", "kernel nolse"):
         out.fill_(float("nan"))
         first_run(fns[name], f"{B}x{H}/{HK}x{S}x{D} causal={causal} {name}")
         got = fns[name]()

@@ -364,13 +364,13 @@ def _fwd_launch(q, k, v, causal, softmax_scale, with_lse: bool):
     Sk, HK = k.shape[1], k.shape[2]
     # Allocation by integer sizes: parsing a torch.Size or tuple argument costs ~1 µs more per call.
     out = q.new_empty(B, Sq, H, D)
-    lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device) if with_lse else None
+    # Inference too runs the kernel with the LSE output, into a scratch buffer: EXPERIMENT
+    lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
     if Sk == 0 or out.numel() == 0:  # nothing to attend to
         return out.zero_(), (lse.fill_(float("-inf")) if with_lse else None)
     bucket = _length_bucket("fwd", causal, D, Sk if causal else Sq)
-    kern = _kernel("fwd" if with_lse else "fwd_nolse", q.dtype, q.device, D, causal, H // HK, softmax_scale, bucket)
-    kern(q, k, v, out, lse) if with_lse else kern(q, k, v, out)
-    return out, lse
+    _kernel("fwd", q.dtype, q.device, D, causal, H // HK, softmax_scale, bucket)(q, k, v, out, lse)
+    return out, (lse if with_lse else None)
 
 
 @flash_attn_with_lse.register_kernel("cuda")
