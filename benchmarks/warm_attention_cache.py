@@ -52,7 +52,7 @@ def _jobs(quick: bool) -> list[tuple]:
         combos += [(64, "bfloat16", c, g, s) for s in (0.2, 0.5) for c in (False, True) for g in (1, 2)]
     for d, dt, c, g, s in combos:
         # bwd_small: the whole backward for at most SMALL_BWD_KEYS keys (D 64/128; packed too)
-        for kind in ("fwd", "fwd_nolse", "bwd", "bwd_nodq", "bwd_fused", "dq") + (("bwd_fused_packed",) if g == 1 else ()) + (("bwd_small",) if d <= 128 else ()):
+        for kind in ("fwd", "bwd", "bwd_nodq", "bwd_fused", "dq") + (("bwd_fused_packed",) if g == 1 else ()) + (("bwd_small",) if d <= 128 else ()):
             jobs.append((kind, d, dt, c, g, s))  # packed QKV: self-attention, MHA only
     for d, dt in itertools.product((64, 128) if quick else (64, 128, 256), ("bfloat16",) if quick else ("bfloat16", "float16")):
         jobs.append(("prep", d, dt, False, 1, 0.0))
@@ -130,7 +130,7 @@ def main(argv=None) -> int:
     if args.train:
         from tilelang_ops.kernels.attention import default_scale
 
-        jobs = [(kind, 64, "bfloat16", True, 1, default_scale(64)) for kind in ("fwd", "fwd_nolse", "bwd_fused", "bwd_fused_packed")]
+        jobs = [(kind, 64, "bfloat16", True, 1, default_scale(64)) for kind in ("fwd", "bwd_fused", "bwd_fused_packed")]
     elif args.fuzz:
         jobs = _fuzz_jobs()
     else:

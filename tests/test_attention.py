@@ -1036,9 +1036,9 @@ def test_flash_bwd_async_pipelines_match_reference(shape, cfg, causal):
     "shape,causal",
     [((2, 17, 33, 4, 1, 64), True), ((1, 1000, 300, 4, 4, 128), True), ((3, 129, 129, 6, 2, 128), False), ((1, 4097, 61, 2, 2, 256), False), ((2, 300, 1, 4, 2, 64), True)],
 )
-def test_flash_attn_inference_kernel_matches_the_lse_kernel(dtype, shape, causal):
-    # flash_attn without grad runs the kernel variant with no LSE output: same math, so the same
-    # bits as flash_attn_with_lse's output; and poisoned, so an unwritten element would show.
+def test_flash_attn_inference_matches_flash_attn_with_lse(dtype, shape, causal):
+    # flash_attn without grad runs the forward kernel with a scratch LSE: the same bits as
+    # flash_attn_with_lse's output; and poisoned, so an unwritten element would show.
     q, k, v = _inputs(shape, dtype, "cuda", requires_grad=False)
     want, _ = torch.ops.tileops.flash_attn_with_lse(q, k, v, causal)
     B, Sq, Sk, H, HK, D = shape
@@ -1372,6 +1372,26 @@ def test_kernel_resolution_static_args(monkeypatch):
     assert ops._kernel("prep_nodq", torch.bfloat16, dev, 64)[1] == dict(headdim=64)
     assert ops._kernel("bwd_fused", torch.bfloat16, dev, 128, True, 4, None)[1] == dict(headdim=128, causal=True, groups=4, scale=1 / math.sqrt(128))
     assert len(built) == 8
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["qkv", "qkvpacked"])
+def test_inference_runs_the_lse_kernel_into_scratch(packed, monkeypatch):
+    """Without grad, flash_attn (and its packed form) launches the forward kernel that writes the
+    LSE, into a (B, H, Sq) fp32 scratch buffer: the variant without the LSE store ran slower
+    (session 55). No GPU needed: the launch is recorded."""
+    from tilelang_ops.ops import attention as ops
+
+    calls = []
+    monkeypatch.setattr(ops, "_kernel", lambda name, *a: lambda *args: calls.append((name, [tuple(t.shape) for t in args], args[-1].dtype)))
+    B, S, H, D = 2, 17, 4, 64
+    if packed:
+        qkv = torch.randn(B, S, 3, H, D, dtype=torch.bfloat16)
+        out = ops._fwd_launch(*ops._packed_qkv(qkv), True, None, False)[0]
+    else:
+        q, k, v = _inputs((B, S, S, H, H, D), torch.bfloat16, "cpu", requires_grad=False)
+        out = ops._flash_fwd(q, k, v, True, None, False)[0]
+    assert out.shape == (B, S, H, D)
+    assert calls == [("fwd", [(B, S, H, D)] * 4 + [(B, H, S)], torch.float32)]
 
 
 def _launch_recorder(monkeypatch):

@@ -292,8 +292,10 @@ def _qkv_param(name: str, shape: tuple, dtype: str):
 @kernel("attention", "flash_fwd", pass_configs=_PASS_CONFIGS)
 def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, groups: int, scale: float, lse: bool = True, ctas: int = PERSISTENT_CTAS):
     """O (and with lse=True the base-e log-sum-exp per row, (B, H, Sq) fp32) of softmax(Q K^T) V.
-    lse=False serves inference calls: no LSE buffer to allocate or write. ctas: the grid of a
-    persistent config (the device's SM count; unused otherwise)."""
+    lse=False drops the LSE store; the op does not use it (inference writes a scratch LSE): ptxas
+    schedules that variant 3-5% slower at the non-causal D=128 default (session 55,
+    benchmarks/diag_attn_lse.py, which keeps timing both). ctas: the grid of a persistent config
+    (the device's SM count; unused otherwise)."""
     with_lse = lse  # the fragment below is named `lse`, as in the exported kernels
     B = T.dynamic("B")
     Sq = T.dynamic("Sq")
@@ -1771,8 +1773,6 @@ REPRESENTATIVE = [
     # the hand-synchronized pipelines the tuner may pick (FWD_SEARCH_SPACE)
     (flash_fwd_kernel, FwdConfig(128, 128, 2, 256, "async"), dict(headdim=128, dtype="bfloat16", causal=True, groups=1, scale=default_scale(128))),
     (flash_fwd_kernel, FwdConfig(128, 128, 2, 256, "pingpong"), dict(headdim=128, dtype="bfloat16", causal=True, groups=1, scale=default_scale(128))),
-    # inference (flash_attn without grad): no LSE output
-    (flash_fwd_kernel, fwd_default_config(128, False), dict(headdim=128, dtype="bfloat16", causal=False, groups=1, scale=default_scale(128), lse=False)),
     (flash_bwd_prep_kernel, prep_config(128), dict(headdim=128, dtype="bfloat16")),
     (flash_bwd_kernel, bwd_default_config(128, True), dict(headdim=128, dtype="bfloat16", causal=True, groups=1, scale=default_scale(128))),
     # D=256 keeps TileLang's T.Pipelined backward (the async one needs 64 keys per warpgroup)

@@ -103,7 +103,6 @@ def _tune_shape(static: dict, seqlen: Optional[int] = None) -> tuple:
 # kernel for dK/dV only; "dq" computes dQ per query block without atomics.
 _KDEFS = {
     "fwd": ("flash_fwd_kernel", {}),
-    "fwd_nolse": ("flash_fwd_kernel", {"lse": False}),  # inference: out only
     "bwd": ("flash_bwd_kernel", {}),
     "bwd_nodq": ("flash_bwd_kernel", {"dq": False}),
     "bwd_fused": ("flash_bwd_fused_kernel", {}),  # prep + bwd + cast in one host call
@@ -134,7 +133,7 @@ def _small_bwd(B: int, Sq: int, Sk: int, HK: int, groups: int, D: int, device) -
     )
 # Kernels with every static arg, and the tuned-config entry each resolves its config from
 # (dK/dV-only uses the main backward's: same tiles, minus the dQ work).
-_TUNED_AS = {"fwd": "fwd", "fwd_nolse": "fwd", "bwd": "bwd", "bwd_nodq": "bwd", "bwd_fused": "bwd", "bwd_fused_packed": "bwd", "dq": "dq"}
+_TUNED_AS = {"fwd": "fwd", "bwd": "bwd", "bwd_nodq": "bwd", "bwd_fused": "bwd", "bwd_fused_packed": "bwd", "dq": "dq"}
 
 
 def kernel_static(name: str, headdim: int, causal: bool, groups: int, softmax_scale: Optional[float]) -> dict:
@@ -175,7 +174,7 @@ def _compile(name: str, config, dtype: torch.dtype, device: torch.device, **stat
 
 
 def _kernel(name: str, dtype: torch.dtype, device: torch.device, headdim: int = 0, causal: bool = False, groups: int = 1, softmax_scale: Optional[float] = None, seqlen: Optional[int] = None):
-    """Launcher for kernel `name`: "fwd"/"fwd_nolse"/"bwd"/"bwd_nodq"/"dq" (every static arg), "prep"/"prep_nodq"
+    """Launcher for kernel `name`: "fwd"/"bwd"/"bwd_nodq"/"dq" (every static arg), "prep"/"prep_nodq"
     (headdim), "cast" (none). Keyed by the call's own arguments (positional, softmax_scale as
     given): a hit costs no math. seqlen: the call's length bucket (_length_bucket; None where the
     default does not depend on the length)."""
@@ -353,7 +352,7 @@ def flash_attn_with_lse(
 
 
 def _flash_fwd(q, k, v, causal, softmax_scale, with_lse: bool):
-    """(out, lse), or (out, None) with the kernel variant that has no LSE output (inference)."""
+    """(out, lse), or (out, None) where no gradient will be taken (inference)."""
     _check_qkv(q, k, v, softmax_scale)
     return _fwd_launch(*_qkv3(q, k, v), causal, softmax_scale, with_lse)
 
@@ -364,7 +363,9 @@ def _fwd_launch(q, k, v, causal, softmax_scale, with_lse: bool):
     Sk, HK = k.shape[1], k.shape[2]
     # Allocation by integer sizes: parsing a torch.Size or tuple argument costs ~1 µs more per call.
     out = q.new_empty(B, Sq, H, D)
-    # Inference too runs the kernel with the LSE output, into a scratch buffer: EXPERIMENT
+    # Inference runs the kernel with the LSE output too, into a scratch buffer: the variant without
+    # it (flash_fwd_kernel's lse=False) ran 3-5% slower at the non-causal D=128 default, a ptxas
+    # schedule of the same CUDA less one store (session 55, benchmarks/diag_attn_lse.py).
     lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
     if Sk == 0 or out.numel() == 0:  # nothing to attend to
         return out.zero_(), (lse.fill_(float("-inf")) if with_lse else None)
@@ -541,7 +542,7 @@ def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool =
 @flash_attn.register_kernel("cuda")
 def _(q, k, v, causal=False, softmax_scale=None):
     # No gradient will be taken here (autograd routes those calls to flash_attn_with_lse): the
-    # kernel variant without the LSE output, so no LSE buffer is allocated or written.
+    # LSE goes to a scratch buffer (_fwd_launch).
     return _flash_fwd(q, k, v, causal, softmax_scale, False)[0]
 
 
@@ -673,7 +674,7 @@ def flash_attn_qkvpacked(qkv: torch.Tensor, causal: bool = False, softmax_scale:
 @flash_attn_qkvpacked.register_kernel("cuda")
 def _(qkv, causal=False, softmax_scale=None):
     _check_qkvpacked(qkv, softmax_scale)
-    return _fwd_launch(*_packed_qkv(qkv), causal, softmax_scale, False)[0]  # no grad here: no LSE output
+    return _fwd_launch(*_packed_qkv(qkv), causal, softmax_scale, False)[0]  # no grad here: the LSE is scratch
 
 
 @flash_attn_qkvpacked.register_fake
