@@ -2,12 +2,13 @@
 
     python -m benchmarks.diag_attn_lse [--rounds N]
 
-Why: `bench_attention` times `flash_attn` under `torch.no_grad()`, which runs the kernel variant
-with no LSE output (`fwd_nolse`, since the fifth session, for host time), while `sweep_attention`
-times the LSE variant (`fwd`, the training forward). The two are the same CUDA less the LSE store,
-but ptxas schedules them apart (1472 against 1432 SASS instructions at the 192 x 128 D=128
-default, registers and spills equal), and the non-causal 4096-token D=128 row read 580-622
-TFLOP/s in the benches and 605-640 in the sweeps. Contenders per shape, in turns
+Why: `bench_attention` times `flash_attn` under `torch.no_grad()`, which from the fifth to the
+fifty-fourth session ran the kernel variant with no LSE output (`lse=False`), while
+`sweep_attention` times the LSE one (the training forward). The two are the same CUDA less the
+LSE store, but ptxas schedules them apart (1472 against 1432 SASS instructions at the 192 x 128
+D=128 default, registers and spills equal), and the non-causal 4096-token D=128 row read 580-622
+TFLOP/s in the benches and 605-640 in the sweeps. Since the fifty-fifth session `flash_attn` runs
+the LSE kernel into a scratch LSE. Contenders per shape, in turns
 (`_timing.interleaved`; each entry's per-round times are kept):
 
 - `op flash_attn`: `torch.ops.tileops.flash_attn` under no_grad (what bench_attention times);

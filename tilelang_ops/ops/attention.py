@@ -363,9 +363,10 @@ def _fwd_launch(q, k, v, causal, softmax_scale, with_lse: bool):
     Sk, HK = k.shape[1], k.shape[2]
     # Allocation by integer sizes: parsing a torch.Size or tuple argument costs ~1 µs more per call.
     out = q.new_empty(B, Sq, H, D)
-    # Inference runs the kernel with the LSE output too, into a scratch buffer: the variant without
-    # it (flash_fwd_kernel's lse=False) ran 3-5% slower at the non-causal D=128 default, a ptxas
-    # schedule of the same CUDA less one store (session 55, benchmarks/diag_attn_lse.py).
+    # Inference runs the kernel with the LSE output too, into a scratch buffer: one compiled forward
+    # per key serves training and inference, and the variant without the LSE store
+    # (flash_fwd_kernel's lse=False, ptxas schedules it apart) was 1.0-2.7% slower at the
+    # non-causal D=128 defaults (H100, session 55, benchmarks/diag_attn_lse.py).
     lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
     if Sk == 0 or out.numel() == 0:  # nothing to attend to
         return out.zero_(), (lse.fill_(float("-inf")) if with_lse else None)
