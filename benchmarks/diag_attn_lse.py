@@ -49,7 +49,7 @@ def contenders(B, H, HK, S, D, causal):
     qc, kc, vc = (t.transpose(1, 2).contiguous() for t in (q, k, v))
     arch = runtime.arch_for_device(dev)
     cfg = K.fwd_default_config(D, causal, arch, S)
-    static = dict(headdim=D, dtype="bfloat16", causal=causal, groups=H // HK, scale=K.default_scale(D))
+    static = dict(A.kernel_static("fwd", D, causal, H // HK, None), dtype="bfloat16")  # as the op builds it
     if cfg.persistent:
         static["ctas"] = runtime.sm_count(dev)
     with_lse = A.fwd_config_launcher(cfg, dev, arch, **static)

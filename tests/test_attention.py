@@ -412,7 +412,7 @@ def test_defaults_by_sequence_length(monkeypatch):
                                     (64, 2048, 7, False, 2048), (64, 2049, 7, False, 4096), (64, 1, 9000, True, None), (256, 7, 7, False, None)):
         q = torch.randn(1, sq, 2, d, dtype=torch.bfloat16)
         kv = torch.randn(1, sk, 2, d, dtype=torch.bfloat16)
-        A._fwd_launch(q, kv, kv, causal, None, True)
+        A._fwd_launch(q, kv, kv, causal, None)
         assert seen[-1] == want, (d, sq, sk, causal, seen[-1])
     # the backward: by keys (the fused call, and the main kernel alone under dlse)
     assert [A._length_bucket("bwd", c, d, n) for c, d, n in ((False, 128, 8192), (False, 128, 8193), (True, 128, 9000), (False, 64, 9000))] == [8192, 16384, None, None]
@@ -1386,10 +1386,10 @@ def test_inference_runs_the_lse_kernel_into_scratch(packed, monkeypatch):
     B, S, H, D = 2, 17, 4, 64
     if packed:
         qkv = torch.randn(B, S, 3, H, D, dtype=torch.bfloat16)
-        out = ops._fwd_launch(*ops._packed_qkv(qkv), True, None, False)[0]
+        out = ops._fwd_launch(*ops._packed_qkv(qkv), True, None)[0]
     else:
         q, k, v = _inputs((B, S, S, H, H, D), torch.bfloat16, "cpu", requires_grad=False)
-        out = ops._flash_fwd(q, k, v, True, None, False)[0]
+        out = ops._flash_fwd(q, k, v, True, None)[0]
     assert out.shape == (B, S, H, D)
     assert calls == [("fwd", [(B, S, H, D)] * 4 + [(B, H, S)], torch.float32)]
 

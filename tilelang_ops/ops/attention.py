@@ -351,13 +351,13 @@ def flash_attn_with_lse(
     return out.to(q.dtype).contiguous(), lse.float().contiguous()
 
 
-def _flash_fwd(q, k, v, causal, softmax_scale, with_lse: bool):
-    """(out, lse), or (out, None) where no gradient will be taken (inference)."""
+def _flash_fwd(q, k, v, causal, softmax_scale):
+    """(out, lse); inference callers drop the lse (a scratch buffer, see _fwd_launch)."""
     _check_qkv(q, k, v, softmax_scale)
-    return _fwd_launch(*_qkv3(q, k, v), causal, softmax_scale, with_lse)
+    return _fwd_launch(*_qkv3(q, k, v), causal, softmax_scale)
 
 
-def _fwd_launch(q, k, v, causal, softmax_scale, with_lse: bool):
+def _fwd_launch(q, k, v, causal, softmax_scale):
     """_flash_fwd over checked, kernel-ready q, k, v."""
     B, Sq, H, D = q.shape
     Sk, HK = k.shape[1], k.shape[2]
@@ -369,15 +369,15 @@ def _fwd_launch(q, k, v, causal, softmax_scale, with_lse: bool):
     # non-causal D=128 defaults (H100, session 55, benchmarks/diag_attn_lse.py).
     lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
     if Sk == 0 or out.numel() == 0:  # nothing to attend to
-        return out.zero_(), (lse.fill_(float("-inf")) if with_lse else None)
+        return out.zero_(), lse.fill_(float("-inf"))
     bucket = _length_bucket("fwd", causal, D, Sk if causal else Sq)
     _kernel("fwd", q.dtype, q.device, D, causal, H // HK, softmax_scale, bucket)(q, k, v, out, lse)
-    return out, (lse if with_lse else None)
+    return out, lse
 
 
 @flash_attn_with_lse.register_kernel("cuda")
 def _(q, k, v, causal=False, softmax_scale=None):
-    return _flash_fwd(q, k, v, causal, softmax_scale, True)
+    return _flash_fwd(q, k, v, causal, softmax_scale)
 
 
 @flash_attn_with_lse.register_fake
@@ -544,7 +544,7 @@ def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool =
 def _(q, k, v, causal=False, softmax_scale=None):
     # No gradient will be taken here (autograd routes those calls to flash_attn_with_lse): the
     # LSE goes to a scratch buffer (_fwd_launch).
-    return _flash_fwd(q, k, v, causal, softmax_scale, False)[0]
+    return _flash_fwd(q, k, v, causal, softmax_scale)[0]
 
 
 @flash_attn.register_fake
@@ -596,7 +596,7 @@ def flash_attn_qkvpacked_with_lse(qkv: torch.Tensor, causal: bool = False, softm
 @flash_attn_qkvpacked_with_lse.register_kernel("cuda")
 def _(qkv, causal=False, softmax_scale=None):
     _check_qkvpacked(qkv, softmax_scale)
-    return _fwd_launch(*_packed_qkv(qkv), causal, softmax_scale, True)
+    return _fwd_launch(*_packed_qkv(qkv), causal, softmax_scale)
 
 
 @flash_attn_qkvpacked_with_lse.register_fake
@@ -675,7 +675,7 @@ def flash_attn_qkvpacked(qkv: torch.Tensor, causal: bool = False, softmax_scale:
 @flash_attn_qkvpacked.register_kernel("cuda")
 def _(qkv, causal=False, softmax_scale=None):
     _check_qkvpacked(qkv, softmax_scale)
-    return _fwd_launch(*_packed_qkv(qkv), causal, softmax_scale, False)[0]  # no grad here: the LSE is scratch
+    return _fwd_launch(*_packed_qkv(qkv), causal, softmax_scale)[0]  # no grad here: the LSE is scratch
 
 
 @flash_attn_qkvpacked.register_fake
