@@ -123,6 +123,12 @@ def candidates():
                             "raster_nt_4096_14336": (dict(nt_plain, n=4096, k=14336), [("linear_noepi", 8192)]),
                             "raster_nn_8192_8192": (dict(gemm, n=8192, k=8192), [("gemm", 8192)])},
                            [_cfg(128, 256, 64, 3, sw=16), _cfg(128, 256, 64, 3, sw=4), _cfg(128, 256, 64, 3, sw=0), _cfg(128, 256, 64, 4, sw=16)]),
+        # The H200-swept ping-pong defaults at the Llama MLP widths against the T.Pipelined
+        # 128x256 tiles, for another Hopper board: on an H100 (session 56, bench_gemm) these
+        # shapes read 0.77-0.90x cuBLAS, against 0.97-1.05x on the H200. Groups "board_*".
+        **_beside_defaults({f"board_{name}_{n}_4096": (dict(static, n=n, k=4096), [(what, 4096), (what, 16384)])
+                            for name, static, what in (("nn", gemm, "gemm"), ("lin", lin, "linear")) for n in (11008, 14336)},
+                           big),
         # the MLP block's backward (d=4096, hidden=14336, 8192 tokens): dX of the down and up
         # projections ("nn") and both weight gradients ("tn", reduction over the 8192 tokens)
         "nn_4096_14336": (dict(gemm, n=4096, k=14336), big + [_cfg(128, 128, 64, 4), _cfg(128, 192, 64, 4)], [("gemm", 8192)]),
