@@ -137,6 +137,10 @@ DEFAULT_OVERRIDES: dict[tuple, GemmConfig] = {
     # gelu_tanh, or K=768's short main loops) weighs; loses at M=1024 (about one tile per
     # warpgroup: the turns serialize) and at deep K without an epilogue (not explained: see
     # docs/benchmarks.md). Eleventh session: `session11/call1` and `call3`.
+    # Swept on the H200 and keyed by "sm_9", so an H100 runs them too: there (session 56, one
+    # bench_gemm) the ping-pong ones at K=4096 and N of 11008 / 14336 read 0.77-0.90x cuBLAS as
+    # gemm (0.98-1.06x on the H200) and 0.82-0.97x as the fused Linear; `sweep_gemm --group
+    # 'board_*'` times them against 128x256 tiles.
     # K=768 (12 k-steps a tile, so the epilogue weighs): the TMA-store ping-pong, session 32
     # (`sweep_gemm --group 'ppt_*'`, call 4; before it C left from registers in half-filled
     # sectors). 1024x3072x768: 518 vs 495 for the async 128x192 (1.05x), 1.00x cuBLAS;
