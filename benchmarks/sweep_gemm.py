@@ -125,7 +125,8 @@ def candidates():
                            [_cfg(128, 256, 64, 3, sw=16), _cfg(128, 256, 64, 3, sw=4), _cfg(128, 256, 64, 3, sw=0), _cfg(128, 256, 64, 4, sw=16)]),
         # The H200-swept ping-pong defaults at the Llama MLP widths against the T.Pipelined
         # 128x256 tiles, for another Hopper board: on an H100 (session 56, bench_gemm) these
-        # shapes read 0.77-0.90x cuBLAS, against 0.97-1.05x on the H200. Groups "board_*".
+        # shapes read 0.77-0.90x cuBLAS as gemm (0.98-1.06x on the H200), 0.82-0.97x as the
+        # fused Linear. Groups "board_*".
         **_beside_defaults({f"board_{name}_{n}_4096": (dict(static, n=n, k=4096), [(what, 4096), (what, 16384)])
                             for name, static, what in (("nn", gemm, "gemm"), ("lin", lin, "linear")) for n in (11008, 14336)},
                            big),
