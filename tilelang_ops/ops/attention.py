@@ -363,10 +363,8 @@ def _fwd_launch(q, k, v, causal, softmax_scale):
     Sk, HK = k.shape[1], k.shape[2]
     # Allocation by integer sizes: parsing a torch.Size or tuple argument costs ~1 µs more per call.
     out = q.new_empty(B, Sq, H, D)
-    # Inference runs the kernel with the LSE output too, into a scratch buffer: one compiled forward
-    # per key serves training and inference, and the variant without the LSE store
-    # (flash_fwd_kernel's lse=False, ptxas schedules it apart) was 1.0-2.7% slower at the
-    # non-causal D=128 defaults (H100, session 55, benchmarks/diag_attn_lse.py).
+    # Inference writes the LSE too, into a scratch buffer: one compiled forward per key serves
+    # training and inference (flash_fwd_kernel's docstring: why not its lse=False variant).
     lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
     if Sk == 0 or out.numel() == 0:  # nothing to attend to
         return out.zero_(), lse.fill_(float("-inf"))
