@@ -6,6 +6,8 @@ the carried cache by benchmarks/warm_gemm_cache.py — while M (symbolic) is fuz
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given
@@ -780,6 +782,23 @@ def test_tune_space_leaves_out_newer_schedules(monkeypatch):
         assert space and any(c.pipeline == "pingpong" for c in space) == want_pingpong, arch
         assert not any(c.split_k > 1 for c in space)  # weight gradients only, and Hopper on:
         assert any(c.split_k > 1 for c in G._tune_space(("tn", 3072, 768, 16384), None)) == want_pingpong
+
+
+def test_board_overrides_serve_their_board_only(monkeypatch):
+    """An entry keyed by a device name wins over the "sm_9" one on that board (most specific
+    first there too) and is invisible on any other."""
+    from tilelang_ops.kernels import gemm as K
+
+    small = K.GemmConfig(128, 128, 64, 4, 256, 8, "Square")
+    board = dataclasses.replace(small, num_stages=5)
+    monkeypatch.setitem(K.DEFAULT_OVERRIDES, ("sm_9", "nn", 1, 6144, 6144), small)
+    monkeypatch.setitem(K.DEFAULT_OVERRIDES, ("Test GPU", "nn", 1, None, 6144), board)
+    cfg = lambda n, brd: G.config_for("nn", n, 6144, torch.bfloat16, "sm_90a", m=4096, board=brd)  # noqa: E731
+    assert cfg(6144, "Test GPU") == board  # the board's any-n entry beats the exact "sm_9" one
+    assert cfg(5120, "Test GPU") == board
+    assert cfg(6144, "Other GPU") == small and cfg(5120, "Other GPU") == K._HOPPER_LARGE
+    assert G.config_for("nn", 6144, 6144, torch.bfloat16, "sm_90a", m=16384, board="Test GPU") == K._HOPPER_LARGE  # other bucket
+    assert G.config_for("nn", 6144, 6144, torch.bfloat16, "sm_80", m=4096, board="Test GPU") == K._AMPERE
 
 
 def test_m_buckets_select_configs(monkeypatch):

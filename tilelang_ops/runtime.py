@@ -16,6 +16,7 @@ _LOCK = threading.Lock()
 _COMPILED: dict[tuple, Any] = {}
 _ARCH_BY_DEVICE: dict[int, str] = {}
 _SMS_BY_DEVICE: dict[int, int] = {}
+_NAME_BY_DEVICE: dict[int, str] = {}
 
 
 def _tilelang():
@@ -210,6 +211,25 @@ def default_arch() -> str:
     import torch
 
     return arch_for_device(torch.cuda.current_device()) if torch.cuda.is_available() else "sm_90a"
+
+
+def device_name(device) -> str:
+    """torch's name of a CUDA device (index or torch.device), cached per index: the key of the
+    per-board default tables (an H100 SXM and an H200 share sm_90a and 132 SMs, not their winners)."""
+    index = _device_index(device)
+    name = _NAME_BY_DEVICE.get(index)
+    if name is None:
+        import torch
+
+        name = _NAME_BY_DEVICE[index] = torch.cuda.get_device_name(index)
+    return name
+
+
+def default_board() -> str | None:
+    """The current CUDA device's name, or None on a machine without one."""
+    import torch
+
+    return device_name(torch.cuda.current_device()) if torch.cuda.is_available() else None
 
 
 def sm_of(arch: str) -> int:

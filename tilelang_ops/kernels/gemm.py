@@ -116,7 +116,9 @@ def m_bucket(m: int) -> int:
 
 # Measured winners that override the rule below, looked up most specific first:
 # ("sm_9", layout, bucket, n, k), then ("sm_9", layout, bucket, None, k) (any n), then
-# ("sm_9", layout, bucket, None, None) (whole bucket). k is the output rows for "tn".
+# ("sm_9", layout, bucket, None, None) (whole bucket). k is the output rows for "tn". An entry
+# whose first element is a device name as torch reports it ("NVIDIA H100 80GB HBM3") serves that
+# board only and is looked up (the same three ways) before the "sm_9" ones.
 # Fill from `python -m benchmarks.sweep_gemm` (its "OVERRIDE" lines paste here).
 _PP = GemmConfig(128, 128, 64, 6, 256, 8, "Square", 0, "pingpong")  # persistent ping-pong, 128x128 per warpgroup
 _PP16 = GemmConfig(128, 128, 64, 6, 256, 16, "Square", 0, "pingpong")  # the same, panels of 16 tile rows
@@ -196,13 +198,14 @@ DEFAULT_OVERRIDES: dict[tuple, GemmConfig] = {
 }
 
 
-def default_config(arch: str, n: int, layout: str = "nn", k: int = 0, bucket: int = 2) -> GemmConfig:
+def default_config(arch: str, n: int, layout: str = "nn", k: int = 0, bucket: int = 2, board: str | None = None) -> GemmConfig:
     """Schedule for an output with `n` (static) columns, reduction `k` ("nn"/"nt"; output rows
-    for "tn") and symbolic-M bucket `bucket` (see `m_bucket`)."""
+    for "tn") and symbolic-M bucket `bucket` (see `m_bucket`) on a GPU named `board` (torch's
+    device name; None: the "sm_9" entries only)."""
     if not arch.startswith("sm_9"):
         return _AMPERE_TN if layout == "tn" else _AMPERE
-    if DEFAULT_OVERRIDES:
-        for key in (("sm_9", layout, bucket, n, k), ("sm_9", layout, bucket, None, k), ("sm_9", layout, bucket, None, None)):
+    for tag in (board, "sm_9") if board else ("sm_9",):
+        for key in ((tag, layout, bucket, n, k), (tag, layout, bucket, None, k), (tag, layout, bucket, None, None)):
             hit = DEFAULT_OVERRIDES.get(key)
             if hit is not None:
                 return hit

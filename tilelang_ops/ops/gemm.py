@@ -50,19 +50,20 @@ def _bucket(m: int) -> int:
     return 0 if m <= 1536 else (1 if m <= 6144 else 2)
 
 
-def config_for(layout: str, n: int, k: int, dtype: torch.dtype, arch: str | None = None, rows: int = 0, m: int | None = None, batched: bool = False):
+def config_for(layout: str, n: int, k: int, dtype: torch.dtype, arch: str | None = None, rows: int = 0, m: int | None = None, batched: bool = False, board: str | None = None):
     """The default-table (or `set_config`-pinned) GemmConfig for these static dims.
 
     n: output columns; k: reduction length ("nn"/"nt"); rows: output rows ("tn"); m: the symbolic
-    token count (rows for "nn"/"nt", reduction for "tn"; None = the largest bucket). The config a
-    CUDA call actually used, tuned cache included, is `last_config()`.
+    token count (rows for "nn"/"nt", reduction for "tn"; None = the largest bucket); board: a
+    device name whose own table entries come first (None: the current CUDA device's, if any). The
+    config a CUDA call actually used, tuned cache included, is `last_config()`.
     """
     from ..kernels import gemm as K
 
     arch = arch or runtime.default_arch()
     bucket = 2 if m is None else _bucket(m)
     cfg = TUNED.get((arch, layout, rows, n, k, dtype, bucket)) or TUNED.get((arch, layout, rows, n, k, dtype))
-    return _servable(cfg if cfg is not None else K.default_config(arch, n, layout, rows if layout == "tn" else k, bucket), layout, batched)
+    return _servable(cfg if cfg is not None else K.default_config(arch, n, layout, rows if layout == "tn" else k, bucket, board or runtime.default_board()), layout, batched)
 
 
 def _servable(cfg, layout: str, batched: bool):
@@ -109,7 +110,7 @@ def _tune_default(shape, dtype):
 
     layout, m, n, k = shape
     st = _tune_static(shape)
-    return K.default_config(runtime.default_arch(), st["n"], layout, st["rows"] if layout == "tn" else st["k"], _bucket(k if layout == "tn" else m))
+    return K.default_config(runtime.default_arch(), st["n"], layout, st["rows"] if layout == "tn" else st["k"], _bucket(k if layout == "tn" else m), runtime.default_board())
 
 
 def _tune_space(shape, dtype):
