@@ -203,10 +203,12 @@ def main(argv=None) -> int:
     if "train" in want:
         t_mm, t_act, t_bias = train_kernels()
         mm, acts, bias = mm + t_mm, acts + t_act, bias + t_bias
+    # the defaults of every board with its own table entries too: one carry serves an H100 and an H200
+    boards = [None] + sorted({key[0] for key in K.DEFAULT_OVERRIDES} - {"sm_9"})
     for t in dict.fromkeys(mm):
         s = _static(t)
         # one kernel per distinct config over the three symbolic-M buckets (usually just one)
-        for cfg in dict.fromkeys(G.config_for(s["layout"], s["n"], s["k"], getattr(torch, s["dtype"]), args.arch, s["rows"], m=m, batched=s["batched"]) for m in K.M_BUCKET_REP):
+        for cfg in dict.fromkeys(G.config_for(s["layout"], s["n"], s["k"], getattr(torch, s["dtype"]), args.arch, s["rows"], m=m, batched=s["batched"], board=b) for m in K.M_BUCKET_REP for b in boards):
             jobs.append((K.matmul_kernel, cfg, s))
     for n, dt, act in dict.fromkeys(acts):
         for bias_grad in (True, False):

@@ -131,6 +131,7 @@ _PPT = dataclasses.replace(_PP, num_stages=5, tma_store=True)
 _PPT16 = dataclasses.replace(_PP16, num_stages=5, tma_store=True)
 _PPT192 = dataclasses.replace(_PP192, num_stages=3, tma_store=True)
 _S4ROW = GemmConfig(128, 256, 64, 4, 256, 8, "FullRow")  # T.Pipelined 128x256, 4 stages, warps stacked along M
+_H100 = "NVIDIA H100 80GB HBM3"  # torch's name of the H100 SXM: the key of its own entries
 DEFAULT_OVERRIDES: dict[tuple, GemmConfig] = {
     # benchmarks/sweep_gemm.py on one H200 (bf16; GPU time from CUDA-graph replays, contenders and
     # cuBLAS in turns). "2 CTAs/SM" = min_blocks=2 (setmaxnreg 24/104): one CTA's epilogue overlaps
@@ -139,10 +140,8 @@ DEFAULT_OVERRIDES: dict[tuple, GemmConfig] = {
     # gelu_tanh, or K=768's short main loops) weighs; loses at M=1024 (about one tile per
     # warpgroup: the turns serialize) and at deep K without an epilogue (not explained: see
     # docs/benchmarks.md). Eleventh session: `session11/call1` and `call3`.
-    # Swept on the H200 and keyed by "sm_9", so an H100 runs them too: there (session 56, one
-    # bench_gemm) the ping-pong ones at K=4096 and N of 11008 / 14336 read 0.77-0.90x cuBLAS as
-    # gemm (0.98-1.06x on the H200) and 0.82-0.97x as the fused Linear; `sweep_gemm --group
-    # 'board_*'` times them against 128x256 tiles.
+    # Swept on the H200 and keyed by "sm_9", so an H100 runs them too, except where it has its own
+    # entries (below).
     # K=768 (12 k-steps a tile, so the epilogue weighs): the TMA-store ping-pong, session 32
     # (`sweep_gemm --group 'ppt_*'`, call 4; before it C left from registers in half-filled
     # sectors). 1024x3072x768: 518 vs 495 for the async 128x192 (1.05x), 1.00x cuBLAS;
@@ -195,6 +194,18 @@ DEFAULT_OVERRIDES: dict[tuple, GemmConfig] = {
     # (1.08x), 0.99x (the TMA-store epilogue, session 32 call 4)
     ("sm_9", "nt", 1, 3072, 768): _PPT192,
     ("sm_9", "nt", 2, 3072, 768): _PPT,
+    # The H100 SXM: the H200's ping-pong winners at K=4096 and N of 11008 / 14336 (M > 1536) read
+    # 0.64-0.85x cuBLAS there, the T.Pipelined 128x256 tiles 0.94-1.00x (`sweep_gemm --group
+    # 'board_*'`, session 57 call 1; TFLOP/s vs cuBLAS in the same run). At 16384x11008x4096 "nn"
+    # the rule default already won (669, 0.987x). At M <= 1536 and K=768 the "sm_9" ping-pong
+    # entries read 0.97-1.02x there (session 56 bench_gemm) and stay.
+    (_H100, "nn", 1, 11008, 4096): _S4ROW,  # 650 vs 481 for _PP16S7 (1.35x), 0.991x cuBLAS
+    (_H100, "nn", 1, 14336, 4096): _S4ROW,  # 674 vs 549 (1.23x), 0.943x
+    (_H100, "nn", 2, 14336, 4096): _HOPPER_LARGE,  # 667 vs 527 for _PP192 (1.27x), 0.971x
+    (_H100, "nt", 1, 11008, 4096): _S4ROW,  # + bias + gelu_tanh: 633 vs 510 (1.24x), 0.997x cuBLASLt
+    (_H100, "nt", 2, 11008, 4096): _S4ROW,  # 643 vs 533 for _PPT16 (1.21x), 0.971x
+    (_H100, "nt", 1, 14336, 4096): _HOPPER_LARGE,  # 654 vs 579 for _PP7 (1.13x), 0.957x
+    (_H100, "nt", 2, 14336, 4096): _HOPPER_LARGE,  # 650 vs 543 for _PPT (1.20x), 0.971x
 }
 
 
