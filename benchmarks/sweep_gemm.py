@@ -415,7 +415,8 @@ def run(groups=None) -> int:
     for r in best_rows:
         print(f"BEST {r['shape']}: {r['best']} {r['TFLOPs']:.0f} TFLOP/s, {r['ratio']:.3f}x cuBLAS, {r['vs_default']:.3f}x default")
     print("# paste into tilelang_ops/kernels/gemm.py DEFAULT_OVERRIDES (one key per (layout, M bucket, n, k);")
-    print("# when two shapes of one bucket disagree keep the larger-M one):")
+    print("# when two shapes of one bucket disagree keep the larger-M one; \"sm_9\" serves every Hopper board,")
+    print(f"# {torch.cuda.get_device_name()!r} in its place this one only):")
     for line in overrides:
         print("OVERRIDE" + line)
     path = write_json("sweep_gemm", rows, {"best": best_rows, "overrides": overrides, "wall_s": time.time() - t_start})
