@@ -801,6 +801,21 @@ def test_board_overrides_serve_their_board_only(monkeypatch):
     assert G.config_for("nn", 6144, 6144, torch.bfloat16, "sm_80", m=4096, board="Test GPU") == K._AMPERE
 
 
+def test_every_default_override_is_reachable():
+    """A mistyped key would be silently dead: every entry's key has a known shape, and config_for
+    returns the entry for its own board (tag) at a token count of its bucket."""
+    from tilelang_ops.kernels import gemm as K
+
+    for key, cfg in K.DEFAULT_OVERRIDES.items():
+        tag, layout, bucket, n, k = key
+        assert tag == "sm_9" or tag.startswith("NVIDIA "), key
+        assert layout in ("nn", "nt", "tn") and bucket in (0, 1, 2) and (n is None or n > 0) and (k is None or k > 0), key
+        if n is None or k is None:
+            continue
+        got = G.config_for(layout, n, 0 if layout == "tn" else k, torch.bfloat16, "sm_90a", rows=k if layout == "tn" else 0, m=K.M_BUCKET_REP[bucket], board=tag)  # board="sm_9": that table alone, on any host
+        assert got == G._servable(cfg, layout, False), key
+
+
 def test_m_buckets_select_configs(monkeypatch):
     """The symbolic token count picks one of three buckets; each resolves (and caches) its own
     kernel; DEFAULT_OVERRIDES and set_config(bucket=) apply per bucket; tuning keys name it.
