@@ -126,8 +126,11 @@ def candidates():
         # The H200-swept ping-pong defaults at the Llama MLP widths against the T.Pipelined
         # 128x256 tiles, for another Hopper board: on an H100 (session 56, bench_gemm) these
         # shapes read 0.77-0.90x cuBLAS as gemm (0.98-1.06x on the H200), 0.82-0.97x as the
-        # fused Linear. Groups "board_*".
-        **_beside_defaults({f"board_{name}_{n}_4096": (dict(static, n=n, k=4096), [(what, 4096), (what, 16384)])
+        # fused Linear; the 128x256 tiles won all of them there (session 57: the H100's own
+        # entries). Groups "board_*"; "board1k_*": the same at 1024 rows, where the H100 keeps
+        # the ping-pong defaults (gemm 0.98-1.00x, the Linear 0.885-0.96x in GPU time, session 56).
+        **_beside_defaults({f"board{tag}_{name}_{n}_4096": (dict(static, n=n, k=4096), [(what, m) for m in ms])
+                            for tag, ms in (("", (4096, 16384)), ("1k", (1024,)))
                             for name, static, what in (("nn", gemm, "gemm"), ("lin", lin, "linear")) for n in (11008, 14336)},
                            big),
         # the MLP block's backward (d=4096, hidden=14336, 8192 tokens): dX of the down and up
