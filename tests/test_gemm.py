@@ -801,6 +801,41 @@ def test_board_overrides_serve_their_board_only(monkeypatch):
     assert G.config_for("nn", 6144, 6144, torch.bfloat16, "sm_80", m=4096, board="Test GPU") == K._AMPERE
 
 
+def test_defaults_answer_for_the_calls_device_on_a_mixed_host(monkeypatch, tmp_path):
+    """On a host with an H200 (current, cuda:0) and an H100 (cuda:1), a GEMM resolved for cuda:1
+    gets the H100's default, not the current device's (the tables read the current device)."""
+    from tilelang_ops import runtime
+    from tilelang_ops.kernels import gemm as K
+
+    names, current = {0: "Test H200", 1: "Test H100"}, [0]
+
+    class FakeDevice:  # torch.cuda.device without a GPU: switches the current index
+        def __init__(self, index):
+            self.index = index
+
+        def __enter__(self):
+            self.prev, current[0] = current[0], self.index
+
+        def __exit__(self, *exc):
+            current[0] = self.prev
+
+    monkeypatch.setenv("TILEOPS_CACHE_DIR", str(tmp_path))  # an empty tuned cache
+    monkeypatch.setattr(G.tuning, "_loaded", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    monkeypatch.setattr(torch.cuda, "device", FakeDevice)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: names[current[0] if d is None else getattr(d, "index", d)])
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    monkeypatch.setattr(runtime, "_NAME_BY_DEVICE", {})
+    monkeypatch.setattr(runtime, "_ARCH_BY_DEVICE", {})
+    h100 = dataclasses.replace(K._HOPPER_LARGE, num_stages=5)
+    monkeypatch.setitem(K.DEFAULT_OVERRIDES, ("Test H100", "nn", 1, 6144, 6144), h100)
+    shape = ("nn", K.M_BUCKET_REP[1], 6144, 6144)
+    assert G.tuning.resolve_config(G.TUNABLE, shape, torch.bfloat16, torch.device("cuda", 1)) == h100
+    assert G.tuning.resolve_config(G.TUNABLE, shape, torch.bfloat16, torch.device("cuda", 0)) != h100
+    assert current[0] == 0  # the current device is restored
+
+
 def test_every_default_override_is_reachable():
     """A mistyped key would be silently dead: every entry's key has a known shape, and config_for
     returns the entry for its own board (tag) at a token count of its bucket."""

@@ -232,6 +232,18 @@ def default_board() -> str | None:
     return device_name(torch.cuda.current_device()) if torch.cuda.is_available() else None
 
 
+def on_device(device):
+    """A context in which `device` (a CUDA index or torch.device) is the current device: the default
+    tables read the current device's board, arch and SM count, and must answer for the call's
+    device on a host with two kinds of GPU. No index (or no CUDA): the current device, unchanged."""
+    import contextlib
+
+    import torch
+
+    index = device if isinstance(device, int) else getattr(device, "index", None)
+    return torch.cuda.device(index) if index is not None and torch.cuda.is_available() else contextlib.nullcontext()
+
+
 def sm_of(arch: str) -> int:
     """The SM number of an arch string: "sm_90a" -> 90, "sm_100a" -> 100."""
     return int("".join(ch for ch in arch[3:] if ch.isdigit()))

@@ -161,15 +161,16 @@ def tune(tunable: Tunable, shapes, dtype, device, time_fn, progress=None) -> lis
     """Time every config of the search space at each shape; store the best; return summary rows."""
     import torch
 
-    from .runtime import arch_for_device, config_str
+    from .runtime import arch_for_device, config_str, on_device
 
     gpu, arch = torch.cuda.get_device_name(device), arch_for_device(device)
     dname = str(dtype).replace("torch.", "")
     rows = []
     for shape in shapes:
-        default = tunable.default(shape, dtype)
+        with on_device(device):  # the default table and search space read the current device
+            default, space = tunable.default(shape, dtype), tunable.search_space(shape, dtype)
         timings = {}
-        for cfg in tunable.search_space(shape, dtype):
+        for cfg in space:
             try:
                 timings[cfg] = time_fn(tunable.runner(cfg, shape, dtype, device))
             except Exception as e:  # a config that fails to compile or launch is skipped, not fatal
@@ -298,9 +299,10 @@ def resolve_config(tunable: Tunable, shape, dtype, device):
     """Config for a call: tuned cache ▸ (opt-in) tune now ▸ default table. Cold path only."""
     import torch
 
-    from .runtime import arch_for_device
+    from .runtime import arch_for_device, on_device
 
-    default = tunable.default(shape, dtype)
+    with on_device(device):  # the default table reads the current device: make it the call's
+        default = tunable.default(shape, dtype)
     static, bucket = tunable.key(shape, dtype, device)
     key = entry_key(tunable.op, str(dtype).replace("torch.", ""), static, bucket, torch.cuda.get_device_name(device), arch_for_device(device))
     fields = lookup(key)
