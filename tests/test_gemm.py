@@ -834,6 +834,9 @@ def test_defaults_answer_for_the_calls_device_on_a_mixed_host(monkeypatch, tmp_p
     assert G.tuning.resolve_config(G.TUNABLE, shape, torch.bfloat16, torch.device("cuda", 1)) == h100
     assert G.tuning.resolve_config(G.TUNABLE, shape, torch.bfloat16, torch.device("cuda", 0)) != h100
     assert current[0] == 0  # the current device is restored
+    for device, want in (("cuda:1", 1), (1, 1), ("cuda", 0), (torch.device("cuda"), 0)):  # no index: the current one
+        with runtime.on_device(device):
+            assert current[0] == want, device
 
 
 def test_every_default_override_is_reachable():

@@ -233,14 +233,14 @@ def default_board() -> str | None:
 
 
 def on_device(device):
-    """A context in which `device` (a CUDA index or torch.device) is the current device: the default
-    tables read the current device's board, arch and SM count, and must answer for the call's
-    device on a host with two kinds of GPU. No index (or no CUDA): the current device, unchanged."""
+    """A context in which `device` (a CUDA index, torch.device or "cuda:1") is the current device:
+    the default tables read the current device's board, arch and SM count, and must answer for the
+    call's device on a host with two kinds of GPU. No index (or no CUDA): the current device, unchanged."""
     import contextlib
 
     import torch
 
-    index = device if isinstance(device, int) else getattr(device, "index", None)
+    index = device if isinstance(device, int) else torch.device(device).index
     return torch.cuda.device(index) if index is not None and torch.cuda.is_available() else contextlib.nullcontext()
 
 
