@@ -198,7 +198,8 @@ DEFAULT_OVERRIDES: dict[tuple, GemmConfig] = {
     # 0.64-0.85x cuBLAS there, the T.Pipelined 128x256 tiles 0.94-1.00x (`sweep_gemm --group
     # 'board_*'`, session 57 call 1; TFLOP/s vs cuBLAS in the same run). At 16384x11008x4096 "nn"
     # the rule default already won (669, 0.987x). At M <= 1536 and K=768 the "sm_9" ping-pong
-    # entries read 0.97-1.02x there (session 56 bench_gemm) and stay.
+    # entries read 0.97-1.02x there (session 56 bench_gemm) and stay (at 1024 rows each won its
+    # shape in `sweep_gemm --group 'board1k_*'`, session 58 call 1).
     (_H100, "nn", 1, 11008, 4096): _S4ROW,  # 650 vs 481 for _PP16S7 (1.35x), 0.991x cuBLAS
     (_H100, "nn", 1, 14336, 4096): _S4ROW,  # 674 vs 549 (1.23x), 0.943x
     (_H100, "nn", 2, 14336, 4096): _HOPPER_LARGE,  # 667 vs 527 for _PP192 (1.27x), 0.971x
