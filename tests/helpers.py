@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import pathlib
 
 import pytest
 import torch
@@ -51,3 +53,13 @@ class RecordOps(TorchDispatchMode):
     def tileops(self) -> list[str]:
         """Our ops among them, by short name (``"flash_attn_with_lse"``): proof a path ran them."""
         return [name.split(".")[1] for name in self.ops if name.startswith("tileops.")]
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """os.environ for a child Python that imports this checkout. ROOT goes in front of the
+    PYTHONPATH already set, which stays: the GPU host's bundle makes tilelang importable there."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return dict(os.environ, PYTHONPATH=path, **extra)

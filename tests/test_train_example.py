@@ -136,13 +136,14 @@ def test_bad_head_dim_is_refused():
 def test_data_parallel_matches_one_process(tmp_path, dist):
     # torchrun, 2 processes on gloo (the CPU stand-in for NCCL): each rank takes half of the same
     # global batch, so the loss curve must be the one-process curve up to reduction order.
-    import os
     import subprocess
     import sys
 
+    from tests.helpers import child_env
+
     args = TINY[:-1] + ["3", "--mode", "tileops", "--out", str(tmp_path)]
     script = str(ROOT / "examples" / "train_gpt.py")
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    env = child_env(OMP_NUM_THREADS="1")
     subprocess.run([sys.executable, script, *args], check=True, env=env, capture_output=True, timeout=300)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", script, *args, "--dist", dist]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ import pytest
 
 from tilelang_ops import cli, tuning
 from tilelang_ops.kernels.elementwise import AddConfig
+from tests.helpers import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -170,7 +170,7 @@ print(len(src))
 
 @pytest.mark.slow
 def test_eight_processes_share_caches_without_corruption(tmp_path):
-    env = dict(os.environ, TILELANG_CACHE_DIR=str(tmp_path / "tl"), TILEOPS_CACHE_DIR=str(tmp_path / "tuned"), PYTHONPATH=str(ROOT))
+    env = child_env(TILELANG_CACHE_DIR=str(tmp_path / "tl"), TILEOPS_CACHE_DIR=str(tmp_path / "tuned"))
     procs = [_spawn(COMPILE_AND_STORE, env, str(i)) for i in range(8)]
     results = [p.communicate(timeout=600) + (p.returncode,) for p in procs]
     assert all(rc == 0 for _, _, rc in results), [out[-2000:] for out, _, rc in results if rc]
@@ -184,7 +184,7 @@ def test_eight_processes_share_caches_without_corruption(tmp_path):
 
 @pytest.mark.slow
 def test_truncated_kernel_cache_entry_is_reported_and_rebuilt(tmp_path):
-    env = dict(os.environ, TILELANG_CACHE_DIR=str(tmp_path), TILEOPS_CACHE_DIR=str(tmp_path / "tuned"), PYTHONPATH=str(ROOT))
+    env = child_env(TILELANG_CACHE_DIR=str(tmp_path), TILEOPS_CACHE_DIR=str(tmp_path / "tuned"))
     run = lambda: (lambda p: p.communicate(timeout=600) + (p.returncode,))(_spawn(COMPILE_AND_STORE, env, "0"))
     assert run()[2] == 0
     libs = list(tmp_path.rglob("executable.so"))
@@ -206,6 +206,6 @@ def test_benchmark_first_run_ends_a_hung_candidate():
         "first_run(lambda: time.sleep(30), 'cfg-x', timeout=0.5, sync=lambda: None)\nprint('not reached')\n"
     )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT,
-                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                       env=child_env())
     assert p.returncode == 3, (p.stdout, p.stderr[-1000:])
     assert "quick ok" in p.stdout and "HUNG: cfg-x" in p.stdout and "not reached" not in p.stdout
