@@ -133,6 +133,13 @@ def candidates():
                             for tag, ms in (("", (4096, 16384)), ("1k", (1024,)))
                             for name, static, what in (("nn", gemm, "gemm"), ("lin", lin, "linear")) for n in (11008, 14336)},
                            big),
+        # The same on the H100 at N=4096 and 8192³, the shapes where the 128x256 tiles it already
+        # runs (the rule, or an "sm_9" 128x256 entry) read lowest in its bench_gemm runs
+        # (0.92-0.97x cuBLAS per call, sessions 58-59). Groups "boardn_*".
+        **_beside_defaults({f"boardn_{name}_4096_{k}": (dict(static, n=4096, k=k), [(what, m) for m in (4096, 16384)])
+                            for name, static, what in (("nn", gemm, "gemm"), ("lin", lin, "linear")) for k in (4096, 14336)}
+                           | {"boardn_nn_8192_8192": (dict(gemm, n=8192, k=8192), [("gemm", 8192)])},
+                           big),
         # the MLP block's backward (d=4096, hidden=14336, 8192 tokens): dX of the down and up
         # projections ("nn") and both weight gradients ("tn", reduction over the 8192 tokens)
         "nn_4096_14336": (dict(gemm, n=4096, k=14336), big + [_cfg(128, 128, 64, 4), _cfg(128, 192, 64, 4)], [("gemm", 8192)]),
