@@ -209,7 +209,9 @@ DEFAULT_OVERRIDES: dict[tuple, GemmConfig] = {
     (_H100, "nt", 2, 14336, 4096): _HOPPER_LARGE,  # 650 vs 543 for _PPT (1.20x), 0.971x
     # 16384x4096x4096: the 4-stage tile the "sm_9" table gives 4096 rows, 668 vs 636 for the rule's
     # 3 stages (1.05x), 0.992x cuBLAS (`sweep_gemm --group 'boardn_*'`, session 59 call 4; the
-    # other N=4096 shapes, 8192^3 and the MLP's weight gradients kept their defaults there).
+    # other N=4096 shapes, 8192^3 and the MLP's weight gradients kept their defaults there); 655
+    # vs 650 on the next host (call 5), whose bench_gemm read 0.972x cuBLAS in GPU time against
+    # 0.939-0.950 for the 3-stage tile in four earlier runs.
     (_H100, "nn", 2, 4096, 4096): GemmConfig(128, 256, 64, 4, 256, 8, "Square"),
 }
 
