@@ -130,7 +130,8 @@ _PP192 = GemmConfig(128, 192, 64, 5, 256, 8, "Square", 0, "pingpong")  # 128x192
 _PPT = dataclasses.replace(_PP, num_stages=5, tma_store=True)
 _PPT16 = dataclasses.replace(_PP16, num_stages=5, tma_store=True)
 _PPT192 = dataclasses.replace(_PP192, num_stages=3, tma_store=True)
-_S4ROW = GemmConfig(128, 256, 64, 4, 256, 8, "FullRow")  # T.Pipelined 128x256, 4 stages, warps stacked along M
+_S4 = GemmConfig(128, 256, 64, 4, 256, 8, "Square")  # T.Pipelined 128x256, 4 stages
+_S4ROW = dataclasses.replace(_S4, policy="FullRow")  # the same, warps stacked along M
 _H100 = "NVIDIA H100 80GB HBM3"  # torch's name of the H100 SXM: the key of its own entries
 DEFAULT_OVERRIDES: dict[tuple, GemmConfig] = {
     # benchmarks/sweep_gemm.py on one H200 (bf16; GPU time from CUDA-graph replays, contenders and
@@ -152,10 +153,10 @@ DEFAULT_OVERRIDES: dict[tuple, GemmConfig] = {
     ("sm_9", "nn", 2, 3072, 768): _PPT,
     ("sm_9", "nn", 2, 768, 3072): _PP,  # 16384x768x3072 (GPT-2's MLP dX): 686 vs 635 (1.08x), 1.06x cuBLAS (session14/call1)
     ("sm_9", "nn", 2, 768, 2304): _PP,  # 16384x768x2304 (GPT-2's QKV dX): 673 vs 642 (1.05x), 1.00x cuBLAS (session15/call2)
-    ("sm_9", "nn", 1, 4096, 4096): GemmConfig(128, 256, 64, 4, 256, 8, "Square"),  # 4096^3: 1.03x default (fifth session)
+    ("sm_9", "nn", 1, 4096, 4096): _S4,  # 4096^3: 1.03x default (fifth session)
     # 8192^3: 680 vs 649 TFLOP/s (1.05x), 1.01x cuBLAS; 128x224 and 128x192 (fewer idle SMs in the
     # last wave) 0.72-0.92x cuBLAS (`sweep_gemm --group wave_nn_8192_8192`, session20/call4)
-    ("sm_9", "nn", 2, 8192, 8192): GemmConfig(128, 256, 64, 4, 256, 8, "Square"),
+    ("sm_9", "nn", 2, 8192, 8192): _S4,
     ("sm_9", "nn", 0, 11008, 4096): _S4ROW,  # 1024x11008x4096: 1.04x default, 1.12x cuBLAS
     ("sm_9", "nn", 1, 11008, 4096): _PP16S7,  # 4096x11008x4096: 691 vs 657 for _PP (1.05x; call1: _PP 1.025x the auto default), 1.08x cuBLAS
     # ("sm_9", "nn", 2, 11008, 4096): the rule default. _PPT swept 1.025x it (663 vs 647, session 32
@@ -212,7 +213,7 @@ DEFAULT_OVERRIDES: dict[tuple, GemmConfig] = {
     # other N=4096 shapes, 8192^3 and the MLP's weight gradients kept their defaults there); 655
     # vs 650 on the next host (call 5), whose bench_gemm read 0.972x cuBLAS in GPU time against
     # 0.939-0.950 for the 3-stage tile in four earlier runs.
-    (_H100, "nn", 2, 4096, 4096): GemmConfig(128, 256, 64, 4, 256, 8, "Square"),
+    (_H100, "nn", 2, 4096, 4096): _S4,
 }
 
 
