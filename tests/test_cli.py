@@ -1,13 +1,10 @@
 """The `tileops` command line: export is fresh, check passes."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
+from tests.helpers import ROOT
 from tilelang_ops import cli
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow

@@ -9,13 +9,13 @@ import hashlib
 import importlib.util
 import json
 import math
-import pathlib
 import random
 
 import pytest
 import torch
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from tests.helpers import ROOT, child_env
+
 _spec = importlib.util.spec_from_file_location("train_gpt", ROOT / "examples" / "train_gpt.py")
 train_gpt = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(train_gpt)
@@ -138,8 +138,6 @@ def test_data_parallel_matches_one_process(tmp_path, dist):
     # global batch, so the loss curve must be the one-process curve up to reduction order.
     import subprocess
     import sys
-
-    from tests.helpers import child_env
 
     args = TINY[:-1] + ["3", "--mode", "tileops", "--out", str(tmp_path)]
     script = str(ROOT / "examples" / "train_gpt.py")

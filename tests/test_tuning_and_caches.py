@@ -5,15 +5,12 @@ import dataclasses
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from tilelang_ops import cli, tuning
 from tilelang_ops.kernels.elementwise import AddConfig
-from tests.helpers import child_env
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT, child_env
 
 
 @pytest.fixture
