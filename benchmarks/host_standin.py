@@ -24,7 +24,6 @@ import torch
 import tilelang_ops  # noqa: F401  (registers every op)
 from tilelang_ops import _library, runtime, tuning
 from tilelang_ops.ops import attention as attention_ops
-from tilelang_ops.ops import softmax as softmax_ops
 from tilelang_ops.runtime import KernelDef
 
 
@@ -34,7 +33,6 @@ def install_standin(compile_kernels: bool = False) -> None:
     launched: `--warm-check` uses this to fill the cache with what `tileops check` loads."""
     runtime.arch_for_device = lambda device: "sm_90a"
     runtime.sm_count = lambda device: 132
-    softmax_ops._sms = lambda device: 132  # the softmax op's own SM-count cache (an H200's 132)
     # a dynamic walk's tile counter lives on a CUDA device; the launch is a no-op anyway
     attention_ops._with_tile_counter = lambda launch, config, device: launch
     runtime.launcher = lambda compiled: (lambda *args: None)

@@ -46,7 +46,6 @@ def _check_bwd(grad, y, dim) -> int:
 # (kind, backward, N, dtype, device index, row-count bucket) -> (config, compiled kernels).
 # Resolved once per row length and bucket, so a call is a dict lookup and one or two launches.
 _plans: dict[tuple, tuple] = {}
-_sm_count: dict[int, int] = {}
 _BUCKETS = ("few", "some", "many")  # M < 2 rows per SM, < 4 rows per SM (K.LOOP_ROWS_PER_SM), more
 
 
@@ -56,7 +55,7 @@ def _bucket(m: int, sms: int) -> int:
 
 
 def _plan(kind: str, backward: bool, m: int, n: int, dtype: torch.dtype, device: torch.device) -> tuple:
-    bucket = _bucket(m, _sms(device))
+    bucket = _bucket(m, runtime.sm_count(device))
     key = (kind, backward, n, dtype, device.index, bucket)
     plan = _plans.get(key)
     if plan is None:
@@ -70,13 +69,6 @@ def _compile(cfg, kind: str, backward: bool, n: int, dtype: torch.dtype, device:
 
     arch, tl_dtype = runtime.arch_for_device(device), TL_DTYPE[dtype]
     return tuple(runtime.launcher(k.compile(c, arch, **st)) for k, c, st in K.schedule_kernels(cfg, n, tl_dtype, kind, backward))
-
-
-def _sms(device: torch.device) -> int:
-    n = _sm_count.get(device.index)
-    if n is None:
-        n = _sm_count[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
-    return n
 
 
 def _as_rows(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -243,13 +235,13 @@ def _op_name(kind: str, backward: bool) -> str:
 
 
 def _default_sms() -> int:
-    return _sms(torch.device("cuda", torch.cuda.current_device())) if torch.cuda.is_available() else 132
+    return runtime.sm_count(torch.cuda.current_device()) if torch.cuda.is_available() else 132
 
 
 def _make_tunable(kind: str, backward: bool) -> tuning.Tunable:
     def key(shape, dtype, device):
         m, n = shape
-        return {"n": n}, _BUCKETS[_bucket(m, _sms(device))]
+        return {"n": n}, _BUCKETS[_bucket(m, runtime.sm_count(device))]
 
     def default(shape, dtype):
         from ..kernels import softmax as K
