@@ -85,6 +85,14 @@ def interleaved(timer, fns, rounds: int = 3, log: list | None = None) -> list[fl
     return list(in_turns(dict(enumerate(fns)), timer, rounds, log).values())
 
 
+def named_in_turns(fns: dict, rounds: int = 5, warmup: int = 5, rep: int = 30) -> dict:
+    """`interleaved` `bench` over named contenders: name -> (median ms, that contender's ms in
+    each round, in the order the rounds ran), for a diagnostic's rows."""
+    log = []
+    times = interleaved(lambda f: bench(f, warmup=warmup, rep=rep), list(fns.values()), rounds=rounds, log=log)
+    return {name: (t, [round(x, 4) for k, _, x in log if k == i]) for i, (name, t) in enumerate(zip(fns, times))}
+
+
 def host_us(fn, n: int = 2000, warmup: int = 200) -> float:
     """Median host wall time per call in microseconds (launch path, not GPU time); on a machine
     without CUDA (benchmarks.host_standin) nothing to synchronize."""

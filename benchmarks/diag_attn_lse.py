@@ -25,7 +25,7 @@ import argparse
 
 import torch
 
-from ._timing import bench, first_run, interleaved, table, write_json
+from ._timing import first_run, named_in_turns, table, write_json
 
 CASES = [  # (B, H, HK, S, D, causal)
     (8, 32, 32, 4096, 128, False),
@@ -93,13 +93,11 @@ def main(argv=None) -> int:
         for B, H, HK, S, D, causal in CASES:
             cfg, fns = contenders(B, H, HK, S, D, causal)
             flops = 4.0 * B * H * S * S * D / (2 if causal else 1)
-            log = []
-            names = list(fns)
-            times = interleaved(lambda f: bench(f, warmup=5, rep=30), list(fns.values()), rounds=args.rounds, log=log)
-            for i, (name, t) in enumerate(zip(names, times)):
+            timed = named_in_turns(fns, args.rounds)
+            for name, (t, rounds_ms) in timed.items():
                 rows.append(dict(shape=f"{B}x{H}/{HK}x{S}x{D}", causal=causal, impl=name, ms=t, tflops=flops / t / 1e9,
-                                 vs_kernel_lse=times[names.index("kernel lse")] / t, config=str(cfg) if "op" in name or "kernel" in name else "",
-                                 rounds_ms=[round(x, 4) for k, _, x in log if k == i]))
+                                 vs_kernel_lse=timed["kernel lse"][0] / t, config=str(cfg) if "op" in name or "kernel" in name else "",
+                                 rounds_ms=rounds_ms))
             print(f"done {B}x{H}/{HK}x{S}x{D} causal={causal}", flush=True)
             write_json("diag_attn_lse", rows)
     print(table(rows, ["shape", "causal", "impl", "ms", "tflops", "vs_kernel_lse"]))

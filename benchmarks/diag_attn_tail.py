@@ -25,7 +25,7 @@ import argparse
 
 import torch
 
-from ._timing import bench, first_run, interleaved, table, write_json
+from ._timing import first_run, named_in_turns, table, write_json
 
 # (B, H, Sk, D, query lengths): the keys fixed, the queries whole 192-row tiles and the power of two
 CASES = [
@@ -102,12 +102,10 @@ def main(argv=None) -> int:
             for Sq in lengths:
                 fns = contenders(B, H, Sq, Sk, D)
                 flops = 4.0 * B * H * Sq * Sk * D
-                log = []
-                times = interleaved(lambda f: bench(f, warmup=5, rep=30), list(fns.values()), rounds=args.rounds, log=log)
-                t = dict(zip(fns, times))
-                for i, (name, ms) in enumerate(t.items()):
+                t = named_in_turns(fns, args.rounds)
+                for name, (ms, rounds_ms) in t.items():
                     rows.append(dict(shape=f"{B}x{H}x{Sq}x{Sk}x{D}", tiles192=-(-Sq // 192), impl=name, ms=ms, tflops=flops / ms / 1e9,
-                                     vs_cudnn=t["cudnn"] / ms, rounds_ms=[round(x, 4) for k, _, x in log if k == i]))
+                                     vs_cudnn=t["cudnn"][0] / ms, rounds_ms=rounds_ms))
                 print(f"done {B}x{H}x{Sq}x{Sk}x{D}", flush=True)
                 write_json("diag_attn_tail", rows)
     print(table(rows, ["shape", "tiles192", "impl", "ms", "tflops", "vs_cudnn"]))
