@@ -50,8 +50,6 @@ def contenders(B, H, HK, S, D, causal):
     arch = runtime.arch_for_device(dev)
     cfg = K.fwd_default_config(D, causal, arch, S)
     static = dict(A.kernel_static("fwd", D, causal, H // HK, None), dtype="bfloat16")  # as the op builds it
-    if cfg.persistent:
-        static["ctas"] = runtime.sm_count(dev)
     with_lse = A.fwd_config_launcher(cfg, dev, arch, **static)
     no_lse = A.fwd_config_launcher(cfg, dev, arch, **static, lse=False)
     out, lse = torch.empty_like(q), torch.empty(B, H, S, device=dev)

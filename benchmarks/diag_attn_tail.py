@@ -41,20 +41,20 @@ def _configs(headdim: int) -> dict:
     return {"t192": K.fwd_default_config(headdim, False, "sm_90a"), "p128": K.fwd_default_config(headdim, False, "sm_90a", 1024)}
 
 
-def _static(cfg, headdim: int, ctas: int) -> dict:
-    """flash_fwd_kernel's arguments as the op passes them (the grid size only when persistent)."""
+def _static(headdim: int) -> dict:
+    """flash_fwd_kernel's arguments as the op passes them (a persistent grid: fwd_config_launcher's)."""
     from tilelang_ops.ops import attention as A
 
-    return dict(A.kernel_static("fwd", headdim, False, 1, None), dtype="bfloat16", **({"ctas": ctas} if cfg.persistent else {}))
+    return dict(A.kernel_static("fwd", headdim, False, 1, None), dtype="bfloat16")
 
 
 def warm() -> None:
-    """Compile the kernels this script loads, for a 132-SM GPU."""
+    """Compile the kernels this script loads, for a 132-SM GPU (the persistent grid's default)."""
     from tilelang_ops.kernels import attention as K
 
     for _, _, _, D, _ in CASES:
         for name, cfg in _configs(D).items():
-            K.flash_fwd_kernel.compile(cfg, "sm_90a", **_static(cfg, D, 132))
+            K.flash_fwd_kernel.compile(cfg, "sm_90a", **_static(D))
             print(f"warm: D={D} {name} {cfg}", flush=True)
 
 
@@ -68,7 +68,7 @@ def contenders(B, H, Sq, Sk, D):
     q = torch.randn(B, Sq, H, D, device=dev, dtype=dt)
     k, v = (torch.randn(B, Sk, H, D, device=dev, dtype=dt) for _ in range(2))
     qc, kc, vc = (t.transpose(1, 2).contiguous() for t in (q, k, v))
-    arch, ctas = runtime.arch_for_device(dev), runtime.sm_count(dev)
+    arch = runtime.arch_for_device(dev)
 
     def cudnn():
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
@@ -77,7 +77,7 @@ def contenders(B, H, Sq, Sk, D):
     ref = cudnn().transpose(1, 2).float()
     fns = {}
     for name, cfg in _configs(D).items():
-        launch = A.fwd_config_launcher(cfg, dev, arch, **_static(cfg, D, ctas))
+        launch = A.fwd_config_launcher(cfg, dev, arch, **_static(D))
         out, lse = torch.full_like(q, float("nan")), torch.empty(B, H, Sq, device=dev)
         first_run(lambda: launch(q, k, v, out, lse), f"{name} {B}x{H}x{Sq}x{Sk}x{D}")
         err = ((out.float() - ref).norm() / ref.norm()).item()  # NaN (an unwritten row) fails too

@@ -223,10 +223,13 @@ def _with_tile_counter(launch, config, device):
 
 def fwd_config_launcher(config, device, arch: str = "sm_90a", **static):
     """The forward kernel at `config` (`static`: flash_fwd_kernel's arguments, dtype included)
-    launched as the op launches it, with its tile counter when the walk is dynamic: for the tests,
-    sweeps and sanitizer runs that check or time one config directly."""
+    launched as the op launches it, with its tile counter when the walk is dynamic and, for a
+    persistent config, one CTA per SM of `device` unless `static` names the grid (`ctas`): for the
+    tests, sweeps and sanitizer runs that check or time one config directly."""
     from ..kernels import attention as K
 
+    if getattr(config, "persistent", False) and "ctas" not in static:
+        static["ctas"] = runtime.sm_count(torch.device(device))
     return _with_tile_counter(runtime.launcher(K.flash_fwd_kernel.compile(config, arch, **static)), config, device)
 
 
