@@ -290,20 +290,12 @@ def _qkv_param(name: str, shape: tuple, dtype: str):
 
 
 @kernel("attention", "flash_fwd", pass_configs=_PASS_CONFIGS)
-def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, groups: int, scale: float, lse: bool = True, ctas: int = PERSISTENT_CTAS,
-                     whole_tiles: bool = False, tail_after: int = 0):
+def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, groups: int, scale: float, lse: bool = True, ctas: int = PERSISTENT_CTAS):
     """O (and with lse=True the base-e log-sum-exp per row, (B, H, Sq) fp32) of softmax(Q K^T) V.
     lse=False drops the LSE store. The op does not use it (inference writes a scratch LSE): that
     variant ran 1.0-2.7% slower at the non-causal D=128 defaults, 1.6% faster at the causal
     4096-key one (H100, session 55, benchmarks/diag_attn_lse.py, which times both). ctas: the grid
-    of a persistent config (the device's SM count; unused otherwise).
-
-    A query length that is not a multiple of the tile splits in two launches (T.Pipelined
-    configs only): whole_tiles=True covers only the whole query tiles
-    (a grid of Sq // block_m), and tail_after=n > 0 only the rows past the last whole n-row tile,
-    in this config's (smaller) tiles. Why: a 192-row tile holding 64 rows costs a whole tile.
-    Measured by benchmarks/diag_attn_tail.py only (session 62); the op does not split."""
-    assert not (whole_tiles or tail_after) or (config.pipeline == "auto" and not config.persistent), "row splits are T.Pipelined's (body)"
+    of a persistent config (the device's SM count; unused otherwise)."""
     with_lse = lse  # the fragment below is named `lse`, as in the exported kernels
     B = T.dynamic("B")
     Sq = T.dynamic("Sq")
@@ -428,11 +420,7 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
 
     @T.macro
     def body(Q, K, V, O, LSE):
-        # tail_after: the rows from `base` on, whose tiles (qt) are numbered from there, with the
-        # causal offset moved by as much; the expressions stay as they were otherwise.
-        base = Sq // tail_after * tail_after if tail_after else 0
-        n_tiles = Sq // bm if whole_tiles else (T.ceildiv(Sq - base, bm) if tail_after else T.ceildiv(Sq, bm))
-        with T.Kernel(n_tiles, H, B, threads=config.threads) as (bx, by, bz):
+        with T.Kernel(T.ceildiv(Sq, bm), H, B, threads=config.threads) as (bx, by, bz):
             q_s = T.alloc_shared((bm, D), dtype)
             k_s = T.alloc_shared((bn, D), dtype)
             v_s = T.alloc_shared((bn, D), dtype)
@@ -440,11 +428,10 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
             s, p, o, m, m_prev, m_scaled, alpha, row_sum, l, lse, moved = tile_state()
 
             # Causal: heaviest query tiles (most keys) first, so the short ones fill the tail.
-            qt = n_tiles - 1 - bx if causal else bx
+            qt = T.ceildiv(Sq, bm) - 1 - bx if causal else bx
             kvh = by // groups
-            offset = Sk - Sq + base if tail_after else Sk - Sq  # bottom-right causal alignment
-            r0 = base + qt * bm if tail_after else qt * bm  # the tile's first query row
-            T.copy(Q[bz, r0 : r0 + bm, by, :], q_s)
+            offset = Sk - Sq  # bottom-right causal alignment
+            T.copy(Q[bz, qt * bm : (qt + 1) * bm, by, :], q_s)
             reset_tile(o, l, m, m_scaled)
 
             n_blocks = n_key_blocks(qt, offset)
@@ -462,9 +449,9 @@ def flash_fwd_kernel(config: FwdConfig, headdim: int, dtype: str, causal: bool, 
 
             normalize(o, l, m_scaled, lse)
             T.copy(o, o_s)
-            T.copy(o_s, O[bz, r0 : r0 + bm, by, :])
+            T.copy(o_s, O[bz, qt * bm : (qt + 1) * bm, by, :])
             if with_lse:
-                T.copy(lse, LSE[bz, by, r0 : r0 + bm])
+                T.copy(lse, LSE[bz, by, qt * bm : (qt + 1) * bm])
 
     S = config.num_stages
     consumers = config.threads
