@@ -295,48 +295,6 @@ def config_str(config) -> str:
     )
 
 
-# The Q tile's TMA load in T.Pipelined's forward: its row coordinate is the tile's first query row.
-_Q_ROW = re.compile(r"tl::tma_load\(Q_desc, [^\n]*?, (\(\(\(int\)blockIdx\.x\) \* \d+\)), \(\(int\)blockIdx\.y\)")
-_CONSUMER_ELSE = "  } else {\n    tl::warpgroup_reg_alloc<"
-_CONSUMER_LOOP = re.compile(r"^    for \(int (kb\w*) = 0; [^\n]*\) \{\n(?:.*\n)*?    \}\n", re.M)
-
-
-def skip_rows_past_end(code: str) -> str:
-    """T.Pipelined's non-causal forward in which a consumer warpgroup whose 64 query rows all lie
-    past Sq (in the last, ragged query tile) runs its key loop with the mbarrier waits and
-    arrivals only: no GEMM, no softmax. The pipeline's phases are unchanged; its rows are never
-    stored (the O store's TMA clips them, the LSE store tests the row), and its epilogue reads the
-    initial running sums (output 0, lse -inf). The branch is uniform over a warpgroup and holds the
-    whole loop (a wgmma under a branch inside the loop made ptxas serialize the pipeline: 1.38x
-    the time, H100, session 62). Why: at 4096 query rows the 192-row tiles end in one holding 64
-    rows, which costs a whole tile (sessions 61-62, benchmarks/diag_attn_tail.py). Consumers are
-    warpgroups 1.. (TileLang puts the producer first), warpgroup w holding rows (w - 1) * 64."""
-    q = _Q_ROW.search(code)
-    start = code.find(_CONSUMER_ELSE)
-    loop = _CONSUMER_LOOP.search(code, start) if start >= 0 else None
-    if q is None or loop is None or " Sq" not in code:
-        raise ValueError("skip_rows_past_end: not a T.Pipelined non-causal forward kernel")
-    body = loop.group(0).split("\n")
-    # the loop's own lines: its header and closing brace, the Q wait at step 0, the stage barriers
-    keep, i = [body[0]], 1
-    while i < len(body) - 2:
-        line = body[i]
-        if line.startswith("      if (") and body[i + 1].strip().startswith("mbarrier[") and body[i + 2] == "      }":
-            keep += body[i:i + 3]
-            i += 3
-            continue
-        if line.startswith("      mbarrier["):
-            keep.append(line)
-        i += 1
-    keep.append("    }")
-    if sum(".wait(" in x for x in keep) != 3 or sum(".arrive()" in x for x in keep) != 2:
-        raise ValueError("skip_rows_past_end: expected the Q wait, two stage waits and two arrivals in the consumer loop")
-    live = f"    const bool tl_rows_live = {q.group(1)} + ((((int)threadIdx.x) >> 7) - 1) * 64 < Sq;  // tileops: skip_dead\n"
-    branch = "    if (tl_rows_live) {\n" + loop.group(0) + "    } else {\n" + "\n".join(keep) + "\n    }\n"
-    code = code[:loop.start()] + branch + code[loop.end():]
-    return code.replace(_CONSUMER_ELSE, "  } else {\n" + live + "    tl::warpgroup_reg_alloc<", 1)
-
-
 def source_rewrites(config) -> list:
     """(rewrite of the generated CUDA, compile flag naming it) pairs a config asks for:
     `uniform_ws` (uniform_warpgroups), `pin_waits` (pin_wgmma_waits), `tree_reduce` = ways
@@ -346,8 +304,6 @@ def source_rewrites(config) -> list:
         out.append((uniform_warpgroups, UNIFORM_WS_FLAG))
     if getattr(config, "pin_waits", False):
         out.append((pin_wgmma_waits, "-DTILEOPS_PIN_WAITS"))
-    if getattr(config, "skip_dead", False):
-        out.append((skip_rows_past_end, "-DTILEOPS_SKIP_DEAD=2"))  # =2: the whole-loop branch (a new cache key)
     ways = getattr(config, "tree_reduce", 0)
     if ways:
         out.append((lambda code: tree_reductions(code, ways), f"-DTILEOPS_TREE_REDUCE={ways}"))

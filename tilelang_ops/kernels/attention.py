@@ -125,9 +125,6 @@ class FwdConfig:
     # section, query rank-major (causal: heaviest first) with the heads innermost, so the walk
     # ends on the section's lightest tiles, not on one head's heavy and light ones.
     lpt: int = dataclasses.field(default=0, metadata={"omit_default": True})
-    # T.Pipelined non-causal only: consumer warpgroups whose rows all lie past Sq issue no wgmma
-    # (runtime.skip_rows_past_end): the last query tile at a length past whole tiles.
-    skip_dead: bool = dataclasses.field(default=False, metadata={"omit_default": True})
 
     def for_arch(self, arch: str) -> "FwdConfig":
         # TileLang 0.1.15's cp.async pipeline (pre-Hopper) fails in codegen on a symbolic trip count.
