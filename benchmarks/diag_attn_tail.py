@@ -13,7 +13,7 @@ persistent kernel (the short-row default) at the same lengths tells whether a ti
 the length could be the better default there. D=64 (whose op runs the 128-row tile up to 2048
 rows) the same, around 2048.
 
-Per case, contenders in turns (`_timing.interleaved`), each a config's launcher into
+Per case, contenders in turns (`_timing.named_in_turns`), each a config's launcher into
 preallocated buffers, as the op launches it: `t192` (the long non-causal default), `p128` (the
 short-row default: 128 x 128, persistent) and `cudnn` (SDPA's cuDNN backend on (B, H, S, D)
 tensors). TFLOP/s count only the valid rows: 4 * B * H * Sq * Sk * D.
