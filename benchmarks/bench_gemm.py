@@ -105,15 +105,16 @@ def linear_rows(rep, with_compile, act="gelu_tanh", ms=None):
 
 
 def _mlp():
-    """The MLP block eager and ours (same weights), its input and output gradient, and
-    `step(model)`: one forward + backward with fresh gradients."""
+    """The MLP block eager, ours as `tilelang_ops.nn.MLP` and ours as two fused `Linear` modules
+    (same weights), its input, and `step(model)`: one forward + backward with fresh gradients."""
     from tilelang_ops import nn as tnn
 
     tokens, d, h = MLP["tokens"], MLP["d"], MLP["hidden"]
     torch.manual_seed(0)
     eager = torch.nn.Sequential(torch.nn.Linear(d, h), torch.nn.GELU(approximate="tanh"), torch.nn.Linear(h, d)).cuda().to(DT)
-    ours = torch.nn.Sequential(tnn.Linear(d, h, activation="gelu_tanh"), torch.nn.Identity(), tnn.Linear(h, d)).cuda().to(DT)
-    ours.load_state_dict(eager.state_dict())
+    linears = torch.nn.Sequential(tnn.Linear(d, h, activation="gelu_tanh"), torch.nn.Identity(), tnn.Linear(h, d)).cuda().to(DT)
+    linears.load_state_dict(eager.state_dict())
+    block = tnn.MLP.from_linears(linears[0], "gelu_tanh", linears[2])  # the same parameters
     x = torch.randn(tokens, d, device="cuda", dtype=DT, requires_grad=True)
     g = torch.randn(tokens, d, device="cuda", dtype=DT)
 
@@ -126,36 +127,43 @@ def _mlp():
 
         return run
 
-    return eager, ours, x, step
+    return eager, block, linears, x, step
 
 
 def mlp_rows(rep, with_compile):
+    """The MLP row: `nn.MLP` (backward with act' in a GEMM epilogue) against eager, and the same
+    block as two fused `Linear` modules (act' in its own pass), in one round robin."""
     tokens, d, h = MLP["tokens"], MLP["d"], MLP["hidden"]
-    eager, ours, x, step = _mlp()
-    step(ours)()
-    grads_ours = [x.grad.clone()] + [p.grad.clone() for p in ours.parameters()]
-    step(eager)()
-    grads_eager = [x.grad] + [p.grad for p in eager.parameters()]
-    err = max(_rel_err(a, b) for a, b in zip(grads_ours, grads_eager))
+    eager, block, linears, x, step = _mlp()
+    grads = {}
+    for name, model in (("block", block), ("linears", linears), ("eager", eager)):
+        step(model)()
+        grads[name] = [x.grad.clone()] + [p.grad.clone() for p in model.parameters()]
+    err = max(_rel_err(a, b) for a, b in zip(grads["block"], grads["eager"]))
+    err_linears = max(_rel_err(a, b) for a, b in zip(grads["linears"], grads["eager"]))
     f = 6.0 * tokens * d * h * 2  # fwd 2 GEMMs, bwd 4
-    t_ours, t_eager = interleaved(lambda fn: bench(fn, rep=rep), (step(ours), step(eager)))
-    row = dict(what="MLP fwd+bwd", shape=f"{tokens}x{d}x{h}", ours_TFLOPs=_tflops(f, t_ours), torch_TFLOPs=_tflops(f, t_eager), ratio=t_eager / t_ours, rel_err=err)
+    t_ours, t_linears, t_eager = interleaved(lambda fn: bench(fn, rep=rep), (step(block), step(linears), step(eager)))
+    shape = f"{tokens}x{d}x{h}"
+    row = dict(what="MLP fwd+bwd", shape=shape, ours_TFLOPs=_tflops(f, t_ours), torch_TFLOPs=_tflops(f, t_eager), ratio=t_eager / t_ours, rel_err=err)
     if with_compile:
         comp = torch.compile(eager)
         run = step(comp)
         run()
         row["ratio_vs_compile"] = bench(run, rep=rep) / t_ours
-    fwd_ours, fwd_eager = interleaved(lambda fn: bench(fn, rep=rep), (lambda: ours(x), lambda: eager(x)))
-    rows = [row, dict(what="MLP fwd", shape=row["shape"], ours_TFLOPs=_tflops(f / 3, fwd_ours), torch_TFLOPs=_tflops(f / 3, fwd_eager), ratio=fwd_eager / fwd_ours)]
-    return rows
+    fwd_ours, fwd_eager = interleaved(lambda fn: bench(fn, rep=rep), (lambda: block(x), lambda: eager(x)))
+    return [
+        row,
+        dict(what="MLP fwd+bwd, two Linear", shape=shape, ours_TFLOPs=_tflops(f, t_linears), torch_TFLOPs=_tflops(f, t_eager), ratio=t_eager / t_linears, rel_err=err_linears),
+        dict(what="MLP fwd", shape=shape, ours_TFLOPs=_tflops(f / 3, fwd_ours), torch_TFLOPs=_tflops(f / 3, fwd_eager), ratio=fwd_eager / fwd_ours),
+    ]
 
 
 def mlp_profile(top: int = 14):
     """Kernel-by-kernel GPU time of one MLP fwd+bwd step, ours vs eager: where the MLP row's
     ratio comes from."""
-    eager, ours, _, step = _mlp()
+    eager, block, linears, _, step = _mlp()
     rows = []
-    for name, model in (("ours", ours), ("eager", eager)):
+    for name, model in (("ours (nn.MLP)", block), ("ours (two Linear)", linears), ("eager", eager)):
         per = kernel_ms(step(model), steps=5, name_len=70)
         rows.append(dict(what=f"MLP kernels {name}", kernel="(total)", ms=sum(per.values())))
         rows += [dict(what=f"MLP kernels {name}", kernel=k, ms=v) for k, v in sorted(per.items(), key=lambda kv: -kv[1])[:top]]

@@ -99,6 +99,10 @@ TEST_ACT_GRAD = [
     (200, 'float16', 'silu'),
 ]
 
+# gemm_act_grad (n, k, dtype, activation): tests/test_gemm.py's GEMM_ACT_GRAD_SHAPES (fused ones)
+# and test_mlp_* (hidden 200 over 72)
+TEST_GEMM_ACT_GRAD = [(n, k, "bfloat16", act) for n, k in ((128, 64), (200, 72), (1000, 64)) for act in ("relu", "gelu", "gelu_tanh", "silu")]
+
 # bias_grad (n, dtype): tests/test_gemm.py's bias_grad tests (BIAS_GRAD_SHAPES, the fuzz widths,
 # opcheck and the strided case at 200) and the Linear backward of every test with a bias and no
 # activation (72, 200 and the GPT down-projection's 768).
@@ -143,6 +147,13 @@ def bench_kernels():
         ("tn", h, 0, d, bf, False, False, "none", False),  # fc2 dW
     ]
     return out, [(h, bf, "gelu_tanh")], [(d, bf)]  # fc2's bias gradient
+
+
+def bench_grad_act_kernels():
+    """nn.MLP's fused backward GEMM in `bench_gemm`'s MLP row: (n, k, dtype, activation)."""
+    from benchmarks import bench_gemm as B
+
+    return [(B.MLP["hidden"], B.MLP["d"], "bfloat16", "gelu_tanh")]
 
 
 def train_kernels():
@@ -215,6 +226,11 @@ def main(argv=None) -> int:
             jobs.append((K.act_grad_kernel, K.default_act_grad_config(args.arch, n), dict(n=n, dtype=dt, activation=act, bias_grad=bias_grad)))
     for n, dt in dict.fromkeys(bias):
         jobs.append((K.bias_grad_kernel, K.default_bias_grad_config(args.arch, n), dict(n=n, dtype=dt)))
+    grads = (TEST_GEMM_ACT_GRAD if "tests" in want else []) + (bench_grad_act_kernels() if "bench" in want else [])
+    for n, k, dt, act in dict.fromkeys(grads):
+        s = dict(layout="nn", n=n, k=k, dtype=dt, grad_act=act)  # as ops.gemm._gemm_act_grad_kernel
+        for cfg in dict.fromkeys(K.grad_act_config(G.config_for("nn", n, k, getattr(torch, dt), args.arch, m=m, board=b)) for m in K.M_BUCKET_REP for b in boards):
+            jobs.append((K.matmul_kernel, cfg, s))
     if "tests" in want:
         jobs += async_test_kernels()
     if "tune" in want:

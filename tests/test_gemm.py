@@ -750,7 +750,7 @@ def test_config_table_and_search_space():
     for arch in ("sm_90a", "sm_80"):  # the op's one-kernel threshold is one bias-grad CTA's rows
         cfg = K.default_bias_grad_config(arch, 4096)
         assert G.BIAS_GRAD_SINGLE_ROWS == cfg.block_M * cfg.steps
-    assert len(K.SEARCH_SPACE) <= 12 and len(K.REPRESENTATIVE) <= 13  # bounds the compile tests (CI time): one per kernel shape
+    assert len(K.SEARCH_SPACE) <= 12 and len(K.REPRESENTATIVE) <= 14  # bounds the compile tests (CI time): one per kernel shape
     assert G.last_config("no-such-kernel") is None
 
 
@@ -1219,3 +1219,147 @@ def test_two_cta_register_split_fits_the_launch_allocation():
             regs = warpgroup_regs(threads, blocks)
             assert regs % 8 == 0 and 24 <= regs <= 240, (threads, blocks, regs)
             assert PRODUCER_REGS * 128 + regs * threads <= launch * total, (threads, blocks, regs)
+
+
+# ---------------------------------------------------------------- gemm_act_grad and mlp (an MLP block's fused backward)
+
+# (M, K, N) of gemm_act_grad: ragged row and column tiles of the fused kernel (K, N multiples of
+# 8); N not a multiple of 8 (the unfused fallback: GEMM, then act_grad).
+GEMM_ACT_GRAD_SHAPES = [(1, 64, 128), (300, 72, 200), (17, 64, 1000), (130, 13, 5)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("act", ["relu", "gelu", "gelu_tanh", "silu"])
+@pytest.mark.parametrize("shape", GEMM_ACT_GRAD_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_gemm_act_grad(device, act, shape):
+    m, k, n = shape
+    dy = _randn(m, k, dtype=torch.bfloat16, device=device)
+    w = _randn(k, n, dtype=torch.bfloat16, device=device, scale=k**-0.5)
+    z = _randn(m, n, dtype=torch.bfloat16, device=device)
+    want = (dy.float() @ w.float()) * reference.activation_grad(z.float(), act)
+    if device == "cuda":
+        with poisoned_cuda_allocation(m * n * 2) as ptr:
+            dz, db = torch.ops.tileops.gemm_act_grad(dy, w, z, act, True)
+        assert dz.data_ptr() == ptr, "poison did not reach the output"
+    else:
+        dz, db = torch.ops.tileops.gemm_act_grad(dy, w, z, act, True)
+    _check(dz, want, torch.bfloat16, "dz")
+    _check(db, want.sum(0), torch.bfloat16, "db")
+    dz2, db2 = torch.ops.tileops.gemm_act_grad(dy, w, z, act, False)
+    assert torch.equal(dz2, dz), "dz differs between two calls"  # deterministic: no atomics
+    assert db2.shape == (0,) and db2.dtype == dy.dtype
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gemm_act_grad_bad_input(device):
+    dy = torch.randn(4, 16, device=device, dtype=torch.bfloat16)
+    w = torch.randn(16, 24, device=device, dtype=torch.bfloat16)
+    z = torch.randn(4, 24, device=device, dtype=torch.bfloat16)
+    op = torch.ops.tileops.gemm_act_grad
+    with pytest.raises(ValueError, match="activation: 'none'"):
+        op(dy, w, z, "none", True)
+    with pytest.raises(ValueError, match="w: shape"):
+        op(dy, w[:8], z, "gelu", True)
+    with pytest.raises(ValueError, match="z: shape"):
+        op(dy, w, z[:, :8], "gelu", True)
+    with pytest.raises(TypeError, match="z: dtype"):
+        op(dy, w, z.half(), "gelu", True)
+
+
+def _mlp_ref(x, w1, b1, w2, b2, act):
+    return torch.nn.functional.linear(reference.activation(torch.nn.functional.linear(x, w1, b1), act), w2, b2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("act", ["relu", "gelu", "gelu_tanh", "silu"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_mlp_forward_backward(device, act, bias):
+    dtype = torch.bfloat16
+    d, hid = LINEAR_IN_OUT
+    x = _randn(3, 50, d, dtype=dtype, device=device)
+    w1 = _randn(hid, d, dtype=dtype, device=device, scale=d**-0.5)
+    w2 = _randn(d, hid, dtype=dtype, device=device, scale=hid**-0.5)
+    b1, b2 = (_randn(n, dtype=dtype, device=device) if bias else None for n in (hid, d))
+    g = torch.randn(3, 50, d, device=device).to(dtype)
+    out, grads = _grads(lambda *a: tilelang_ops.functional.mlp(*a, act), [x, w1, b1, w2, b2], g)
+    ref, refs = _grads(lambda *a: _mlp_ref(*a, act), [t.double() if t is not None else None for t in (x, w1, b1, w2, b2)], g.double())
+    _check(out, ref, dtype, f"{act} y")
+    for name, got, want in zip(("dx", "dw1", "db1", "dw2", "db2"), grads, refs):
+        if want is not None:
+            _check(got, want, dtype, f"{act} {name}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mlp_hidden_outputs_used_downstream(device):
+    # the rare backward: h and z of tileops.mlp also feed the loss (their gradients add to dz)
+    dtype = torch.bfloat16
+    x = _randn(40, 72, dtype=dtype, device=device)
+    w1, w2 = _randn(200, 72, dtype=dtype, device=device, scale=0.1), _randn(72, 200, dtype=dtype, device=device, scale=0.1)
+    b1, b2 = _randn(200, dtype=dtype, device=device), _randn(72, dtype=dtype, device=device)
+
+    def loss(x, w1, b1, w2, b2, op):
+        y, h, z = op(x, w1, b1, w2, b2, "silu")
+        return y.float().square().sum() + h.float().sum() + (z.float() * 0.5).sum()
+
+    def ref_op(x, w1, b1, w2, b2, act):
+        z = torch.nn.functional.linear(x, w1, b1)
+        h = reference.activation(z, act)
+        return torch.nn.functional.linear(h, w2, b2), h, z
+
+    ts = [t.requires_grad_() for t in (x, w1, b1, w2, b2)]
+    loss(*ts, torch.ops.tileops.mlp).backward()
+    rs = [t.detach().double().requires_grad_() for t in ts]
+    loss(*rs, ref_op).backward()
+    for name, t, r in zip(("dx", "dw1", "db1", "dw2", "db2"), ts, rs):
+        _check(t.grad, r.grad, dtype, name)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mlp_module_loads_sequential_weights_and_compiles(device):
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    seq = torch.nn.Sequential(torch.nn.Linear(72, 200), torch.nn.GELU(approximate="tanh"), torch.nn.Linear(200, 72)).to(device, torch.bfloat16)
+    mlp = tnn.MLP(72, 200, activation="gelu_tanh").to(device, torch.bfloat16)
+    mlp.load_state_dict({k.replace("0.", "fc1.").replace("2.", "fc2."): v for k, v in seq.state_dict().items()})
+    shared = tnn.MLP.from_linears(seq[0], "gelu_tanh", seq[2])
+    assert shared.fc1.weight is seq[0].weight
+    x = torch.randn(3, 40, 72, device=device, dtype=torch.bfloat16)
+
+    def step(m, x):
+        return m(x).float().square().mean()
+
+    explain = torch._dynamo.explain(step)(mlp, x)
+    assert explain.graph_break_count == 0, explain.break_reasons
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
+    compiled(mlp, x).backward()
+    step(seq, x).backward()
+    for (name, p), q in zip(mlp.named_parameters(), seq.parameters()):
+        _check(p.grad, q.grad.float(), torch.bfloat16, f"grad {name}")
+
+
+def test_mlp_bad_input():
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    w1, w2 = torch.randn(32, 16, dtype=torch.bfloat16), torch.randn(16, 32, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="activation: 'none'"):
+        tilelang_ops.functional.mlp(x, w1, None, w2, None, "none")
+    with pytest.raises(ValueError, match="w2: shape"):
+        tilelang_ops.functional.mlp(x, w1, None, w2[:, :8], None, "gelu")
+    with pytest.raises(ValueError, match="b2: shape"):
+        tilelang_ops.functional.mlp(x, w1, None, w2, torch.randn(3, dtype=torch.bfloat16), "gelu")
+    with pytest.raises(ValueError, match="activation: 'tanh'"):
+        tnn.MLP(16, 32, activation="tanh")
+    with pytest.raises(ValueError, match="fc2: in_features"):
+        tnn.MLP.from_linears(torch.nn.Linear(16, 32), "relu", torch.nn.Linear(16, 16))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mlp_opcheck(device):
+    x = _randn(5, 72, dtype=torch.bfloat16, device=device).requires_grad_()
+    w1 = _randn(200, 72, dtype=torch.bfloat16, device=device, scale=0.1).requires_grad_()
+    w2 = _randn(72, 200, dtype=torch.bfloat16, device=device, scale=0.1).requires_grad_()
+    b1, b2 = _randn(200, dtype=torch.bfloat16, device=device).requires_grad_(), _randn(72, dtype=torch.bfloat16, device=device).requires_grad_()
+    opcheck(torch.ops.tileops.mlp, (x, w1, b1, w2, b2, "gelu_tanh"))
+    dy, z = _randn(5, 72, dtype=torch.bfloat16, device=device), _randn(5, 200, dtype=torch.bfloat16, device=device)
+    opcheck(torch.ops.tileops.gemm_act_grad, (dy, w2.detach(), z, "silu", True))

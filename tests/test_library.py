@@ -238,6 +238,8 @@ _FORMULAS = [
     ("gemm_nt", lambda: torch.ops.tileops.gemm_nt(_leaf(5, 24, dtype=torch.bfloat16), _leaf(16, 24, dtype=torch.bfloat16)), ["gemm", "gemm_tn"]),
     ("linear", lambda: torch.ops.tileops.linear(_leaf(5, 24, dtype=torch.bfloat16), _leaf(16, 24, dtype=torch.bfloat16), _leaf(16, dtype=torch.bfloat16), "none"), ["bias_grad", "gemm", "gemm_tn"]),
     ("linear gelu_tanh", lambda: torch.ops.tileops.linear(_leaf(5, 24, dtype=torch.bfloat16), _leaf(16, 24, dtype=torch.bfloat16), _leaf(16, dtype=torch.bfloat16), "gelu_tanh"), ["linear", "act_grad", "gemm", "gemm_tn"]),
+    ("mlp", lambda: torch.ops.tileops.mlp(_leaf(5, 24, dtype=torch.bfloat16), _leaf(32, 24, dtype=torch.bfloat16), _leaf(32, dtype=torch.bfloat16), _leaf(16, 32, dtype=torch.bfloat16), _leaf(16, dtype=torch.bfloat16), "gelu_tanh")[0],
+     ["gemm_act_grad", "bias_grad", "gemm", "gemm_tn"]),
     ("layer_norm", lambda: torch.ops.tileops.layer_norm(_leaf(4, 40), _leaf(40), _leaf(40))[0], ["layer_norm_backward"]),
     ("add_layer_norm", lambda: torch.ops.tileops.add_layer_norm(_leaf(4, 40), _leaf(4, 40), _leaf(40), _leaf(40))[1], ["add_layer_norm_backward"]),
     ("flash_attn", lambda: torch.ops.tileops.flash_attn(*(_leaf(1, 9, 2, 64, dtype=torch.bfloat16) for _ in range(3))), ["flash_attn_backward"]),

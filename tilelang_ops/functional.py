@@ -117,6 +117,40 @@ class _CublasLinear(torch.autograd.Function):
         return dx, dw, db
 
 
+def mlp(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Tensor, b2: torch.Tensor | None, activation: str = "gelu_tanh") -> torch.Tensor:
+    """``act(x @ w1.T + b1) @ w2.T + b2``: a Linear-activation-Linear block under one autograd formula.
+
+    The forward is two `linear` kernels (bias and activation in the first one's epilogue, which
+    also writes the pre-activation z for backward). The backward's gain over two `linear` calls:
+    the GEMM that computes the hidden layer's output gradient (dy @ w2) multiplies by act'(z) and
+    sums the first bias's gradient in its epilogue (``torch.ops.tileops.gemm_act_grad``), so no
+    separate pass over the (tokens, hidden) gradient runs.
+
+    Args:
+        x: (..., in_features), float16 or bfloat16 (float32: PyTorch math; autocast as `linear`).
+        w1: (hidden, in_features); b1: (hidden,) or None.
+        w2: (out_features, hidden); b2: (out_features,) or None.
+        activation: "relu" | "gelu" | "gelu_tanh" | "silu".
+
+    Returns:
+        (..., out_features) in x's dtype, differentiable in x, w1, b1, w2 and b2. Saved for
+        backward: x, w1, w2, the hidden activations h and the pre-activation z (what two `linear`
+        layers save too).
+    """
+    if torch.is_autocast_enabled(x.device.type):
+        dt = torch.get_autocast_dtype(x.device.type)
+        x, w1, w2 = x.to(dt), w1.to(dt), w2.to(dt)
+        b1, b2 = (b.to(dt) if b is not None else None for b in (b1, b2))
+    if x.dtype == torch.float32 and w1.dtype == torch.float32 and w2.dtype == torch.float32:
+        from . import reference
+
+        if activation not in reference.ACTIVATIONS or activation == "none":
+            raise ValueError(f"activation: {activation!r}; mlp supports {', '.join(reference.ACTIVATIONS[1:])}")
+        h = reference.activation(torch.nn.functional.linear(x, w1, b1), activation)
+        return torch.nn.functional.linear(h, w2, b2)
+    return torch.ops.tileops.mlp(x, w1, b1, w2, b2, activation)[0]
+
+
 def bias_grad(dy: torch.Tensor) -> torch.Tensor:
     """``dy.sum(0)`` for a 2-D float16 / bfloat16 ``dy`` (M, N): (N,) in dy's dtype, summed in
     fp32 in a fixed order (deterministic). A linear layer's bias gradient, at the copy bandwidth

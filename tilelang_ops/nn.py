@@ -69,6 +69,49 @@ class Linear(torch.nn.Linear):
         return new
 
 
+class MLP(torch.nn.Module):
+    """``fc2(act(fc1(x)))`` as `tilelang_ops.functional.mlp`: a Linear-activation-Linear block
+    whose backward fuses act' into a GEMM epilogue (see there).
+
+    ``fc1`` and ``fc2`` are ``torch.nn.Linear`` modules (initialization and parameters as
+    ``nn.Linear``'s), so the state_dict keys are ``fc1.weight``, ``fc1.bias``, ``fc2.weight``,
+    ``fc2.bias``. `from_linears` builds one around existing Linear modules (sharing their
+    parameters), e.g. the first and last entries of ``nn.Sequential(Linear, GELU, Linear)``.
+    ``activation``: "relu" | "gelu" | "gelu_tanh" | "silu".
+    """
+
+    def __init__(self, in_features: int, hidden_features: int, out_features: int | None = None, bias: bool = True, activation: str = "gelu_tanh", device=None, dtype=None):
+        _check_mlp_activation(activation)
+        super().__init__()
+        self.activation = activation
+        self.fc1 = torch.nn.Linear(in_features, hidden_features, bias=bias, device=device, dtype=dtype)
+        self.fc2 = torch.nn.Linear(hidden_features, out_features or in_features, bias=bias, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _F.mlp(x, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias, self.activation)
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation}"
+
+    @classmethod
+    def from_linears(cls, fc1: torch.nn.Linear, activation: str, fc2: torch.nn.Linear) -> "MLP":
+        """An MLP over these two Linear modules (shared, not copied); fc2 must take fc1's output."""
+        _check_mlp_activation(activation)
+        if fc2.in_features != fc1.out_features:
+            raise ValueError(f"fc2: in_features {fc2.in_features} must equal fc1's out_features {fc1.out_features}")
+        new = cls.__new__(cls)
+        torch.nn.Module.__init__(new)
+        new.activation, new.fc1, new.fc2 = activation, fc1, fc2
+        return new
+
+
+def _check_mlp_activation(activation: str) -> None:
+    from .reference import ACTIVATIONS
+
+    if activation not in ACTIVATIONS or activation == "none":
+        raise ValueError(f"activation: {activation!r}; MLP supports {', '.join(ACTIVATIONS[1:])}")
+
+
 @dataclasses.dataclass
 class FuseReport:
     """What `fuse_linear_activations` did: fused (linear, activation, kind) and skipped (module, why)."""

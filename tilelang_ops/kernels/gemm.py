@@ -240,6 +240,15 @@ def default_config(arch: str, n: int, layout: str = "nn", k: int = 0, bucket: in
     return _HOPPER_LARGE
 
 
+def grad_act_config(cfg: GemmConfig) -> GemmConfig:
+    """The schedule of a `grad_act` GEMM (the output gradient of an MLP's activation) given the
+    plain "nn" GEMM's: its epilogue is written for TileLang's T.Pipelined kernel, so a hand-
+    synchronized default gives way to the 128x256 T.Pipelined tile (Hopper's rule)."""
+    if cfg.pipeline == "auto" and cfg.split_k == 1:
+        return cfg
+    return _HOPPER_LARGE
+
+
 # Split-K weight gradients ("tn"): when the 128x256 output tiles leave SMs idle (GPT-2's
 # 3072x768 over 16384 tokens: 72 tiles on 132 SMs, 0.64x cuBLAS), slice the token reduction so
 # tiles x slices fill one wave as closely as possible without a second (a partial second wave
@@ -356,6 +365,7 @@ def matmul_kernel(
     bias: bool = False,
     activation: str = "none",
     save_preact: bool = False,
+    grad_act: str = "none",
     ctas: int = PERSISTENT_CTAS,
 ):
     """C = act(op(A) @ op(B) + bias), fp32 accumulation, output in `dtype`.
@@ -367,11 +377,19 @@ def matmul_kernel(
     (C rows for "nn"/"nt"), K (reduction for "tn"), batch. Arguments in order:
     A, B, [Bias (n,)], C, [Z (pre-activation, same shape as C) when save_preact], and with
     config.split_k > 1 ("tn" only) P: the (split_k, rows, n) fp32 partials workspace.
+
+    grad_act (an activation; "nn", auto pipeline, no bias or activation): the backward of
+    act(Z) fused into the GEMM that produces its output gradient, C = (A @ B) * act'(Z), with Z an
+    input; P (ceil(M / block_M), n) fp32 takes the column sums of C's row tiles and DB (n,) their
+    sum, the bias gradient (a second kernel of the launch, fixed order). Arguments: A, B, Z, C, P, DB. It replaces
+    `act_grad_kernel`'s pass over dY, Z and dZ (an MLP's up-projection backward).
     """
     bm, bn, bk = config.block_M, config.block_N, config.block_K
     split = config.split_k
     if split > 1 and (layout != "tn" or batched or config.pipeline != "auto" or bias or save_preact or activation != "none"):
         raise ValueError(f"split_k={split}: only the weight-gradient layout 'tn', not batched, pipeline 'auto', no bias or activation")
+    if grad_act != "none" and (layout != "nn" or batched or config.pipeline != "auto" or split > 1 or bias or save_preact or activation != "none"):
+        raise ValueError(f"grad_act={grad_act!r}: only layout 'nn', not batched, pipeline 'auto', no split, bias or activation")
     accum = "float32"
     policy = getattr(T.GemmWarpPolicy, config.policy)
     trans_a, trans_b = layout == "tn", layout == "nt"
@@ -467,7 +485,28 @@ def matmul_kernel(
         store(C_f, C_s, C[ix + (by * bm, bx * bn)], w is not None, w)
 
     @T.macro
-    def body_auto(A, B, Bias, C, Z, bx, by, bz):
+    def grad_epilogue(C_f, C_s, Z, C, P, bx, by):
+        """grad_act: C = C_f * act'(Z), and the column sums of C's tile (as stored, in dtype, which
+        is what eager sums) into P[by]. Z's tile arrives by TMA in C_s; rows and columns past the
+        matrix read 0 and C_f is 0 there, so they add nothing to the sums."""
+        part = T.alloc_fragment((32, bn), accum)  # (TileLang 0.1.15 cannot reduce C_f's wgmma layout over rows)
+        colsum = T.alloc_fragment((bn,), accum)
+        T.copy(Z[by * bm, bx * bn], C_s)
+        for i, j in T.Parallel(bm, bn):
+            C_f[i, j] = C_f[i, j] * _act_grad(T.Cast(accum, C_s[i, j]), grad_act)
+        T.copy(C_f, C_s)
+        T.copy(C_s, C[by * bm, bx * bn])
+        T.clear(part)
+        for r in T.serial(bm // 32):
+            for i, j in T.Parallel(32, bn):
+                part[i, j] += T.Cast(accum, C_s[r * 32 + i, j])
+        T.reduce_sum(part, colsum, dim=0)
+        for j in T.Parallel(bn):
+            if bx * bn + j < N:
+                P[by, bx * bn + j] = colsum[j]
+
+    @T.macro
+    def body_auto(A, B, Bias, C, Z, bx, by, bz, P=None):
         if config.min_blocks:
             T.annotate_min_blocks_per_sm(config.min_blocks)
             if config.min_blocks > 1:  # TileLang's 24/240 would not fit two CTAs' registers
@@ -498,7 +537,10 @@ def matmul_kernel(
                 # wait, so the next TMA load could overwrite operands a wgmma still reads. The
                 # "async" pipeline below places the release itself.
                 T.gemm(A_s, B_s, C_f, transpose_A=trans_a, transpose_B=trans_b, policy=policy)
-            epilogue(C_f, C_s, Bias, C, Z, ix, bx, by, None)
+            if grad_act != "none":
+                grad_epilogue(C_f, C_s, Z, C, P, bx, by)
+            else:
+                epilogue(C_f, C_s, Bias, C, Z, ix, bx, by, None)
 
     S = config.num_stages
     cwg = tuple(range(consumers // 128))  # consumer warpgroups; the producer is the next one
@@ -689,7 +731,20 @@ def matmul_kernel(
                 body(A, B, Bias, C, Z, bx, by, None)
 
     # T.prim_func needs explicit signatures: one per argument combination we ship.
-    if bias and save_preact:
+    if grad_act != "none":
+        MB = T.dynamic("MB")  # = ceil(M / block_M): the op allocates the partials so
+        fold = _fold_partials(N, dtype, MB)
+
+        @T.prim_func
+        def matmul(
+            A: T.Tensor(a_shape, dtype), B: T.Tensor(b_shape, dtype), Z: T.Tensor(c_shape, dtype), C: T.Tensor(c_shape, dtype),
+            P: T.Tensor((MB, N), accum), DB: T.Tensor((N,), dtype),
+        ):
+            with T.Kernel(n_blocks, m_blocks, threads=cta_threads) as (bx, by):
+                body(A, B, None, C, Z, bx, by, None, P)
+            fold(P, DB)  # a second kernel of the same launch: DB = the partials summed in a fixed order
+
+    elif bias and save_preact:
 
         @T.prim_func
         def matmul(A: T.Tensor(a_shape, dtype), B: T.Tensor(b_shape, dtype), Bias: T.Tensor((N,), dtype), C: T.Tensor(c_shape, dtype), Z: T.Tensor(c_shape, dtype)):
@@ -941,6 +996,8 @@ REPRESENTATIVE = [
     (matmul_kernel, DEFAULT_OVERRIDES[("sm_9", "nn", 0, 3072, 768)], dict(layout="nn", n=3072, k=768, rows=0, dtype="bfloat16", batched=False, bias=False, activation="none", save_preact=False)),
     (matmul_kernel, _PP, dict(layout="nt", n=3072, k=768, rows=0, dtype="bfloat16", batched=False, bias=True, activation="gelu_tanh", save_preact=True)),
     (matmul_kernel, tn_split_config(3072, 768), dict(layout="tn", n=768, k=0, rows=3072, dtype="bfloat16", batched=False, bias=False, activation="none", save_preact=False)),
+    # nn.MLP's backward: the up-projection's output gradient with act' in the epilogue
+    (matmul_kernel, _HOPPER_LARGE, dict(layout="nn", n=14336, k=4096, dtype="bfloat16", grad_act="gelu_tanh")),
     (act_grad_kernel, ActGradConfig(), dict(n=4096, dtype="bfloat16", activation="gelu_tanh")),
     (act_grad_kernel, ActGradConfig(), dict(n=4096, dtype="bfloat16", activation="gelu_tanh", bias_grad=False)),
     (act_grad_kernel, ActGradConfig(), dict(n=4096, dtype="bfloat16", activation="gelu_tanh", single=True)),

@@ -1,5 +1,5 @@
 """GEMM and fused Linear + bias + activation: torch.ops.tileops.{gemm, gemm_nt, gemm_tn, linear,
-linear_preact, act_grad, bias_grad}.
+linear_preact, act_grad, bias_grad, gemm_act_grad, mlp}.
 
 Reading order: config → kernel call → ops (each with its fake and autograd right under it) →
 public helpers (`last_config`, `config_for`).
@@ -212,6 +212,26 @@ def _act_grad_kernel(device, n, dtype, activation, bias_grad, single=False):
             static["single"] = True
         hit = _kernels[key] = ((runtime.launcher(K.act_grad_kernel.compile(cfg, arch, **static)), cfg.block_M), ("act_grad", cfg, static))
     _last["act_grad"] = hit[1]
+    return hit[0]
+
+
+def _gemm_act_grad_kernel(device, n, k, dtype, activation, m):
+    """(launcher, block_M): dz = (dy @ w) * act'(z) with the bias gradient, one host call (the
+    GEMM with fp32 partial column sums per block_M rows, then their fold)."""
+    bucket = _bucket(m)
+    key = (device.index, "gemm_act_grad", n, k, dtype, activation, bucket)
+    hit = _kernels.get(key)
+    if hit is None:
+        from ..kernels import gemm as K
+
+        arch = runtime.arch_for_device(device)
+        # the plain "nn" GEMM's schedule (pinned, tuned or default), as the epilogue can take it
+        cfg = TUNED.get((arch, "nn", 0, n, k, dtype, bucket)) or TUNED.get((arch, "nn", 0, n, k, dtype))
+        cfg = cfg or tuning.resolve_config(TUNABLE, ("nn", K.M_BUCKET_REP[bucket], n, k), dtype, device)
+        cfg = K.grad_act_config(_servable(cfg, "nn", False))
+        static = dict(layout="nn", n=n, k=k, dtype=TL_DTYPE[dtype], grad_act=activation)
+        hit = _kernels[key] = ((runtime.launcher(K.matmul_kernel.compile(cfg, arch, **static)), cfg.block_M), ("matmul", cfg, static))
+    _last["matmul"] = hit[1]
     return hit[0]
 
 
@@ -747,6 +767,144 @@ def _linear_preact_backward(ctx, gy, gz):
 
 
 linear_preact.register_autograd(_linear_preact_backward, setup_context=_linear_preact_setup)
+
+
+# ---------------------------------------------------------------- gemm_act_grad: (dy @ w) · act'(z), db
+
+
+@custom_op("gemm_act_grad")
+def gemm_act_grad(dy: torch.Tensor, w: torch.Tensor, z: torch.Tensor, activation: str, bias_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dz, db): dz = (dy @ w) * act'(z) in dy's dtype, from one GEMM whose epilogue applies
+    act'(z); db = dz summed over rows, or an empty tensor when bias_grad is False. An MLP's
+    up-projection backward: dy (M, out), w the down-projection's (out, hidden) weight, z (M, hidden)
+    the saved pre-activation. It saves `act_grad`'s pass over dy @ w, z and dz."""
+    _check_gemm_act_grad(dy, w, z, activation)
+    g = (dy.float() @ w.float()) * reference.activation_grad(z.float(), activation)
+    return g.to(dy.dtype), (g.sum(0).to(dy.dtype) if bias_grad else dy.new_empty(0))
+
+
+def _check_gemm_act_grad(dy, w, z, activation) -> None:
+    check_tensor("dy", dy, DTYPES, ndim=2, contiguous=False)
+    check_tensor("w", w, DTYPES, ndim=2, contiguous=False)
+    check_tensor("z", z, DTYPES, ndim=2, contiguous=False)
+    check_same(("dy", "w"), dy, w)
+    check_same(("dy", "z"), dy, z)
+    if w.shape[0] != dy.shape[1]:
+        raise ValueError(f"w: shape {tuple(w.shape)} does not match dy {tuple(dy.shape)}: w.shape[0] must be dy.shape[1] = {dy.shape[1]}")
+    if z.shape != (dy.shape[0], w.shape[1]):
+        raise ValueError(f"z: shape {tuple(z.shape)}, expected (dy.shape[0], w.shape[1]) = {(dy.shape[0], w.shape[1])}")
+    if activation not in ACTIVATIONS or activation == "none":
+        raise ValueError(f"activation: {activation!r} has no gradient kernel; supported: {', '.join(ACTIVATIONS[1:])}")
+
+
+def _fusable_nn(*ts) -> bool:
+    """Contiguous, 16-byte aligned 2-D operands whose static dims (every size but the first
+    operand's rows) are multiples of 8: what the fused kernel takes without padding."""
+    return all(t.is_contiguous() and not t.data_ptr() & 15 for t in ts) and not (ts[0].shape[1] | ts[1].shape[1]) & 7
+
+
+@gemm_act_grad.register_kernel("cuda")
+def _(dy, w, z, activation, bias_grad):
+    _check_gemm_act_grad(dy, w, z, activation)
+    M, K = dy.shape
+    N = w.shape[1]
+    if not (M and K and _fusable_nn(dy, w, z)):
+        # ragged or unaligned sizes, or nothing to multiply: the GEMM and act_grad's pass
+        return act_grad.from_backward(_cuda_matmul("nn", dy, w)[0], z, activation, bias_grad)
+    kern, bm = _gemm_act_grad_kernel(dy.device, N, K, dy.dtype, activation, M)
+    dz, db = dy.new_empty(M, N), dy.new_empty(N)
+    kern(dy, w, z, dz, torch.empty(-(-M // bm), N, dtype=torch.float32, device=dy.device), db)
+    return dz, (db if bias_grad else dy.new_empty(0))
+
+
+@gemm_act_grad.register_fake
+def _(dy, w, z, activation, bias_grad):
+    _check_gemm_act_grad(dy, w, z, activation)
+    return dy.new_empty(dy.shape[0], w.shape[1]), dy.new_empty(w.shape[1] if bias_grad else 0)
+
+
+# ---------------------------------------------------------------- mlp: act(x @ W1ᵀ + b1) @ W2ᵀ + b2
+
+
+@custom_op("mlp")
+def mlp(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Tensor, b2: torch.Tensor | None, activation: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, h, z): z = x @ W1ᵀ + b1 and h = act(z), both written by one kernel's epilogue, then
+    y = h @ W2ᵀ + b2. h and z are what the backward needs (the functional form returns y only).
+    Under one autograd formula the up-projection's output gradient and act' meet in one GEMM
+    (`gemm_act_grad`), which two separate `linear` ops cannot do."""
+    _check_mlp(x, w1, b1, w2, b2, activation)
+    h, z = reference.linear(x, w1, b1, activation, save_preact=True)
+    return reference.linear(h, w2, b2)[0], h, z
+
+
+def _check_mlp(x, w1, b1, w2, b2, activation) -> None:
+    if activation not in ACTIVATIONS or activation == "none":
+        raise ValueError(f"activation: {activation!r}; mlp supports {', '.join(ACTIVATIONS[1:])} (without one, use two linear calls)")
+    _check_linear(x, w1, b1, activation)
+    check_tensor("w2", w2, DTYPES, ndim=2, contiguous=False)
+    check_same(("x", "w2"), x, w2)
+    if w2.shape[1] != w1.shape[0]:
+        raise ValueError(f"w2: shape {tuple(w2.shape)}, its in_features must be w1's out_features {w1.shape[0]}")
+    if b2 is not None:
+        check_tensor("b2", b2, DTYPES, ndim=1, contiguous=False)
+        check_same(("x", "b2"), x, b2)
+        if b2.shape[0] != w2.shape[0]:
+            raise ValueError(f"b2: shape {tuple(b2.shape)}, expected ({w2.shape[0]},) (w2's out_features)")
+
+
+@mlp.register_kernel("cuda")
+def _(x, w1, b1, w2, b2, activation):
+    _check_mlp(x, w1, b1, w2, b2, activation)
+    h, z = _linear_impl_cuda(x, w1, b1, activation, True)
+    return _linear_impl_cuda(h, w2, b2, "none", False)[0], h, z
+
+
+@mlp.register_fake
+def _(x, w1, b1, w2, b2, activation):
+    _check_mlp(x, w1, b1, w2, b2, activation)
+    hidden = (*x.shape[:-1], w1.shape[0])
+    return x.new_empty((*x.shape[:-1], w2.shape[0])), x.new_empty(hidden), x.new_empty(hidden)
+
+
+def _mlp_setup(ctx, inputs, output):
+    x, w1, b1, w2, b2, activation = inputs
+    ctx.activation, ctx.has_b1, ctx.has_b2 = activation, b1 is not None, b2 is not None
+    ctx.save_for_backward(x, w1, w2, output[1], output[2])  # h for dW2, z for act'
+
+
+def _mlp_backward(ctx, gy, gh, gz):
+    x, w1, w2, h, z = ctx.saved_tensors
+    need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
+    need_b1 = need_b1 and ctx.has_b1
+    out_f, hid = w2.shape
+    in_f = w1.shape[1]
+    z2 = z.reshape(-1, hid)
+    if gy is None:  # only h or z used downstream
+        gy2 = None
+        dh = gh.reshape(-1, hid) if gh is not None else None
+    else:
+        gy2 = gy.reshape(-1, out_f)
+        dh = None
+    dw2 = gemm_tn.from_backward(gy2, h.reshape(-1, hid)) if need_w2 and gy2 is not None else None
+    db2 = bias_grad.from_backward(gy2) if need_b2 and ctx.has_b2 and gy2 is not None else None
+    if gy2 is not None and gh is None and gz is None:
+        dz, db1 = gemm_act_grad.from_backward(gy2, w2, z2, ctx.activation, need_b1)  # the usual case
+    else:  # rare: h or z itself was used downstream too
+        if gy2 is not None:
+            dh = gemm.from_backward(gy2, w2) + (gh.reshape(-1, hid) if gh is not None else 0)
+        if dh is not None:
+            dz = act_grad.from_backward(dh, z2, ctx.activation, False)[0]
+            dz = dz + gz.reshape(-1, hid) if gz is not None else dz
+        else:
+            dz = gz.reshape(-1, hid)
+        db1 = bias_grad.from_backward(dz) if need_b1 else None
+    lead = z.shape[:-1]
+    dx = gemm.from_backward(dz, w1).view(*lead, in_f) if need_x else None
+    dw1 = gemm_tn.from_backward(dz, x.reshape(-1, in_f)) if need_w1 else None
+    return dx, dw1, (db1 if need_b1 else None), dw2, db2, None
+
+
+mlp.register_autograd(_mlp_backward, setup_context=_mlp_setup)
 
 
 def linear_auto(x, weight, bias=None, activation="none"):
