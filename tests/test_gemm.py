@@ -1027,6 +1027,23 @@ def test_fuse_linear_activations_reports_and_preserves_outputs():
     assert "fused 3" in str(report)
 
 
+def _loss_step(m, x):
+    return m(x).float().square().mean()
+
+
+def _compiled_grads_match(model, ref, x, device):
+    """`_loss_step` over `model` has no graph break, and its compiled backward gives `ref`'s
+    gradients (same parameters in the same order). Returns the compiled step."""
+    explain = torch._dynamo.explain(_loss_step)(model, x)
+    assert explain.graph_break_count == 0, explain.break_reasons
+    compiled = torch.compile(_loss_step, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
+    compiled(model, x).backward()
+    _loss_step(ref, x).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        _check(p.grad, q.grad.float(), torch.bfloat16, f"grad {name}")
+    return compiled
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_compiled_model_trains_without_graph_breaks(device):
     import torch._dynamo
@@ -1037,18 +1054,7 @@ def test_compiled_model_trains_without_graph_breaks(device):
     ref = torch.nn.Sequential(torch.nn.Linear(72, 200), torch.nn.GELU(approximate="tanh"), torch.nn.Linear(200, 72, bias=False)).to(device, torch.bfloat16)
     ref.load_state_dict({k.replace("1.", "2."): v for k, v in model.state_dict().items()})
     x = torch.randn(3, 40, 72, device=device, dtype=torch.bfloat16)
-
-    def step(m, x):
-        return m(x).float().square().mean()
-
-    explain = torch._dynamo.explain(step)(model, x)
-    assert explain.graph_break_count == 0, explain.break_reasons
-    compiled = torch.compile(step, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
-    loss = compiled(model, x)
-    loss.backward()
-    step(ref, x).backward()
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        _check(p.grad, q.grad.float(), torch.bfloat16, f"grad {name}")
+    compiled = _compiled_grads_match(model, ref, x, device)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     losses = []
     for _ in range(4):
@@ -1325,18 +1331,7 @@ def test_mlp_module_loads_sequential_weights_and_compiles(device):
     mlp.load_state_dict({k.replace("0.", "fc1.").replace("2.", "fc2."): v for k, v in seq.state_dict().items()})
     shared = tnn.MLP.from_linears(seq[0], "gelu_tanh", seq[2])
     assert shared.fc1.weight is seq[0].weight
-    x = torch.randn(3, 40, 72, device=device, dtype=torch.bfloat16)
-
-    def step(m, x):
-        return m(x).float().square().mean()
-
-    explain = torch._dynamo.explain(step)(mlp, x)
-    assert explain.graph_break_count == 0, explain.break_reasons
-    compiled = torch.compile(step, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
-    compiled(mlp, x).backward()
-    step(seq, x).backward()
-    for (name, p), q in zip(mlp.named_parameters(), seq.parameters()):
-        _check(p.grad, q.grad.float(), torch.bfloat16, f"grad {name}")
+    _compiled_grads_match(mlp, seq, torch.randn(3, 40, 72, device=device, dtype=torch.bfloat16), device)
 
 
 def test_mlp_bad_input():
