@@ -1343,6 +1343,12 @@ def test_mlp_bad_input():
         tilelang_ops.functional.mlp(x, w1, None, w2[:, :8], None, "gelu")
     with pytest.raises(ValueError, match="b2: shape"):
         tilelang_ops.functional.mlp(x, w1, None, w2, torch.randn(3, dtype=torch.bfloat16), "gelu")
+    with pytest.raises(ValueError, match="b1: shape"):
+        tilelang_ops.functional.mlp(x, w1, torch.randn(3, dtype=torch.bfloat16), w2, None, "gelu")
+    with pytest.raises(ValueError, match="w1's in_features"):
+        tilelang_ops.functional.mlp(x, w1[:, :8], None, w2, None, "gelu")
+    with pytest.raises(TypeError, match="w2: dtype"):
+        tilelang_ops.functional.mlp(x, w1, None, w2.half(), None, "gelu")
     with pytest.raises(ValueError, match="activation: 'tanh'"):
         tnn.MLP(16, 32, activation="tanh")
     with pytest.raises(ValueError, match="fc2: in_features"):

@@ -385,7 +385,16 @@ _ACTIVATION_SET = frozenset(ACTIVATIONS)
 _ACT_GRAD_SET = _ACTIVATION_SET - {"none"}
 
 
-def _check_linear(x, weight, bias, activation) -> None:
+def _check_bias(x, bias, weight, name: str) -> None:
+    if bias is not None:
+        check_tensor(name, bias, DTYPES, ndim=1, contiguous=False)
+        check_same(("x", name), x, bias)
+        if bias.shape[0] != weight.shape[0]:
+            raise ValueError(f"{name}: shape {tuple(bias.shape)} != (out_features,) = ({weight.shape[0]},)")
+
+
+def _check_linear(x, weight, bias, activation, names=("weight", "bias")) -> None:
+    """names: what the error messages call weight and bias (mlp: w1, b1)."""
     # Fast accept (the common call), else the full check that names what is wrong.
     if (
         x.dtype in DTYPES and weight.dtype is x.dtype and weight.dim() == 2 and x.dim() >= 1
@@ -393,18 +402,15 @@ def _check_linear(x, weight, bias, activation) -> None:
         and (bias is None or (bias.dtype is x.dtype and bias.dim() == 1 and bias.shape[0] == weight.shape[0] and bias.device == x.device))
     ):
         return
+    wn, bn = names
     check_tensor("x", x, DTYPES, contiguous=False)
-    check_tensor("weight", weight, DTYPES, ndim=2, contiguous=False)
-    check_same(("x", "weight"), x, weight)
+    check_tensor(wn, weight, DTYPES, ndim=2, contiguous=False)
+    check_same(("x", wn), x, weight)
     if x.dim() < 1:
         raise ValueError("x: expected at least 1-D input (..., in_features), got a 0-D tensor")
     if x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"x: last dim {x.shape[-1]} != weight's in_features {weight.shape[1]} (weight is (out_features, in_features) = {tuple(weight.shape)})")
-    if bias is not None:
-        check_tensor("bias", bias, DTYPES, ndim=1, contiguous=False)
-        check_same(("x", "bias"), x, bias)
-        if bias.shape[0] != weight.shape[0]:
-            raise ValueError(f"bias: shape {tuple(bias.shape)} != (out_features,) = ({weight.shape[0]},)")
+        raise ValueError(f"x: last dim {x.shape[-1]} != {wn}'s in_features {weight.shape[1]} ({wn} is (out_features, in_features) = {tuple(weight.shape)})")
+    _check_bias(x, bias, weight, bn)
     check_activation(activation)
 
 
@@ -840,16 +846,12 @@ def mlp(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Te
 def _check_mlp(x, w1, b1, w2, b2, activation) -> None:
     if activation not in ACTIVATIONS or activation == "none":
         raise ValueError(f"activation: {activation!r}; mlp supports {', '.join(ACTIVATIONS[1:])} (without one, use two linear calls)")
-    _check_linear(x, w1, b1, activation)
+    _check_linear(x, w1, b1, activation, ("w1", "b1"))
     check_tensor("w2", w2, DTYPES, ndim=2, contiguous=False)
     check_same(("x", "w2"), x, w2)
     if w2.shape[1] != w1.shape[0]:
         raise ValueError(f"w2: shape {tuple(w2.shape)}, its in_features must be w1's out_features {w1.shape[0]}")
-    if b2 is not None:
-        check_tensor("b2", b2, DTYPES, ndim=1, contiguous=False)
-        check_same(("x", "b2"), x, b2)
-        if b2.shape[0] != w2.shape[0]:
-            raise ValueError(f"b2: shape {tuple(b2.shape)}, expected ({w2.shape[0]},) (w2's out_features)")
+    _check_bias(x, b2, w2, "b2")
 
 
 @mlp.register_kernel("cuda")
