@@ -1334,6 +1334,18 @@ def test_mlp_module_loads_sequential_weights_and_compiles(device):
     _compiled_grads_match(mlp, seq, torch.randn(3, 40, 72, device=device, dtype=torch.bfloat16), device)
 
 
+def test_mlp_float32_falls_back_and_autocast_casts():
+    # float32 has no kernel: the module computes in PyTorch; under autocast inputs are cast first.
+    mlp = tnn.MLP(72, 200, activation="silu")
+    x = torch.randn(4, 72)
+    want = _mlp_ref(x, mlp.fc1.weight, mlp.fc1.bias, mlp.fc2.weight, mlp.fc2.bias, "silu")
+    torch.testing.assert_close(mlp(x), want)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = mlp(x)
+    assert y.dtype == torch.bfloat16
+    _check(y, want, torch.bfloat16, "autocast")
+
+
 def test_mlp_bad_input():
     x = torch.randn(4, 16, dtype=torch.bfloat16)
     w1, w2 = torch.randn(32, 16, dtype=torch.bfloat16), torch.randn(16, 32, dtype=torch.bfloat16)

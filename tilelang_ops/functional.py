@@ -71,9 +71,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def _linear(x, weight, bias, activation: str, backend: str) -> torch.Tensor:
     """`linear` after its argument checks (`nn.Linear` runs them once, at construction)."""
     if torch.is_autocast_enabled(x.device.type):
-        dt = torch.get_autocast_dtype(x.device.type)
-        x, weight = x.to(dt), weight.to(dt)
-        bias = bias.to(dt) if bias is not None else None
+        x, weight, bias = _autocast(x, weight, bias)
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         from . import reference
         from .ops._checks import check_activation
@@ -85,6 +83,12 @@ def _linear(x, weight, bias, activation: str, backend: str) -> torch.Tensor:
     from .ops.gemm import linear_auto
 
     return linear_auto(x, weight, bias, activation)
+
+
+def _autocast(*ts):
+    """The tensors (None kept) in the autocast dtype of the first one's device type."""
+    dt = torch.get_autocast_dtype(ts[0].device.type)
+    return tuple(t.to(dt) if t is not None else None for t in ts)
 
 
 def check_backend(backend: str, activation: str) -> None:
@@ -138,14 +142,12 @@ def mlp(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Te
         layers save too).
     """
     if torch.is_autocast_enabled(x.device.type):
-        dt = torch.get_autocast_dtype(x.device.type)
-        x, w1, w2 = x.to(dt), w1.to(dt), w2.to(dt)
-        b1, b2 = (b.to(dt) if b is not None else None for b in (b1, b2))
+        x, w1, b1, w2, b2 = _autocast(x, w1, b1, w2, b2)
     if x.dtype == torch.float32 and w1.dtype == torch.float32 and w2.dtype == torch.float32:
         from . import reference
+        from .ops.gemm import check_grad_activation
 
-        if activation not in reference.ACTIVATIONS or activation == "none":
-            raise ValueError(f"activation: {activation!r}; mlp supports {', '.join(reference.ACTIVATIONS[1:])}")
+        check_grad_activation(activation, "mlp")
         h = reference.activation(torch.nn.functional.linear(x, w1, b1), activation)
         return torch.nn.functional.linear(h, w2, b2)
     return torch.ops.tileops.mlp(x, w1, b1, w2, b2, activation)[0]

@@ -106,10 +106,9 @@ class MLP(torch.nn.Module):
 
 
 def _check_mlp_activation(activation: str) -> None:
-    from .reference import ACTIVATIONS
+    from .ops.gemm import check_grad_activation
 
-    if activation not in ACTIVATIONS or activation == "none":
-        raise ValueError(f"activation: {activation!r}; MLP supports {', '.join(ACTIVATIONS[1:])}")
+    check_grad_activation(activation, "MLP")
 
 
 @dataclasses.dataclass

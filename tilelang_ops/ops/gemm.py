@@ -151,6 +151,20 @@ TUNABLE = tuning.Tunable(
 _kernels: dict[tuple, tuple] = {}
 
 
+def _resolve_config(device, arch, layout, rows, n, k, dtype, bucket, batched):
+    """A kernel's schedule (cold path): pinned (`set_config`) ▸ tuned cache or an autotune run
+    (TILEOPS_AUTOTUNE=1), keyed by the bucket's representative M/K ▸ default table; then what
+    this call can run (`_servable`)."""
+    from ..kernels import gemm as K
+
+    cfg = TUNED.get((arch, layout, rows, n, k, dtype, bucket)) or TUNED.get((arch, layout, rows, n, k, dtype))
+    if cfg is None:
+        rep = K.M_BUCKET_REP[bucket]
+        shape = (layout, rows, n, rep) if layout == "tn" else (layout, rep, n, k)
+        cfg = tuning.resolve_config(TUNABLE, shape, dtype, device)
+    return _servable(cfg, layout, batched)
+
+
 def _matmul_kernel(device, layout, n, k, dtype, rows=0, batched=False, bias=False, activation="none", save_preact=False, m=16384):
     """m: the symbolic token count of this call (rows × batch for "nn"/"nt", the reduction for "tn")."""
     bucket = 0 if m <= 1536 else (1 if m <= 6144 else 2)
@@ -160,13 +174,8 @@ def _matmul_kernel(device, layout, n, k, dtype, rows=0, batched=False, bias=Fals
         from ..kernels import gemm as K
 
         arch = runtime.arch_for_device(device)
-        cfg = TUNED.get((arch, layout, rows, n, k, dtype, bucket)) or TUNED.get((arch, layout, rows, n, k, dtype))
-        if cfg is None:  # the bucket's representative M/K feed the tuned-cache key and an autotune run (TILEOPS_AUTOTUNE=1)
-            rep = K.M_BUCKET_REP[bucket]
-            shape = (layout, rows, n, rep) if layout == "tn" else (layout, rep, n, k)
-            cfg = tuning.resolve_config(TUNABLE, shape, dtype, device)
+        cfg = _resolve_config(device, arch, layout, rows, n, k, dtype, bucket, batched)
         static = dict(layout=layout, n=n, k=k, rows=rows, dtype=TL_DTYPE[dtype], batched=batched, bias=bias, activation=activation, save_preact=save_preact)
-        cfg = _servable(cfg, layout, batched)
         if cfg.pipeline == "pingpong":
             # One CTA per SM: a wider grid would run in two waves. (A static the kernel does not
             # change at its default leaves TileLang's disk cache key alone: that hashes the PrimFunc.)
@@ -225,10 +234,8 @@ def _gemm_act_grad_kernel(device, n, k, dtype, activation, m):
         from ..kernels import gemm as K
 
         arch = runtime.arch_for_device(device)
-        # the plain "nn" GEMM's schedule (pinned, tuned or default), as the epilogue can take it
-        cfg = TUNED.get((arch, "nn", 0, n, k, dtype, bucket)) or TUNED.get((arch, "nn", 0, n, k, dtype))
-        cfg = cfg or tuning.resolve_config(TUNABLE, ("nn", K.M_BUCKET_REP[bucket], n, k), dtype, device)
-        cfg = K.grad_act_config(_servable(cfg, "nn", False))
+        # the plain "nn" GEMM's schedule, as the epilogue can take it
+        cfg = K.grad_act_config(_resolve_config(device, arch, "nn", 0, n, k, dtype, bucket, False))
         static = dict(layout="nn", n=n, k=k, dtype=TL_DTYPE[dtype], grad_act=activation)
         hit = _kernels[key] = ((runtime.launcher(K.matmul_kernel.compile(cfg, arch, **static)), cfg.block_M), ("matmul", cfg, static))
     _last["matmul"] = hit[1]
@@ -789,7 +796,19 @@ def gemm_act_grad(dy: torch.Tensor, w: torch.Tensor, z: torch.Tensor, activation
     return g.to(dy.dtype), (g.sum(0).to(dy.dtype) if bias_grad else dy.new_empty(0))
 
 
+def check_grad_activation(activation: str, what: str) -> None:
+    """The activations whose derivative a fused backward applies (all but "none")."""
+    if activation not in _ACT_GRAD_SET:
+        raise ValueError(f"activation: {activation!r}; {what} supports {', '.join(ACTIVATIONS[1:])}")
+
+
 def _check_gemm_act_grad(dy, w, z, activation) -> None:
+    if (
+        dy.dtype in DTYPES and w.dtype is dy.dtype and z.dtype is dy.dtype and dy.dim() == 2 and w.dim() == 2
+        and w.shape[0] == dy.shape[1] and z.shape == (dy.shape[0], w.shape[1]) and dy.device == w.device == z.device
+        and activation in _ACT_GRAD_SET
+    ):
+        return  # fast accept; otherwise the full check names what is wrong
     check_tensor("dy", dy, DTYPES, ndim=2, contiguous=False)
     check_tensor("w", w, DTYPES, ndim=2, contiguous=False)
     check_tensor("z", z, DTYPES, ndim=2, contiguous=False)
@@ -799,8 +818,7 @@ def _check_gemm_act_grad(dy, w, z, activation) -> None:
         raise ValueError(f"w: shape {tuple(w.shape)} does not match dy {tuple(dy.shape)}: w.shape[0] must be dy.shape[1] = {dy.shape[1]}")
     if z.shape != (dy.shape[0], w.shape[1]):
         raise ValueError(f"z: shape {tuple(z.shape)}, expected (dy.shape[0], w.shape[1]) = {(dy.shape[0], w.shape[1])}")
-    if activation not in ACTIVATIONS or activation == "none":
-        raise ValueError(f"activation: {activation!r} has no gradient kernel; supported: {', '.join(ACTIVATIONS[1:])}")
+    check_grad_activation(activation, "gemm_act_grad")
 
 
 def _fusable_nn(*ts) -> bool:
@@ -844,9 +862,13 @@ def mlp(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Te
 
 
 def _check_mlp(x, w1, b1, w2, b2, activation) -> None:
-    if activation not in ACTIVATIONS or activation == "none":
-        raise ValueError(f"activation: {activation!r}; mlp supports {', '.join(ACTIVATIONS[1:])} (without one, use two linear calls)")
+    check_grad_activation(activation, "mlp (without an activation, use two linear calls)")
     _check_linear(x, w1, b1, activation, ("w1", "b1"))
+    if (
+        w2.dtype is x.dtype and w2.dim() == 2 and w2.shape[1] == w1.shape[0] and w2.device == x.device
+        and (b2 is None or (b2.dtype is x.dtype and b2.dim() == 1 and b2.shape[0] == w2.shape[0] and b2.device == x.device))
+    ):
+        return  # fast accept of the second layer; otherwise the full check names what is wrong
     check_tensor("w2", w2, DTYPES, ndim=2, contiguous=False)
     check_same(("x", "w2"), x, w2)
     if w2.shape[1] != w1.shape[0]:
@@ -874,6 +896,11 @@ def _mlp_setup(ctx, inputs, output):
     ctx.save_for_backward(x, w1, w2, output[1], output[2])  # h for dW2, z for act'
 
 
+def _plus(a, b):
+    """a + b where either gradient may be None (absent)."""
+    return b if a is None else a if b is None else a + b
+
+
 def _mlp_backward(ctx, gy, gh, gz):
     x, w1, w2, h, z = ctx.saved_tensors
     need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
@@ -881,27 +908,16 @@ def _mlp_backward(ctx, gy, gh, gz):
     out_f, hid = w2.shape
     in_f = w1.shape[1]
     z2 = z.reshape(-1, hid)
-    if gy is None:  # only h or z used downstream
-        gy2 = None
-        dh = gh.reshape(-1, hid) if gh is not None else None
-    else:
-        gy2 = gy.reshape(-1, out_f)
-        dh = None
+    gy2 = gy.reshape(-1, out_f) if gy is not None else None  # None: only h or z used downstream
     dw2 = gemm_tn.from_backward(gy2, h.reshape(-1, hid)) if need_w2 and gy2 is not None else None
     db2 = bias_grad.from_backward(gy2) if need_b2 and ctx.has_b2 and gy2 is not None else None
-    if gy2 is not None and gh is None and gz is None:
-        dz, db1 = gemm_act_grad.from_backward(gy2, w2, z2, ctx.activation, need_b1)  # the usual case
-    else:  # rare: h or z itself was used downstream too
-        if gy2 is not None:
-            dh = gemm.from_backward(gy2, w2) + (gh.reshape(-1, hid) if gh is not None else 0)
-        if dh is not None:
-            dz = act_grad.from_backward(dh, z2, ctx.activation, False)[0]
-            dz = dz + gz.reshape(-1, hid) if gz is not None else dz
-        else:
-            dz = gz.reshape(-1, hid)
+    if gh is None and gz is None:  # the usual case: one GEMM, act' and db1 in its epilogue
+        dz, db1 = gemm_act_grad.from_backward(gy2, w2, z2, ctx.activation, need_b1)
+    else:  # rare: h or z itself was used downstream too; their gradients add to dh and dz
+        dh = _plus(gemm.from_backward(gy2, w2) if gy2 is not None else None, gh.reshape(-1, hid) if gh is not None else None)
+        dz = _plus(act_grad.from_backward(dh, z2, ctx.activation, False)[0] if dh is not None else None, gz.reshape(-1, hid) if gz is not None else None)
         db1 = bias_grad.from_backward(dz) if need_b1 else None
-    lead = z.shape[:-1]
-    dx = gemm.from_backward(dz, w1).view(*lead, in_f) if need_x else None
+    dx = gemm.from_backward(dz, w1).view(*z.shape[:-1], in_f) if need_x else None
     dw1 = gemm_tn.from_backward(dz, x.reshape(-1, in_f)) if need_w1 else None
     return dx, dw1, (db1 if need_b1 else None), dw2, db2, None
 
