@@ -114,19 +114,24 @@ def _up(x):
 
 
 def check_kernels():
-    """The gemm / linear_gelu_tanh rows of tilelang_ops.ops.ALL_OPS (`tileops check` on a GPU)."""
+    """The GEMM-family rows of tilelang_ops.ops.ALL_OPS (`tileops check` on a GPU): the matmul
+    statics and the gemm_act_grad (n, k, dtype, activation)s."""
     from tilelang_ops.ops import ALL_OPS
 
-    out = []
+    out, grads = [], []
     for case in ALL_OPS:
         for dt in case.dtypes:
             dts = str(dt).replace("torch.", "")
-            for m, k, n in case.shapes if case.name in ("gemm", "linear_gelu_tanh") else ():
+            for m, k, n in case.shapes if case.name in ("gemm", "linear_gelu_tanh", "mlp_gelu_tanh", "gemm_act_grad_gelu_tanh") else ():
                 if case.name == "gemm":
                     out.append(("nn", _up(n), _up(k), 0, dts, False, False, "none", False))
-                else:
+                elif case.name == "linear_gelu_tanh":
                     out.append(("nt", _up(n), _up(k), 0, dts, False, True, "gelu_tanh", False))
-    return out
+                elif case.name == "mlp_gelu_tanh":  # (M, d, hidden): fc1 keeps z, fc2
+                    out += [("nt", n, k, 0, dts, False, True, "gelu_tanh", True), ("nt", k, n, 0, dts, False, True, "none", False)]
+                else:
+                    grads.append((n, k, dts, "gelu_tanh"))
+    return out, grads
 
 
 def bench_kernels():
@@ -205,7 +210,8 @@ def main(argv=None) -> int:
 
     want = set(args.only or ["tests", "check", "bench"] + ([] if args.no_tune else ["tune"]))
     jobs = []  # (kernel, config, static)
-    mm = (TEST_MATMUL if "tests" in want else []) + (check_kernels() if "check" in want else [])
+    check_mm, check_grads = check_kernels() if "check" in want else ([], [])
+    mm = (TEST_MATMUL if "tests" in want else []) + check_mm
     acts = TEST_ACT_GRAD if "tests" in want else []
     bias = TEST_BIAS_GRAD if "tests" in want else []
     if "bench" in want:
@@ -226,7 +232,7 @@ def main(argv=None) -> int:
             jobs.append((K.act_grad_kernel, K.default_act_grad_config(args.arch, n), dict(n=n, dtype=dt, activation=act, bias_grad=bias_grad)))
     for n, dt in dict.fromkeys(bias):
         jobs.append((K.bias_grad_kernel, K.default_bias_grad_config(args.arch, n), dict(n=n, dtype=dt)))
-    grads = (TEST_GEMM_ACT_GRAD if "tests" in want else []) + (bench_grad_act_kernels() if "bench" in want else [])
+    grads = (TEST_GEMM_ACT_GRAD if "tests" in want else []) + check_grads + (bench_grad_act_kernels() if "bench" in want else [])
     for n, k, dt, act in dict.fromkeys(grads):
         s = dict(layout="nn", n=n, k=k, dtype=dt, grad_act=act)  # as ops.gemm._gemm_act_grad_kernel
         for cfg in dict.fromkeys(K.grad_act_config(G.config_for("nn", n, k, getattr(torch, dt), args.arch, m=m, board=b)) for m in K.M_BUCKET_REP for b in boards):

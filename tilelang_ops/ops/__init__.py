@@ -76,6 +76,41 @@ ALL_OPS = [
         atol=reference.GEMM_ATOL,
         rtol=reference.GEMM_RTOL,
     ),
+    # mlp: shapes are (M, d, hidden), y = W2 gelu_tanh(W1 x + b1) + b2 with W2 (d, hidden)
+    OpCase(
+        "mlp_gelu_tanh",
+        lambda x, w1, b1, w2, b2: torch.ops.tileops.mlp(x, w1, b1, w2, b2, "gelu_tanh")[0],
+        lambda s, dt, dev: (
+            torch.randn(s[0], s[1], dtype=dt, device=dev),
+            torch.randn(s[2], s[1], dtype=dt, device=dev) * s[1] ** -0.5,
+            torch.randn(s[2], dtype=dt, device=dev),
+            torch.randn(s[1], s[2], dtype=dt, device=dev) * s[2] ** -0.5,
+            torch.randn(s[1], dtype=dt, device=dev),
+        ),
+        lambda x, w1, b1, w2, b2: torch.nn.functional.linear(
+            torch.nn.functional.gelu(torch.nn.functional.linear(x.double(), w1.double(), b1.double()), approximate="tanh"), w2.double(), b2.double()
+        ),
+        shapes=((1, 64, 128), (333, 72, 200)),  # one row; ragged row, column and reduction tiles
+        dtypes=gemm.DTYPES,
+        atol=reference.GEMM_ATOL,
+        rtol=reference.GEMM_RTOL,
+    ),
+    # gemm_act_grad: shapes are (M, K, N): dz = (dy (M, K) @ w (K, N)) * gelu_tanh'(z (M, N)), the
+    # GEMM whose epilogue applies act' (nn.MLP's backward)
+    OpCase(
+        "gemm_act_grad_gelu_tanh",
+        lambda dy, w, z: torch.ops.tileops.gemm_act_grad(dy, w, z, "gelu_tanh", True)[0],
+        lambda s, dt, dev: (
+            torch.randn(s[0], s[1], dtype=dt, device=dev),
+            torch.randn(s[1], s[2], dtype=dt, device=dev) * s[1] ** -0.5,
+            torch.randn(s[0], s[2], dtype=dt, device=dev),
+        ),
+        lambda dy, w, z: (dy.double() @ w.double()) * reference.activation_grad(z.double(), "gelu_tanh"),
+        shapes=((1, 64, 128), (333, 72, 200)),
+        dtypes=gemm.DTYPES,
+        atol=reference.GEMM_ATOL,
+        rtol=reference.GEMM_RTOL,
+    ),
     # bias_grad: shapes are (M, N); each distinct N is a compiled kernel (M is symbolic).
     OpCase(
         "bias_grad",
