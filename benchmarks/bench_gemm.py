@@ -5,6 +5,7 @@ torch._addmm_activation and F.gelu(F.linear), MLP block forward+backward vs eage
     python -m benchmarks.bench_gemm --tune     # time SEARCH_SPACE configs at a few shapes, print the best
     python -m benchmarks.bench_gemm --compile  # also time torch.compile'd eager baselines (slow: compiles)
     python -m benchmarks.bench_gemm --mlp-profile  # the MLP block's GPU time kernel by kernel, ours vs eager
+    python -m benchmarks.bench_gemm --mlp-gemms    # its six GEMMs one by one, ours vs cuBLAS
     python -m benchmarks.bench_gemm --only linear  # one part of the table (gemm | linear | mlp)
     python -m benchmarks.bench_gemm --only linear --activation silu --m 1024  # the silu epilogue, M=1024 rows:
         # its peers are torch.addmm (cuBLASLt's bias epilogue, no activation: the bar) and F.silu(F.linear)
@@ -170,6 +171,38 @@ def mlp_profile(top: int = 14):
     return rows
 
 
+def mlp_gemms(rounds: int = 5):
+    """The MLP block's six GEMMs one by one, each as nn.MLP runs it (its op, its epilogue) beside
+    cuBLAS's plain GEMM of the same layout, in turns: which of them the block's GEMM time
+    (ours ~7.7 ms against nvjet's ~7.2 on an H100, session 63) is lost in."""
+    from benchmarks._timing import named_in_turns
+
+    ops = torch.ops.tileops
+    t, d, h = MLP["tokens"], MLP["d"], MLP["hidden"]
+    x, gy = (torch.randn(t, d, device="cuda", dtype=DT) for _ in range(2))
+    w1, w2 = torch.randn(h, d, device="cuda", dtype=DT) * d**-0.5, torch.randn(d, h, device="cuda", dtype=DT) * h**-0.5
+    b1, b2 = torch.randn(h, device="cuda", dtype=DT), torch.randn(d, device="cuda", dtype=DT)
+    hh, z = ops.linear_preact(x, w1, b1, "gelu_tanh")
+    dz = ops.gemm_act_grad(gy, w2, z, "gelu_tanh", True)[0]
+    cases = [  # (what, M x N x K, ours, cuBLAS)
+        ("fc1 fwd: x W1ᵀ + b1, gelu_tanh, z kept", (t, h, d), lambda: ops.linear_preact(x, w1, b1, "gelu_tanh"), lambda: F.linear(x, w1, b1)),
+        ("fc2 fwd: h W2ᵀ + b2", (t, d, h), lambda: ops.linear(hh, w2, b2, "none"), lambda: F.linear(hh, w2, b2)),
+        ("dz = (dy W2) act'(z), db1", (t, h, d), lambda: ops.gemm_act_grad(gy, w2, z, "gelu_tanh", True), lambda: gy @ w2),
+        ("dh = dy W2 (plain gemm)", (t, h, d), lambda: ops.gemm(gy, w2), lambda: gy @ w2),
+        ("dW2 = dyᵀ h", (d, h, t), lambda: ops.gemm_tn(gy, hh), lambda: gy.t() @ hh),
+        ("dx = dz W1", (t, d, h), lambda: ops.gemm(dz, w1), lambda: dz @ w1),
+        ("dW1 = dzᵀ x", (h, d, t), lambda: ops.gemm_tn(dz, x), lambda: dz.t() @ x),
+    ]
+    rows = []
+    for what, (m, n, k), ours, ref in cases:
+        ours(), ref()
+        r = named_in_turns({"ours": ours, "cublas": ref}, rounds)
+        flop = 2.0 * m * n * k
+        rows.append(dict(what=what, shape=f"{m}x{n}x{k}", ours_ms=r["ours"][0], torch_ms=r["cublas"][0], ours_TFLOPs=_tflops(flop, r["ours"][0]),
+                         torch_TFLOPs=_tflops(flop, r["cublas"][0]), ratio=r["cublas"][0] / r["ours"][0]))
+    return rows
+
+
 def tune(rep):
     """Time each SEARCH_SPACE config (correctness-checked) at the gemm TUNABLE's "default" preset
     shapes and print the best per shape. Pins configs in-process only; `tileops tune --op gemm`
@@ -221,6 +254,7 @@ def main(argv=None) -> None:
     p.add_argument("--compile", action="store_true", help="also time torch.compile'd baselines")
     p.add_argument("--rep", type=int, default=30)
     p.add_argument("--mlp-profile", action="store_true", help="only the MLP block's kernel-by-kernel GPU time, ours vs eager")
+    p.add_argument("--mlp-gemms", action="store_true", help="only the MLP block's six GEMMs one by one, ours vs cuBLAS")
     p.add_argument("--only", choices=("gemm", "linear", "mlp"), help="one part of the table, and the summary lines it feeds")
     p.add_argument("--activation", choices=("gelu_tanh", "silu"), default="gelu_tanh", help="the Linear rows' activation (with --only linear)")
     p.add_argument("--m", type=int, nargs="+", help="the Linear rows at these token counts only (with --only linear)")
@@ -228,6 +262,11 @@ def main(argv=None) -> None:
     if (args.activation != "gelu_tanh" or args.m) and args.only != "linear":
         p.error("--activation and --m go with --only linear (the full table's summary is gelu_tanh at every M)")
     t0 = time.time()
+    if args.mlp_gemms:
+        rows = mlp_gemms()
+        write_json("bench_gemm_mlp_gemms", rows)
+        print(table(rows, ["what", "shape", "ours_ms", "torch_ms", "ours_TFLOPs", "torch_TFLOPs", "ratio"]))
+        return
     if args.mlp_profile:
         rows = mlp_profile()
         write_json("bench_gemm_mlp_profile", rows)

@@ -352,6 +352,15 @@ def _act_grad(z, activation: str):
     raise ValueError(f"unknown activation {activation!r}")
 
 
+# grad_act epilogue variants (benchmarks/diag_grad_epilogue.py times all four against the plain GEMM;
+# session 64): "prefetch" loads Z's tile into registers, in C's fragment layout, before the main
+# loop, so its loads are in flight under the k-loop (the shipped form loads it into C's shared
+# tile after the loop: ~6 us a CTA on an H100, session 63); "serial" sums the stored tile's columns
+# one per thread, no cross-warp reduction (the shipped form reduces 32-row partials across warps
+# eight times). Both default off until measured on a GPU.
+GRAD_EPILOGUE = {"prefetch": True, "serial": True}
+
+
 @kernel("gemm", "matmul")
 def matmul_kernel(
     config: GemmConfig,
@@ -485,22 +494,34 @@ def matmul_kernel(
         store(C_f, C_s, C[ix + (by * bm, bx * bn)], w is not None, w)
 
     @T.macro
-    def grad_epilogue(C_f, C_s, Z, C, P, bx, by):
+    def grad_epilogue(C_f, C_s, Z, C, P, bx, by, Z_f):
         """grad_act: C = C_f * act'(Z), and the column sums of C's tile (as stored, in dtype, which
         is what eager sums) into P[by]. Z's tile is copied into C_s after the main loop (TileLang
         makes it 16-byte loads by the consumer threads, not a TMA: ~6 us a tile on an H100, session
         63); rows past the matrix read 0 and C_f is 0 there, so they add nothing to the sums."""
-        part = T.alloc_fragment((32, bn), accum)  # (TileLang 0.1.15 cannot reduce C_f's wgmma layout over rows)
+        if GRAD_EPILOGUE["serial"]:
+            part = T.alloc_fragment((2, bn), accum)
+        else:
+            part = T.alloc_fragment((32, bn), accum)
         colsum = T.alloc_fragment((bn,), accum)
-        T.copy(Z[by * bm, bx * bn], C_s)
-        for i, j in T.Parallel(bm, bn):
-            C_f[i, j] = C_f[i, j] * _act_grad(T.Cast(accum, C_s[i, j]), grad_act)
+        if not GRAD_EPILOGUE["prefetch"]:
+            T.copy(Z[by * bm, bx * bn], C_s)
+            for i, j in T.Parallel(bm, bn):
+                C_f[i, j] = C_f[i, j] * _act_grad(T.Cast(accum, C_s[i, j]), grad_act)
+        else:
+            for i, j in T.Parallel(bm, bn):
+                C_f[i, j] = C_f[i, j] * _act_grad(T.Cast(accum, Z_f[i, j]), grad_act)
         T.copy(C_f, C_s)
         T.copy(C_s, C[by * bm, bx * bn])
         T.clear(part)
-        for r in T.serial(bm // 32):
-            for i, j in T.Parallel(32, bn):
-                part[i, j] += T.Cast(accum, C_s[r * 32 + i, j])
+        if GRAD_EPILOGUE["serial"]:
+            for h, j in T.Parallel(2, bn):
+                for i in T.serial(bm // 2):
+                    part[h, j] += T.Cast(accum, C_s[h * (bm // 2) + i, j])
+        else:
+            for r in T.serial(bm // 32):
+                for i, j in T.Parallel(32, bn):
+                    part[i, j] += T.Cast(accum, C_s[r * 32 + i, j])
         T.reduce_sum(part, colsum, dim=0)
         for j in T.Parallel(bn):
             if bx * bn + j < N:
@@ -521,6 +542,9 @@ def matmul_kernel(
         if config.swizzle:
             T.use_swizzle(config.swizzle)
         T.clear(C_f)
+        if grad_act != "none" and GRAD_EPILOGUE["prefetch"]:
+            Z_f = T.alloc_fragment((bm, bn), dtype)
+            T.copy(Z[by * bm, bx * bn], Z_f)
         if split > 1:
             # Slice bz of the k-steps: [bz * chunk, min((bz + 1) * chunk, nk)), possibly empty.
             chunk = T.ceildiv(T.ceildiv(K, bk), split)
@@ -539,7 +563,7 @@ def matmul_kernel(
                 # "async" pipeline below places the release itself.
                 T.gemm(A_s, B_s, C_f, transpose_A=trans_a, transpose_B=trans_b, policy=policy)
             if grad_act != "none":
-                grad_epilogue(C_f, C_s, Z, C, P, bx, by)
+                grad_epilogue(C_f, C_s, Z, C, P, bx, by, Z_f if GRAD_EPILOGUE["prefetch"] else None)
             else:
                 epilogue(C_f, C_s, Bias, C, Z, ix, bx, by, None)
 
