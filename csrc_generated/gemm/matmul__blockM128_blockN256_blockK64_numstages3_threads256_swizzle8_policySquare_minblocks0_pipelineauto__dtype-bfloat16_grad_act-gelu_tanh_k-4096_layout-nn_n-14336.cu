@@ -30,13 +30,12 @@ extern "C" __global__ void __launch_bounds__(384, 1) matmul_kernel(__grid_consta
   extern __shared__ __align__(1024) uchar buf_dyn_shmem[];
   void* B_s = ((void*)((char*)buf_dyn_shmem + 0));
   void* C_s = ((void*)((char*)buf_dyn_shmem + 0));
-  void* workspace = ((void*)((char*)buf_dyn_shmem + 0));
   void* A_s = ((void*)((char*)buf_dyn_shmem + 98304));
   __shared__ __align__(16) uint64_t mbarrier_mem[6];
   auto mbarrier = reinterpret_cast<Barrier*>(mbarrier_mem);
   float C_f[128];
-  float part[32];
-  float colsum[8];
+  float part[2];
+  float colsum[1];
   if (tl::tl_shuffle_elect<0>()) {
     tl::prefetch_tma_descriptor(A_desc);
     tl::prefetch_tma_descriptor(B_desc);
@@ -288,48 +287,21 @@ extern "C" __global__ void __launch_bounds__(384, 1) matmul_kernel(__grid_consta
       tl::tma_store_arrive();
       tl::tma_store_wait<0, true>();
     }
+    float broadcast_var_15 = 0x0p+0f/*0.000000e+00*/;
+    *(float2*)(part + 0) = make_float2(broadcast_var_15, broadcast_var_15);
     #pragma unroll
-    for (int i_7 = 0; i_7 < 8; ++i_7) {
-      float broadcast_var_15 = 0x0p+0f/*0.000000e+00*/;
-      *(float4*)(part + (i_7 * 4)) = make_float4(broadcast_var_15, broadcast_var_15, broadcast_var_15, broadcast_var_15);
-    }
-    for (int r = 0; r < 4; ++r) {
-      #pragma unroll
-      for (int i_8 = 0; i_8 < 4; ++i_8) {
-        bfloat16_t C_s_local_cast_1[8];
-        *(uint4*)(C_s_local_cast_1 + 0) = *(uint4*)(((bfloat16_t*)C_s) + ((((((((((((int)threadIdx.x) & 31) >> 3) * 8192) + (r * 2048)) + (i_8 * 512)) + ((((int)threadIdx.x) >> 5) * 64)) + (((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 7) >> 2)) + 1) & 1) * 32)) + (((((((int)threadIdx.x) & 127) >> 6) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 63) >> 5) + (((int)threadIdx.x) & 1)) & 1) * 8)) - 256));
-        for (int vec = 0; vec < 2; ++vec) {
-          float4 __47;
-            float4 v__20 = *(float4*)(part + ((i_8 * 8) + (vec * 4)));
-            float4 __48;
-            uint2 v__21 = *(uint2*)(C_s_local_cast_1 + (vec * 4));
-            ((float2*)(&__48))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__21))[0]);
-            ((float2*)(&__48))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__21))[1]);
-            __47.x = (v__20.x+__48.x);
-            __47.y = (v__20.y+__48.y);
-            __47.z = (v__20.z+__48.z);
-            __47.w = (v__20.w+__48.w);
-          *(float4*)(part + ((i_8 * 8) + (vec * 4))) = __47;
-        }
+    for (int i_7 = 0; i_7 < 2; ++i_7) {
+      for (int i_8 = 0; i_8 < 64; ++i_8) {
+        part[i_7] = (part[i_7] + ((float)((bfloat16_t*)C_s)[(((((((((((int)threadIdx.x) >> 6) * 8192) + (i_7 * 4096)) + (i_8 * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((i_8 & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((i_8 & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (i_8 & 1)) & 1) * 8)) + (((int)threadIdx.x) & 7)) - 16384)]));
       }
     }
+    colsum[0] = 0x0p+0f/*0.000000e+00*/;
     #pragma unroll
-    for (int i_9 = 0; i_9 < 8; ++i_9) {
-      colsum[i_9] = 0x0p+0f/*0.000000e+00*/;
-      #pragma unroll
-      for (int rv = 0; rv < 4; ++rv) {
-        colsum[i_9] = (colsum[i_9] + part[((rv * 8) + i_9)]);
-      }
-      tl::__sync_thread_partial(3, 256);
-      colsum[i_9] = tl::AllReduce<tl::SumOp, 256, 32, 128, tl::NamedBarrier<256>>::run(colsum[i_9], (&(((float*)workspace)[0])));
+    for (int rv = 0; rv < 2; ++rv) {
+      colsum[0] = (colsum[0] + part[rv]);
     }
-    if ((((int)threadIdx.x) >> 5) == 4) {
-      if (((int)blockIdx.y) < MB) {
-        #pragma unroll
-        for (int i_10 = 0; i_10 < 2; ++i_10) {
-          *(float4*)(P + ((((((int64_t)((int)blockIdx.y)) * (int64_t)14336) + (((int64_t)((int)blockIdx.x)) * (int64_t)256)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) * (int64_t)8)) + (((int64_t)i_10) * (int64_t)4))) = *(float4*)(colsum + (i_10 * 4));
-        }
-      }
+    if (((int)blockIdx.y) < MB) {
+      P[((((((int64_t)((int)blockIdx.y)) * (int64_t)14336) + (((int64_t)((int)blockIdx.x)) * (int64_t)256)) + ((int64_t)((int)threadIdx.x))) - (int64_t)128)] = colsum[0];
     }
   }
 }
@@ -374,13 +346,13 @@ extern "C" __global__ void __launch_bounds__(256, 1) matmul_kernel_1(bfloat16_t*
   }
   if ((((int)threadIdx.x) >> 4) == 0) {
     {
-      bfloat16_t DB_local_cast_2[4];
+      bfloat16_t DB_local_cast_1[4];
       uint2 __2;
       float4 v__1 = *(float4*)(total + 0);
       (reinterpret_cast<__nv_bfloat162*>(&__2))[0] = __float22bfloat162_rn(((float2*)(&v__1))[0]);
       (reinterpret_cast<__nv_bfloat162*>(&__2))[1] = __float22bfloat162_rn(((float2*)(&v__1))[1]);
-      *(uint2*)(DB_local_cast_2 + 0) = __2;
-      *(uint2*)(DB + ((((int)blockIdx.x) * 64) + ((((int)threadIdx.x) & 15) * 4))) = *(uint2*)(DB_local_cast_2 + 0);
+      *(uint2*)(DB_local_cast_1 + 0) = __2;
+      *(uint2*)(DB + ((((int)blockIdx.x) * 64) + ((((int)threadIdx.x) & 15) * 4))) = *(uint2*)(DB_local_cast_1 + 0);
     }
   }
 }

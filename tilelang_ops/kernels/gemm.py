@@ -352,15 +352,6 @@ def _act_grad(z, activation: str):
     raise ValueError(f"unknown activation {activation!r}")
 
 
-# grad_act epilogue variants (benchmarks/diag_grad_epilogue.py times all four against the plain GEMM;
-# session 64): "prefetch" loads Z's tile into registers, in C's fragment layout, before the main
-# loop, so its loads are in flight under the k-loop (the shipped form loads it into C's shared
-# tile after the loop: ~6 us a CTA on an H100, session 63); "serial" sums the stored tile's columns
-# one per thread, no cross-warp reduction (the shipped form reduces 32-row partials across warps
-# eight times). Both default off until measured on a GPU.
-GRAD_EPILOGUE = {"prefetch": True, "serial": True}
-
-
 @kernel("gemm", "matmul")
 def matmul_kernel(
     config: GemmConfig,
@@ -494,34 +485,25 @@ def matmul_kernel(
         store(C_f, C_s, C[ix + (by * bm, bx * bn)], w is not None, w)
 
     @T.macro
-    def grad_epilogue(C_f, C_s, Z, C, P, bx, by, Z_f):
+    def grad_epilogue(C_f, C_s, Z, C, P, bx, by):
         """grad_act: C = C_f * act'(Z), and the column sums of C's tile (as stored, in dtype, which
         is what eager sums) into P[by]. Z's tile is copied into C_s after the main loop (TileLang
-        makes it 16-byte loads by the consumer threads, not a TMA: ~6 us a tile on an H100, session
-        63); rows past the matrix read 0 and C_f is 0 there, so they add nothing to the sums."""
-        if GRAD_EPILOGUE["serial"]:
-            part = T.alloc_fragment((2, bn), accum)
-        else:
-            part = T.alloc_fragment((32, bn), accum)
+        makes it 16-byte loads by the consumer threads, not a TMA; loading it into registers before
+        the loop instead, in C_f's layout, ran 0.04 ms slower at the MLP shape on an H100, session
+        64). Rows past the matrix read 0 and C_f is 0 there, so they add nothing to the sums. The
+        sums: each thread sums whole columns of C_s (TileLang 0.1.15 cannot reduce C_f's wgmma
+        layout over rows); 32-row partials reduced across warps eight times ran 0.035 ms slower."""
+        part = T.alloc_fragment((2, bn), accum)  # two half-columns a thread (as layout inference lays it out)
         colsum = T.alloc_fragment((bn,), accum)
-        if not GRAD_EPILOGUE["prefetch"]:
-            T.copy(Z[by * bm, bx * bn], C_s)
-            for i, j in T.Parallel(bm, bn):
-                C_f[i, j] = C_f[i, j] * _act_grad(T.Cast(accum, C_s[i, j]), grad_act)
-        else:
-            for i, j in T.Parallel(bm, bn):
-                C_f[i, j] = C_f[i, j] * _act_grad(T.Cast(accum, Z_f[i, j]), grad_act)
+        T.copy(Z[by * bm, bx * bn], C_s)
+        for i, j in T.Parallel(bm, bn):
+            C_f[i, j] = C_f[i, j] * _act_grad(T.Cast(accum, C_s[i, j]), grad_act)
         T.copy(C_f, C_s)
         T.copy(C_s, C[by * bm, bx * bn])
         T.clear(part)
-        if GRAD_EPILOGUE["serial"]:
-            for h, j in T.Parallel(2, bn):
-                for i in T.serial(bm // 2):
-                    part[h, j] += T.Cast(accum, C_s[h * (bm // 2) + i, j])
-        else:
-            for r in T.serial(bm // 32):
-                for i, j in T.Parallel(32, bn):
-                    part[i, j] += T.Cast(accum, C_s[r * 32 + i, j])
+        for h, j in T.Parallel(2, bn):
+            for i in T.serial(bm // 2):
+                part[h, j] += T.Cast(accum, C_s[h * (bm // 2) + i, j])
         T.reduce_sum(part, colsum, dim=0)
         for j in T.Parallel(bn):
             if bx * bn + j < N:
@@ -542,9 +524,6 @@ def matmul_kernel(
         if config.swizzle:
             T.use_swizzle(config.swizzle)
         T.clear(C_f)
-        if grad_act != "none" and GRAD_EPILOGUE["prefetch"]:
-            Z_f = T.alloc_fragment((bm, bn), dtype)
-            T.copy(Z[by * bm, bx * bn], Z_f)
         if split > 1:
             # Slice bz of the k-steps: [bz * chunk, min((bz + 1) * chunk, nk)), possibly empty.
             chunk = T.ceildiv(T.ceildiv(K, bk), split)
@@ -563,7 +542,7 @@ def matmul_kernel(
                 # "async" pipeline below places the release itself.
                 T.gemm(A_s, B_s, C_f, transpose_A=trans_a, transpose_B=trans_b, policy=policy)
             if grad_act != "none":
-                grad_epilogue(C_f, C_s, Z, C, P, bx, by, Z_f if GRAD_EPILOGUE["prefetch"] else None)
+                grad_epilogue(C_f, C_s, Z, C, P, bx, by)
             else:
                 epilogue(C_f, C_s, Bias, C, Z, ix, bx, by, None)
 
