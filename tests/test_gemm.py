@@ -234,6 +234,36 @@ def test_act_grad(device, act, bias_grad, rows):
     _check(dz, zr.grad, torch.bfloat16, "dz vs autograd")
 
 
+class _TirMath:
+    """The `T.*` calls of kernels/gemm.py's activation formulas, on float64 torch tensors: the
+    formulas the epilogues compile, evaluated here without a GPU (fast-math intrinsics exact)."""
+
+    float32 = staticmethod(float)
+    tanh, erf, exp = staticmethod(torch.tanh), staticmethod(torch.erf), staticmethod(torch.exp)
+    max = staticmethod(lambda a, b: torch.maximum(torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)))
+    if_then_else = staticmethod(torch.where)
+    fast_rcp = staticmethod(torch.reciprocal)
+    call_extern = staticmethod(lambda dtype, name, x: {"__tanhf": torch.tanh}[name](x))
+
+
+@pytest.mark.parametrize("act", ACTS)
+def test_epilogue_activation_formulas(act, monkeypatch):
+    """The activation and its derivative as the fused kernels write them (`_act`, `_act_grad`, the
+    TIR the GEMM epilogues and act_grad compile) against torch's activation and its autograd
+    derivative, in float64 over [-10, 10]: a wrong derivative formula fails here, on any machine,
+    not only in the GPU tests."""
+    from tilelang_ops.kernels import gemm as K
+
+    monkeypatch.setattr(K, "T", _TirMath)
+    z = torch.linspace(-10, 10, 4001, dtype=torch.float64)
+    zr = z.clone().requires_grad_()
+    y = reference.activation(zr, act)
+    y.backward(torch.ones_like(z))
+    torch.testing.assert_close(torch.as_tensor(K._act(z, act), dtype=torch.float64).expand_as(z), y.detach(), atol=1e-12, rtol=1e-12)
+    grad = torch.as_tensor(K._act_grad(z, act), dtype=torch.float64).expand_as(z)
+    torch.testing.assert_close(grad, zr.grad, atol=1e-9, rtol=1e-9)
+
+
 # bias_grad: (M, N) shapes: one row; ragged rows and columns; past one CTA's 512 rows with a
 # ragged tail; the GPT widths (QKV 2304, 768) over several partial rows.
 BIAS_GRAD_SHAPES = [(1, 8), (17, 200), (1000, 72), (4097, 768), (6337, 2304)]
