@@ -118,19 +118,25 @@ def check_kernels():
     statics and the gemm_act_grad (n, k, dtype, activation)s."""
     from tilelang_ops.ops import ALL_OPS
 
+    # case name -> the kernels one (M, K, N) shape of it loads, per dtype string
+    matmuls = {
+        "gemm": lambda k, n, dt: [("nn", _up(n), _up(k), 0, dt, False, False, "none", False)],
+        "linear_gelu_tanh": lambda k, n, dt: [("nt", _up(n), _up(k), 0, dt, False, True, "gelu_tanh", False)],
+        # (M, d, hidden): fc1 keeps z, fc2
+        "mlp_gelu_tanh": lambda k, n, dt: [("nt", n, k, 0, dt, False, True, "gelu_tanh", True), ("nt", k, n, 0, dt, False, True, "none", False)],
+    }
+    grad = {"gemm_act_grad_gelu_tanh": "gelu_tanh"}
     out, grads = [], []
     for case in ALL_OPS:
+        if case.name not in matmuls and case.name not in grad:
+            continue  # not a GEMM-family case (its shapes may not be (M, K, N))
         for dt in case.dtypes:
             dts = str(dt).replace("torch.", "")
-            for m, k, n in case.shapes if case.name in ("gemm", "linear_gelu_tanh", "mlp_gelu_tanh", "gemm_act_grad_gelu_tanh") else ():
-                if case.name == "gemm":
-                    out.append(("nn", _up(n), _up(k), 0, dts, False, False, "none", False))
-                elif case.name == "linear_gelu_tanh":
-                    out.append(("nt", _up(n), _up(k), 0, dts, False, True, "gelu_tanh", False))
-                elif case.name == "mlp_gelu_tanh":  # (M, d, hidden): fc1 keeps z, fc2
-                    out += [("nt", n, k, 0, dts, False, True, "gelu_tanh", True), ("nt", k, n, 0, dts, False, True, "none", False)]
+            for m, k, n in case.shapes:
+                if case.name in matmuls:
+                    out += matmuls[case.name](k, n, dts)
                 else:
-                    grads.append((n, k, dts, "gelu_tanh"))
+                    grads.append((n, k, dts, grad[case.name]))
     return out, grads
 
 

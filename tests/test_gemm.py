@@ -1302,10 +1302,6 @@ def test_gemm_act_grad_bad_input(device):
         op(dy, w, z.half(), "gelu", True)
 
 
-def _mlp_ref(x, w1, b1, w2, b2, act):
-    return torch.nn.functional.linear(reference.activation(torch.nn.functional.linear(x, w1, b1), act), w2, b2)
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("act", ["relu", "gelu", "gelu_tanh", "silu"])
 @pytest.mark.parametrize("bias", [True, False])
@@ -1318,7 +1314,7 @@ def test_mlp_forward_backward(device, act, bias):
     b1, b2 = (_randn(n, dtype=dtype, device=device) if bias else None for n in (hid, d))
     g = torch.randn(3, 50, d, device=device).to(dtype)
     out, grads = _grads(lambda *a: tilelang_ops.functional.mlp(*a, act), [x, w1, b1, w2, b2], g)
-    ref, refs = _grads(lambda *a: _mlp_ref(*a, act), [t.double() if t is not None else None for t in (x, w1, b1, w2, b2)], g.double())
+    ref, refs = _grads(lambda *a: reference.mlp(*a, act), [t.double() if t is not None else None for t in (x, w1, b1, w2, b2)], g.double())
     _check(out, ref, dtype, f"{act} y")
     for name, got, want in zip(("dx", "dw1", "db1", "dw2", "db2"), grads, refs):
         if want is not None:
@@ -1368,7 +1364,7 @@ def test_mlp_float32_falls_back_and_autocast_casts():
     # float32 has no kernel: the module computes in PyTorch; under autocast inputs are cast first.
     mlp = tnn.MLP(72, 200, activation="silu")
     x = torch.randn(4, 72)
-    want = _mlp_ref(x, mlp.fc1.weight, mlp.fc1.bias, mlp.fc2.weight, mlp.fc2.bias, "silu")
+    want = reference.mlp(x, mlp.fc1.weight, mlp.fc1.bias, mlp.fc2.weight, mlp.fc2.bias, "silu")
     torch.testing.assert_close(mlp(x), want)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = mlp(x)

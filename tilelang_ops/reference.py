@@ -85,6 +85,13 @@ def linear(x, weight, bias=None, act: str = "none", save_preact: bool = False):
     return y, (z.to(x.dtype) if save_preact else x.new_empty(0))
 
 
+def mlp(x, w1, b1, w2, b2, act: str):
+    """F.linear(act(F.linear(x, w1, b1)), w2, b2) in the inputs' dtype (call with float64 for
+    reference math); a bias may be None."""
+    F = torch.nn.functional
+    return F.linear(activation(F.linear(x, w1, b1), act), w2, b2)
+
+
 def act_grad(dy, z, act: str, bias_grad: bool):
     """(dy * act'(z) in dy.dtype, column sums of it (float32 sum, cast) or empty)."""
     g = dy.float() * activation_grad(z.float(), act)
