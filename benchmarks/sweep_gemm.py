@@ -121,7 +121,11 @@ def candidates():
         # run at once, hence the bytes each wave reads from DRAM. Groups "raster_*".
         **_beside_defaults({"raster_nn_4096_14336": (dict(gemm, n=4096, k=14336), [("gemm", 8192), ("gemm", 16384)]),
                             "raster_nt_4096_14336": (dict(nt_plain, n=4096, k=14336), [("linear_noepi", 8192)]),
-                            "raster_nn_8192_8192": (dict(gemm, n=8192, k=8192), [("gemm", 8192)])},
+                            "raster_nn_8192_8192": (dict(gemm, n=8192, k=8192), [("gemm", 8192)]),
+                            # the MLP's 14336-wide outputs over K=4096 (up projection, forward
+                            # and dH): 0.86-0.90x cuBLAS on an H100 (session 65, --mlp-gemms)
+                            "raster_nn_14336_4096": (dict(gemm, n=14336, k=4096), [("gemm", 8192)]),
+                            "raster_lin_14336_4096": (dict(lin, n=14336, k=4096), [("linear", 8192)])},
                            [_cfg(128, 256, 64, 3, sw=16), _cfg(128, 256, 64, 3, sw=4), _cfg(128, 256, 64, 3, sw=0), _cfg(128, 256, 64, 4, sw=16)]),
         # The H200-swept ping-pong defaults at the Llama MLP widths against the T.Pipelined
         # 128x256 tiles, for another Hopper board: on an H100 (session 56, bench_gemm) these
