@@ -352,12 +352,6 @@ def _act_grad(z, activation: str):
     raise ValueError(f"unknown activation {activation!r}")
 
 
-# Experiment (session 65): "preload" copies Z's tile into C's shared tile before the main loop
-# (C_s is idle until the epilogue), so its 16-byte loads overlap the pipeline's fill instead of
-# following the last k-step.
-GRAD_EPILOGUE = {"preload": True}
-
-
 @kernel("gemm", "matmul")
 def matmul_kernel(
     config: GemmConfig,
@@ -501,8 +495,7 @@ def matmul_kernel(
         layout over rows); 32-row partials reduced across warps eight times ran 0.035 ms slower."""
         part = T.alloc_fragment((2, bn), accum)  # two half-columns a thread (as layout inference lays it out)
         colsum = T.alloc_fragment((bn,), accum)
-        if not GRAD_EPILOGUE["preload"]:
-            T.copy(Z[by * bm, bx * bn], C_s)
+        T.copy(Z[by * bm, bx * bn], C_s)
         for i, j in T.Parallel(bm, bn):
             C_f[i, j] = C_f[i, j] * _act_grad(T.Cast(accum, C_s[i, j]), grad_act)
         T.copy(C_f, C_s)
@@ -543,9 +536,6 @@ def matmul_kernel(
             for kk in T.Pipelined(T.ceildiv(K, bk), num_stages=config.num_stages):
                 T.copy(a_src(A, ix, by, kk), A_s)
                 T.copy(b_src(B, ix, bx, kk), B_s)
-                if grad_act != "none" and GRAD_EPILOGUE["preload"]:
-                    if kk == 0:
-                        T.copy(Z[by * bm, bx * bn], C_s)
                 # Each k-step ends in warpgroup_wait<0>: with T.wgmma_gemm + T.wait_wgmma(1) here,
                 # TileLang 0.1.15's pipeline releases the stage (empty-barrier arrive) *before* the
                 # wait, so the next TMA load could overwrite operands a wgmma still reads. The
