@@ -174,7 +174,9 @@ def mlp_profile(top: int = 14):
 def mlp_gemms(rounds: int = 5):
     """The MLP block's six GEMMs one by one, each as nn.MLP runs it (its op, its epilogue) beside
     cuBLAS's plain GEMM of the same layout, in turns: which of them the block's GEMM time
-    (ours ~7.7 ms against nvjet's ~7.2 on an H100, session 63) is lost in."""
+    (ours ~7.7 ms against nvjet's ~7.2 on an H100, session 63) is lost in. The two with a fused
+    epilogue also run beside eager's GEMM + elementwise pass (`eager_ms`): whether the fusion pays
+    for what our GEMM trails (session 65: fc1 1.60 ms against cuBLAS's Linear alone 1.37)."""
     from benchmarks._timing import named_in_turns
     from tilelang_ops import reference
 
@@ -187,24 +189,33 @@ def mlp_gemms(rounds: int = 5):
     dz = ops.gemm_act_grad(gy, w2, z, "gelu_tanh", True)[0]
     act_z = reference.activation_grad(z.float(), "gelu_tanh")
     first, z_out = (lambda o: o[0]), (lambda o: o[1])
-    cases = [  # (what, M x N x K, ours, cuBLAS, ours' output comparable with cuBLAS's, and that made comparable)
-        ("fc1 fwd: x W1ᵀ + b1, gelu_tanh, z kept", (t, h, d), lambda: ops.linear_preact(x, w1, b1, "gelu_tanh"), lambda: F.linear(x, w1, b1), z_out, None),
-        ("fc2 fwd: h W2ᵀ + b2", (t, d, h), lambda: ops.linear(hh, w2, b2, "none"), lambda: F.linear(hh, w2, b2), None, None),
-        ("dz = (dy W2) act'(z), db1", (t, h, d), lambda: ops.gemm_act_grad(gy, w2, z, "gelu_tanh", True), lambda: gy @ w2, first, lambda r: r.float() * act_z),
-        ("dh = dy W2 (plain gemm)", (t, h, d), lambda: ops.gemm(gy, w2), lambda: gy @ w2, None, None),
-        ("dW2 = dyᵀ h", (d, h, t), lambda: ops.gemm_tn(gy, hh), lambda: gy.t() @ hh, None, None),
-        ("dx = dz W1", (t, d, h), lambda: ops.gemm(dz, w1), lambda: dz @ w1, None, None),
-        ("dW1 = dzᵀ x", (h, d, t), lambda: ops.gemm_tn(dz, x), lambda: dz.t() @ x, None, None),
+    def eager_fc1():  # what autograd's eager forward runs: the Linear, then gelu (z kept for backward)
+        z = F.linear(x, w1, b1)
+        return F.gelu(z, approximate="tanh"), z
+
+    def eager_dz():  # eager backward: dh, gelu's backward kernel, the bias gradient's reduction
+        g = torch.ops.aten.gelu_backward(gy @ w2, z, approximate="tanh")
+        return g, g.sum(0)
+
+    cases = [  # (what, M x N x K, ours, cuBLAS, ours' output comparable with cuBLAS's, and that made comparable, eager or None)
+        ("fc1 fwd: x W1ᵀ + b1, gelu_tanh, z kept", (t, h, d), lambda: ops.linear_preact(x, w1, b1, "gelu_tanh"), lambda: F.linear(x, w1, b1), z_out, None, eager_fc1),
+        ("fc2 fwd: h W2ᵀ + b2", (t, d, h), lambda: ops.linear(hh, w2, b2, "none"), lambda: F.linear(hh, w2, b2), None, None, None),
+        ("dz = (dy W2) act'(z), db1", (t, h, d), lambda: ops.gemm_act_grad(gy, w2, z, "gelu_tanh", True), lambda: gy @ w2, first, lambda r: r.float() * act_z, eager_dz),
+        ("dh = dy W2 (plain gemm)", (t, h, d), lambda: ops.gemm(gy, w2), lambda: gy @ w2, None, None, None),
+        ("dW2 = dyᵀ h", (d, h, t), lambda: ops.gemm_tn(gy, hh), lambda: gy.t() @ hh, None, None, None),
+        ("dx = dz W1", (t, d, h), lambda: ops.gemm(dz, w1), lambda: dz @ w1, None, None, None),
+        ("dW1 = dzᵀ x", (h, d, t), lambda: ops.gemm_tn(dz, x), lambda: dz.t() @ x, None, None, None),
     ]
     rows = []
-    for what, (m, n, k), ours, ref, pick, fix in cases:
+    for what, (m, n, k), ours, ref, pick, fix, eager in cases:
         o, want = ours(), ref()
         o, want = (pick(o) if pick else o).float(), (fix(want) if fix else want).float()
         err = ((o - want).norm() / want.norm()).item()
-        r = named_in_turns({"ours": ours, "cublas": ref}, rounds)
+        r = named_in_turns({"ours": ours, "cublas": ref} | ({"eager": eager} if eager else {}), rounds)
         flop = 2.0 * m * n * k
         rows.append(dict(what=what, shape=f"{m}x{n}x{k}", ours_ms=r["ours"][0], torch_ms=r["cublas"][0], ours_TFLOPs=_tflops(flop, r["ours"][0]),
-                         torch_TFLOPs=_tflops(flop, r["cublas"][0]), ratio=r["cublas"][0] / r["ours"][0], rel_err=err))
+                         torch_TFLOPs=_tflops(flop, r["cublas"][0]), ratio=r["cublas"][0] / r["ours"][0],
+                         eager_ms=r["eager"][0] if eager else None, ratio_vs_eager=r["eager"][0] / r["ours"][0] if eager else None, rel_err=err))
     return rows
 
 
@@ -270,7 +281,7 @@ def main(argv=None) -> None:
     if args.mlp_gemms:
         rows = mlp_gemms()
         write_json("bench_gemm_mlp_gemms", rows)
-        print(table(rows, ["what", "shape", "ours_ms", "torch_ms", "ours_TFLOPs", "torch_TFLOPs", "ratio", "rel_err"]))
+        print(table(rows, ["what", "shape", "ours_ms", "torch_ms", "ours_TFLOPs", "torch_TFLOPs", "ratio", "eager_ms", "ratio_vs_eager", "rel_err"]))
         return
     if args.mlp_profile:
         rows = mlp_profile()
