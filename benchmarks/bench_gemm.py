@@ -189,6 +189,7 @@ def mlp_gemms(rounds: int = 5):
     dz = ops.gemm_act_grad(gy, w2, z, "gelu_tanh", True)[0]
     act_z = reference.activation_grad(z.float(), "gelu_tanh")
     first, z_out = (lambda o: o[0]), (lambda o: o[1])
+
     def eager_fc1():  # what autograd's eager forward runs: the Linear, then gelu (z kept for backward)
         z = F.linear(x, w1, b1)
         return F.gelu(z, approximate="tanh"), z
